@@ -1,0 +1,27 @@
+"""TensorHub: reference-oriented weight transfer for LLM reinforcement learning.
+
+The coordinator stores no weights, only references to which workers hold which immutable
+version; workers pull a version one-sided from peers that hold it and then serve it on.
+"""
+
+from tensorhub.core.errors import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    IntegrityError,
+    LayoutError,
+    TensorHubError,
+    TransferError,
+)
+from tensorhub.publisher import Publisher
+from tensorhub.replica import Replica
+
+__all__ = [
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "IntegrityError",
+    "LayoutError",
+    "Publisher",
+    "Replica",
+    "TensorHubError",
+    "TransferError",
+]

@@ -1,0 +1,443 @@
+"""The coordinator: a ZeroMQ ROUTER answering typed requests, a PUB announcing versions.
+
+One thread owns all state, so handlers need no locks; it wakes at least every 100 ms to
+expire silent workers and stale leases. Every request gets a typed reply: a malformed,
+oversized, unauthorised or simply wrong request gets an `ErrorReply` saying why, and the
+coordinator goes on serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from tensorhub.core.data_types import (
+    Ack,
+    Announcement,
+    ErrorReply,
+    GetManifest,
+    Heartbeat,
+    HolderStatus,
+    Hold,
+    ManifestReply,
+    MemoryDesc,
+    ModelStatus,
+    PlanRequest,
+    Publish,
+    Published,
+    ReadDone,
+    ReadPlan,
+    Register,
+    Registered,
+    Source,
+    StatusReply,
+    StatusRequest,
+    TransferRecord,
+    Unregister,
+    VersionStatus,
+    Withdraw,
+    Withdrawn,
+)
+from tensorhub.core.errors import LayoutError
+from tensorhub.core.layout import check_manifest, layout_id, plan_items
+from tensorhub.core.wire import WireError, decode_envelope, encode
+from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_ranges
+from tensorhub.coordinator.table import HolderRec, LayoutRec, ModelRec, Table, VersionRec, WorkerRec
+
+log = logging.getLogger("tensorhub.coordinator")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    announce: str | None = None  # default: bind port + 1
+    token: str | None = None
+    heartbeat_interval: float = 1.0
+    worker_ttl: float = 5.0
+    lease_ttl: float = 120.0
+    busy_retry: float = 0.05
+    planner: PlannerConfig = PlannerConfig()
+
+
+class Reject(Exception):
+    """Raised by a handler to answer with a typed error."""
+
+    def __init__(self, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.reply = ErrorReply(code=code, message=message, retry_after=retry_after)
+
+
+def announce_address_for(bind: str) -> str:
+    head, _, port = bind.rpartition(":")
+    return f"{head}:{int(port) + 1}"
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig = CoordinatorConfig()):
+        self.config = config
+        self.table = Table()
+        self._ctx = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+        self._router.bind(config.bind)
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        announce = config.announce or (
+            announce_address_for(self.address) if not self.address.endswith(":0") else None
+        )
+        if announce and not announce.endswith(":0"):
+            self._pub.bind(announce)
+            self.announce_address = announce
+        else:
+            port = self._pub.bind_to_random_port(self.address.rpartition(":")[0])
+            self.announce_address = f"{self.address.rpartition(':')[0]}:{port}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handlers = {
+            Register: self._register, Heartbeat: self._heartbeat,
+            Unregister: self._unregister, Publish: self._publish, Hold: self._hold,
+            Withdraw: self._withdraw, PlanRequest: self._plan, ReadDone: self._read_done,
+            GetManifest: self._manifest, StatusRequest: self._status,
+        }  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Coordinator:
+        """Serve in a background thread (tests, demos, in-process use)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="tensorhub-coordinator",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._router.close(0)
+        self._pub.close(0)
+
+    def serve_forever(self) -> None:
+        log.info("coordinator serving on %s, announcing on %s", self.address,
+                 self.announce_address)
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle_frames(frames)
+            self._expire()
+
+    # ------------------------------------------------------------------ dispatch
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            if len(frames) >= 2:
+                ident, req_id = frames[0], frames[1] if len(frames) > 2 else b""
+                self._send(ident, req_id, ErrorReply(
+                    code="bad_request",
+                    message="expected frames [request id, msgpack envelope]"))
+            return
+        ident, req_id, payload = frames
+        reply = self.handle(payload)
+        self._send(ident, req_id, reply)
+
+    def handle(self, payload: bytes):
+        """Decode, authenticate and answer one request (any failure becomes an ErrorReply)."""
+        try:
+            envelope = decode_envelope(payload)
+        except WireError as exc:
+            return ErrorReply(code="bad_request", message=str(exc))
+        if self.config.token is not None and not hmac.compare_digest(
+            (envelope.token or "").encode(), self.config.token.encode()
+        ):
+            return ErrorReply(code="unauthorized",
+                              message="wrong or missing token (set TENSORHUB_TOKEN)")
+        request = envelope.request
+        try:
+            return self._handlers[type(request)](request)
+        except Reject as rej:
+            return rej.reply
+        except Exception as exc:  # a bug must not take the coordinator down
+            log.exception("internal error handling %s", request.type)
+            return ErrorReply(code="internal", message=f"internal error: {exc}")
+
+    def _send(self, ident: bytes, req_id: bytes, reply) -> None:
+        try:
+            self._router.send_multipart([ident, req_id, encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # ------------------------------------------------------------------ helpers
+    def _worker(self, worker_id: str) -> WorkerRec:
+        worker = self.table.workers.get(worker_id)
+        if worker is None:
+            raise Reject("unknown_worker",
+                         f"worker {worker_id} is not registered (coordinator restarted, "
+                         f"or it timed out): register again")
+        worker.last_seen = time.monotonic()
+        return worker
+
+    def _model(self, model: str) -> ModelRec:
+        mrec = self.table.models.get(model)
+        if mrec is None:
+            known = ", ".join(sorted(self.table.models)) or "none"
+            raise Reject("unknown_model", f"model {model!r} has no versions (known: {known})")
+        return mrec
+
+    def _check_memory(self, layout: LayoutRec, memory: list[MemoryDesc]) -> None:
+        if len(memory) != len(layout.items):
+            raise Reject("layout_mismatch",
+                         f"{len(memory)} memory regions for a layout of {len(layout.items)} items")
+        for k, (m, item) in enumerate(zip(memory, layout.items, strict=True)):
+            if m.nbytes != item.nbytes:
+                raise Reject("layout_mismatch",
+                             f"item {k}: {m.nbytes} bytes registered, layout says {item.nbytes}")
+
+    def _new_layout(self, manifest, checksums) -> tuple[str, LayoutRec]:
+        try:
+            check_manifest(manifest)
+        except LayoutError as exc:
+            raise Reject("bad_request", f"manifest: {exc}") from None
+        items = plan_items(manifest)
+        if checksums is None or len(checksums) != len(items):
+            raise Reject("bad_request",
+                         f"need one checksum per item ({len(items)}), got "
+                         f"{0 if checksums is None else len(checksums)}")
+        return layout_id(manifest), LayoutRec(manifest, items, list(checksums))
+
+    def _update_endpoint(self, worker: WorkerRec, endpoint) -> None:
+        if endpoint is not None:
+            if endpoint.transport != worker.endpoint.transport:
+                raise Reject("bad_request", "a worker cannot change transport")
+            worker.endpoint = endpoint
+
+    def _announce(self, model: str, version: int, lid: str) -> None:
+        msg = encode(Announcement(model=model, version=version, layout_id=lid))
+        try:
+            self._pub.send_multipart([model.encode(), msg], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # ------------------------------------------------------------------ handlers
+    def _register(self, req: Register) -> Registered:
+        worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
+        self.table.workers[worker_id] = WorkerRec(
+            worker_id, req.name, req.role, req.endpoint, dict(req.labels), time.monotonic()
+        )
+        log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
+        return Registered(worker_id=worker_id,
+                          heartbeat_interval=self.config.heartbeat_interval,
+                          worker_ttl=self.config.worker_ttl,
+                          announce_address=self.announce_address)
+
+    def _heartbeat(self, req: Heartbeat) -> Ack:
+        self._worker(req.worker_id)
+        return Ack()
+
+    def _unregister(self, req: Unregister) -> Ack:
+        self._forget_worker(req.worker_id, "unregistered")
+        return Ack()
+
+    def _publish(self, req: Publish) -> Published:
+        worker = self._worker(req.worker_id)
+        if worker.role != "trainer":
+            raise Reject("bad_request", "only a worker registered as trainer may publish")
+        mrec = self.table.models.setdefault(req.model, ModelRec())
+        if req.version <= mrec.latest:
+            raise Reject("stale_version",
+                         f"model {req.model!r} is at version {mrec.latest}; a new version "
+                         f"must be greater (got {req.version})")
+        lid, layout = self._new_layout(req.manifest, req.checksums)
+        self._check_memory(layout, req.memory)
+        self._update_endpoint(worker, req.endpoint)
+        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, list(req.memory))
+        mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
+        mrec.latest = req.version
+        self.table.prune()
+        log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
+                 req.version, len(layout.items), sum(i.nbytes for i in layout.items) / 2**20)
+        self._announce(req.model, req.version, lid)
+        return Published(model=req.model, version=req.version, layout_id=lid)
+
+    def _hold(self, req: Hold) -> Ack:
+        worker = self._worker(req.worker_id)
+        mrec = self.table.models.get(req.model)
+        vrec = mrec.versions.get(req.version) if mrec else None
+        if vrec is None:
+            if req.manifest is None or (mrec is not None and req.version < mrec.latest):
+                raise Reject("unknown_version",
+                             f"model {req.model!r} has no version {req.version}")
+            # Soft state: a holder re-registering after a coordinator restart brings it back.
+            lid, layout = self._new_layout(req.manifest, req.checksums)
+            mrec = self.table.models.setdefault(req.model, ModelRec())
+            vrec = mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
+            mrec.latest = max(mrec.latest, req.version)
+        layout = vrec.layouts.get(req.layout_id)
+        if layout is None:
+            if req.manifest is None:
+                raise Reject("layout_mismatch",
+                             f"version {req.version} has no layout {req.layout_id}; "
+                             f"send its manifest and checksums to add one")
+            lid, layout = self._new_layout(req.manifest, req.checksums)
+            if lid != req.layout_id:
+                raise Reject("layout_mismatch", "layout id does not match the manifest")
+            vrec.layouts[lid] = layout
+        elif req.checksums is not None and list(req.checksums) != layout.checksums:
+            raise Reject("layout_mismatch",
+                         f"checksums differ from version {req.version}'s: not the same bytes")
+        self._check_memory(layout, req.memory)
+        self._update_endpoint(worker, req.endpoint)
+        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, list(req.memory))
+        return Ack()
+
+    def _withdraw(self, req: Withdraw) -> Withdrawn:
+        self._worker(req.worker_id)
+        mrec = self.table.models.get(req.model)
+        vrec = mrec.versions.get(req.version) if mrec else None
+        if vrec is not None:
+            for layout in vrec.layouts.values():
+                holder = layout.holders.get(req.worker_id)
+                if holder is not None:
+                    holder.withdrawn = True
+        active = self.table.active_reads(req.worker_id, req.model, req.version)
+        if active == 0:
+            self.table.drop_holder(req.worker_id, req.model, req.version)
+        return Withdrawn(active_reads=active)
+
+    def _resolve(self, model: str, version) -> tuple[ModelRec, VersionRec]:
+        mrec = self._model(model)
+        v = mrec.latest if version == "latest" else version
+        vrec = mrec.versions.get(v)
+        if vrec is None:
+            raise Reject("unknown_version",
+                         f"model {model!r} has no version {v} (latest is {mrec.latest})")
+        return mrec, vrec
+
+    def _plan(self, req: PlanRequest) -> ReadPlan:
+        self._worker(req.worker_id)
+        _, vrec = self._resolve(req.model, req.version)
+        lid = req.layout_id or vrec.origin_layout
+        layout = vrec.layouts.get(lid)
+        if layout is None:
+            raise Reject("layout_mismatch",
+                         f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
+                         f"known layouts: {', '.join(vrec.layouts)}")
+        try:
+            ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner)
+        except NoSource as exc:
+            if exc.busy:
+                raise Reject("busy", "every holder is serving its maximum of readers",
+                             retry_after=self.config.busy_retry) from None
+            raise Reject("no_holder",
+                         f"no live holder of {req.model!r} v{vrec.version} is left; "
+                         f"the trainer must publish it again", retry_after=1.0) from None
+        source_ids = {r.source for r in ranges}
+        lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
+                                     self.config.lease_ttl)
+        sources = []
+        for sid in source_ids:
+            w = self.table.workers[sid]
+            sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
+                                  memory=layout.holders[sid].memory))
+        return ReadPlan(model=req.model, version=vrec.version, layout_id=lid,
+                        manifest=layout.manifest, checksums=layout.checksums,
+                        lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
+                        sources=sources, ranges=ranges)
+
+    def _read_done(self, req: ReadDone) -> Ack:
+        reader = self._worker(req.worker_id)
+        lease = self.table.leases.pop(req.lease_id, None)
+        if lease is None or lease.reader != req.worker_id:
+            return Ack()  # already expired or released: nothing to do
+        for sid in sorted(lease.sources):
+            source = self.table.workers.get(sid)
+            self.table.record(TransferRecord(
+                reader=reader.name, source=source.name if source else sid, model=lease.model,
+                version=lease.version, nbytes=req.nbytes, seconds=req.seconds, ok=req.ok,
+                error=req.error))
+        for failed in req.failed_holders:
+            if failed in lease.sources:
+                log.warning("%s reports holder %s failed: %s", req.worker_id, failed, req.error)
+                self.table.drop_holder(failed, lease.model, lease.version)
+        self._finish_withdrawals(lease.sources, lease.model, lease.version)
+        return Ack()
+
+    def _finish_withdrawals(self, holders, model: str, version: int) -> None:
+        mrec = self.table.models.get(model)
+        vrec = mrec.versions.get(version) if mrec else None
+        if vrec is None:
+            return
+        for layout in vrec.layouts.values():
+            for hid in list(layout.holders):
+                if hid in holders and layout.holders[hid].withdrawn \
+                        and self.table.active_reads(hid, model, version) == 0:
+                    del layout.holders[hid]
+        self.table.prune()
+
+    def _manifest(self, req: GetManifest) -> ManifestReply:
+        _, vrec = self._resolve(req.model, req.version)
+        layout = vrec.layouts[vrec.origin_layout]
+        return ManifestReply(model=req.model, version=vrec.version,
+                             layout_id=vrec.origin_layout, manifest=layout.manifest)
+
+    def _status(self, req: StatusRequest) -> StatusReply:
+        now = time.monotonic()
+        workers = [
+            {"worker_id": w.worker_id, "name": w.name, "role": w.role,
+             "transport": w.endpoint.transport, "seen_ago": round(now - w.last_seen, 3)}
+            for w in self.table.workers.values()
+        ]  # fmt: skip
+        models = []
+        for name, mrec in sorted(self.table.models.items()):
+            versions = []
+            for v, vrec in sorted(mrec.versions.items()):
+                for lid, layout in vrec.layouts.items():
+                    holders = [
+                        HolderStatus(
+                            worker_id=h.worker_id,
+                            name=self.table.workers[h.worker_id].name
+                            if h.worker_id in self.table.workers else "?",
+                            role=self.table.workers[h.worker_id].role
+                            if h.worker_id in self.table.workers else "?",
+                            active_reads=self.table.active_reads(h.worker_id, name, v),
+                            withdrawn=h.withdrawn)
+                        for h in layout.holders.values()
+                    ]
+                    versions.append(VersionStatus(
+                        version=v, layout_id=lid,
+                        nbytes=sum(i.nbytes for i in layout.items), holders=holders))
+            models.append(ModelStatus(model=name, latest=mrec.latest, versions=versions))
+        return StatusReply(workers=workers, models=models,
+                           reads_in_flight=len(self.table.leases),
+                           transfers=self.table.transfers[-200:])
+
+    # ------------------------------------------------------------------ expiry
+    def _forget_worker(self, worker_id: str, why: str) -> None:
+        if self.table.workers.pop(worker_id, None) is None:
+            return
+        log.info("worker %s %s: dropping its references and reads", worker_id, why)
+        for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
+            lease = self.table.leases.pop(lease_id)
+            self._finish_withdrawals(lease.sources, lease.model, lease.version)
+        self.table.drop_holder(worker_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for w in list(self.table.workers.values()):
+            if now - w.last_seen > self.config.worker_ttl:
+                self._forget_worker(w.worker_id, "stopped heartbeating")
+        for lease in [x for x in self.table.leases.values() if x.expires < now]:
+            log.warning("read lease of %s on %s v%d expired", lease.reader, lease.model,
+                        lease.version)
+            del self.table.leases[lease.lease_id]
+            self._finish_withdrawals(lease.sources, lease.model, lease.version)

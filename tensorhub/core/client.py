@@ -1,0 +1,79 @@
+"""Request/reply with the coordinator over a ZeroMQ DEALER socket, every call with a timeout.
+
+Each request carries an id that its reply echoes, so a reply that arrives after its caller
+gave up is recognised and dropped instead of being taken as the answer to the next call.
+The socket is shared by a worker's threads (pulls, heartbeats) behind one lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import zmq
+
+from tensorhub.core.data_types import Envelope, ErrorReply
+from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
+from tensorhub.core.wire import WireError, decode_reply, encode
+
+DEFAULT_TIMEOUT = 10.0
+
+
+def token_from_env() -> str | None:
+    """The shared control-plane token: TENSORHUB_TOKEN, or the file TENSORHUB_TOKEN_FILE."""
+    token = os.environ.get("TENSORHUB_TOKEN")
+    path = os.environ.get("TENSORHUB_TOKEN_FILE")
+    if not token and path:
+        with open(path) as f:
+            token = f.read().strip()
+    return token or None
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, token: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.address = address
+        self.token = token if token is not None else token_from_env()
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock = self._new_socket()
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def call(self, request, timeout: float | None = None):
+        """Send one request; return its typed reply or raise `CoordinatorError` /
+        `CoordinatorUnavailable`."""
+        timeout = self.timeout if timeout is None else timeout
+        req_id = uuid.uuid4().bytes
+        payload = encode(Envelope(token=self.token, request=request))
+        with self._lock:
+            self._sock.send_multipart([req_id, payload])
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    raise CoordinatorUnavailable(
+                        f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
+                        f"to {request.type!r}; is `tensorhub coordinator` running there?"
+                    )
+                frames = self._sock.recv_multipart()
+                if len(frames) == 2 and frames[0] == req_id:
+                    break  # anything else is a late reply to a call that timed out
+        try:
+            reply = decode_reply(frames[1])
+        except WireError as exc:
+            raise CoordinatorError(f"unreadable reply from the coordinator: {exc}") from None
+        if isinstance(reply, ErrorReply):
+            raise CoordinatorError(reply.message, code=reply.code, retry_after=reply.retry_after)
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(0)

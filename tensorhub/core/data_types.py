@@ -1,0 +1,312 @@
+"""Every structure that crosses a process boundary, as pydantic models in one place.
+
+The wire carries these models as msgpack (see `wire.py`); nothing is ever unpickled. Keeping
+them together makes the protocol readable in one sitting and keeps the coordinator, the
+workers and the engine plugins agreeing on one schema.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Limits checked at the edge: a hostile or broken peer cannot make us allocate without bound.
+MAX_NAME = 512
+MAX_TENSORS = 200_000
+MAX_DIMS = 8
+MAX_METADATA = 16 * 1024 * 1024
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+Version = Annotated[int, Field(ge=1, lt=2**62)]
+DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
+    "int8", "uint8", "int16", "int32", "int64", "bool",
+)  # fmt: skip
+DType = Literal[DTYPES]  # type: ignore[valid-type]
+
+
+class Strict(BaseModel):
+    """Base: unknown fields are errors, so a typo or a hostile field never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- layouts
+class TensorSpec(Strict):
+    """One tensor of a layout: what a reader must allocate to receive it."""
+
+    name: Name
+    dtype: DType
+    shape: list[Annotated[int, Field(ge=0, lt=2**40)]] = Field(max_length=MAX_DIMS)
+    nbytes: Annotated[int, Field(ge=0, lt=2**44)]
+
+
+class Manifest(Strict):
+    """An ordered list of tensors plus the compaction threshold: together they fix the bytes.
+
+    Its hash is the layout id; two workers can exchange raw bytes only if their ids match.
+    """
+
+    tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
+    compact_threshold: Annotated[int, Field(ge=0, lt=2**40)]
+
+
+class Item(Strict):
+    """A unit of transfer: the compact region (many tiny tensors) or one large tensor."""
+
+    kind: Literal["compact", "tensor"]
+    nbytes: int
+    tensors: list[int]  # indices into Manifest.tensors
+    offsets: list[int]  # byte offset of each tensor inside the item (compact region only)
+
+
+class MemoryDesc(Strict):
+    """Where a holder keeps one item: registered memory a peer may read."""
+
+    addr: Annotated[int, Field(ge=0, lt=2**64)]
+    nbytes: Annotated[int, Field(ge=0, lt=2**44)]
+    device: Annotated[int, Field(ge=0, lt=1024)] = 0
+    mem: Literal["DRAM", "VRAM"] = "DRAM"
+
+
+class Endpoint(Strict):
+    """How peers reach a worker's memory: a NIXL agent, or the zmq fallback server."""
+
+    transport: Literal["nixl", "zmq"]
+    agent_name: Name | None = None
+    agent_metadata: bytes | None = Field(default=None, max_length=MAX_METADATA)
+    address: str | None = Field(default=None, max_length=256)  # zmq fallback: tcp://host:port
+
+
+# --------------------------------------------------------------------------- requests
+class Register(Strict):
+    type: Literal["register"] = "register"
+    name: Name
+    role: Literal["trainer", "replica"]
+    endpoint: Endpoint
+    labels: dict[Name, Name] = Field(default_factory=dict, max_length=32)
+
+
+class Heartbeat(Strict):
+    type: Literal["heartbeat"] = "heartbeat"
+    worker_id: Name
+
+
+class Unregister(Strict):
+    type: Literal["unregister"] = "unregister"
+    worker_id: Name
+
+
+class Publish(Strict):
+    """A trainer creates a new version and is its first holder."""
+
+    type: Literal["publish"] = "publish"
+    worker_id: Name
+    model: Name
+    version: Version
+    manifest: Manifest
+    checksums: list[str] = Field(max_length=MAX_TENSORS)  # one per item
+    memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)  # one per item
+    endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
+
+
+class Hold(Strict):
+    """A worker holds a complete, verified copy of an existing version and serves reads of it."""
+
+    type: Literal["hold"] = "hold"
+    worker_id: Name
+    model: Name
+    version: Version
+    layout_id: Name
+    memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)
+    endpoint: Endpoint | None = None
+    # Sent along so a restarted coordinator (soft state) can rebuild the version's record
+    # from its holders, and so a worker can hold a layout of its own (an engine's native one).
+    manifest: Manifest | None = None
+    checksums: list[str] | None = Field(default=None, max_length=MAX_TENSORS)
+
+
+class Withdraw(Strict):
+    """A holder stops serving a version (before overwriting it). Idempotent: call again to
+    learn how many reads of it are still in flight."""
+
+    type: Literal["withdraw"] = "withdraw"
+    worker_id: Name
+    model: Name
+    version: Version
+
+
+class PlanRequest(Strict):
+    type: Literal["plan"] = "plan"
+    worker_id: Name
+    model: Name
+    version: Version | Literal["latest"] = "latest"
+    layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
+
+
+class ReadDone(Strict):
+    """A reader ends its lease: the holder's bytes may be overwritten once all leases end."""
+
+    type: Literal["read_done"] = "read_done"
+    worker_id: Name
+    lease_id: Name
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = Field(default=None, max_length=4096)
+    failed_holders: list[Name] = Field(default_factory=list, max_length=64)
+
+
+class GetManifest(Strict):
+    type: Literal["manifest"] = "manifest"
+    model: Name
+    version: Version | Literal["latest"] = "latest"
+
+
+class StatusRequest(Strict):
+    type: Literal["status"] = "status"
+
+
+Request = Annotated[
+    Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
+    | GetManifest | StatusRequest,
+    Field(discriminator="type"),
+]
+
+
+class Envelope(Strict):
+    """What a client sends: a request and, when the coordinator requires one, the token."""
+
+    token: str | None = Field(default=None, max_length=1024)
+    request: Request
+
+
+# --------------------------------------------------------------------------- replies
+class ErrorReply(Strict):
+    type: Literal["error"] = "error"
+    code: Literal[
+        "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
+        "stale_version", "layout_mismatch", "no_holder", "busy", "internal",
+    ]  # fmt: skip
+    message: str
+    retry_after: float | None = None
+
+
+class Registered(Strict):
+    type: Literal["registered"] = "registered"
+    worker_id: Name
+    heartbeat_interval: float
+    worker_ttl: float
+    announce_address: str
+
+
+class Ack(Strict):
+    type: Literal["ack"] = "ack"
+
+
+class Published(Strict):
+    type: Literal["published"] = "published"
+    model: Name
+    version: Version
+    layout_id: Name
+
+
+class Withdrawn(Strict):
+    type: Literal["withdrawn"] = "withdrawn"
+    active_reads: int
+
+
+class ReadRange(Strict):
+    """Bytes [offset, offset+nbytes) of item `item`, read from `source` (a holder)."""
+
+    item: int
+    offset: int
+    nbytes: int
+    source: Name
+
+
+class Source(Strict):
+    """A holder as the reader needs it: how to reach it and where its items lie."""
+
+    worker_id: Name
+    name: Name
+    role: Literal["trainer", "replica"]
+    endpoint: Endpoint
+    memory: list[MemoryDesc]
+
+
+class ReadPlan(Strict):
+    type: Literal["read_plan"] = "read_plan"
+    model: Name
+    version: Version
+    layout_id: Name
+    manifest: Manifest
+    checksums: list[str]
+    lease_id: Name
+    lease_ttl: float
+    sources: list[Source]
+    ranges: list[ReadRange]
+
+
+class ManifestReply(Strict):
+    type: Literal["manifest_reply"] = "manifest_reply"
+    model: Name
+    version: Version
+    layout_id: Name
+    manifest: Manifest
+
+
+class HolderStatus(Strict):
+    worker_id: str
+    name: str
+    role: str
+    active_reads: int
+    withdrawn: bool
+
+
+class VersionStatus(Strict):
+    version: int
+    layout_id: str
+    nbytes: int
+    holders: list[HolderStatus]
+
+
+class ModelStatus(Strict):
+    model: str
+    latest: int
+    versions: list[VersionStatus]
+
+
+class TransferRecord(Strict):
+    reader: str
+    source: str
+    model: str
+    version: int
+    nbytes: int
+    seconds: float
+    ok: bool
+    error: str | None = None
+
+
+class StatusReply(Strict):
+    type: Literal["status_reply"] = "status_reply"
+    workers: list[dict[str, str | float]]
+    models: list[ModelStatus]
+    reads_in_flight: int
+    transfers: list[TransferRecord]
+
+
+class Announcement(Strict):
+    """PUB message: a model has a new version (topic = model name)."""
+
+    model: Name
+    version: Version
+    layout_id: Name
+
+
+Reply = Annotated[
+    ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
+    | StatusReply,
+    Field(discriminator="type"),
+]

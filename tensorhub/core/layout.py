@@ -1,0 +1,176 @@
+"""Layouts: the byte arrangement of a set of tensors, and tiny-tensor compaction.
+
+A manifest (ordered name/dtype/shape/nbytes + compaction threshold) fixes every byte, and its
+hash is the layout id. Tensors below the threshold are packed, 64-byte aligned, into one
+contiguous *compact region* that travels as a single descriptor (2000 tiny READs cost ~4x one
+big READ here); larger tensors travel straight from and into their own memory. A layout is
+split into *items* (the compact region first, then each large tensor): items are what
+holders describe, what checksums cover and what read plans address.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import msgpack
+import torch
+
+from tensorhub.core.checksum import checksum
+from tensorhub.core.data_types import Item, Manifest, MemoryDesc, TensorSpec
+from tensorhub.core.errors import LayoutError
+from tensorhub.core.memory import as_bytes, describe, dtype_name, torch_dtype
+
+ALIGN = 64
+DEFAULT_COMPACT_THRESHOLD = 1 << 20  # 1 MiB
+
+
+def manifest_of(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
+) -> Manifest:
+    specs = []
+    seen: set[str] = set()
+    for name, t in named_tensors:
+        if name in seen:
+            raise LayoutError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        specs.append(
+            TensorSpec(
+                name=name,
+                dtype=dtype_name(t.dtype),
+                shape=list(t.shape),
+                nbytes=t.numel() * t.element_size(),
+            )
+        )
+    return Manifest(tensors=specs, compact_threshold=compact_threshold)
+
+
+def layout_id(manifest: Manifest) -> str:
+    """Stable id of a byte layout: equal ids mean raw bytes can be exchanged as they are."""
+    blob = msgpack.packb(manifest.model_dump(mode="python"), use_bin_type=True)
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def check_manifest(manifest: Manifest) -> None:
+    """Reject a manifest whose sizes do not follow from its dtypes and shapes."""
+    for spec in manifest.tensors:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        expected = numel * torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
+        if spec.nbytes != expected:
+            raise LayoutError(
+                f"tensor {spec.name!r}: nbytes {spec.nbytes} does not match "
+                f"{spec.dtype}{spec.shape} ({expected} bytes)"
+            )
+
+
+def plan_items(manifest: Manifest) -> list[Item]:
+    """Split a manifest into transfer items: one compact region, then each large tensor."""
+    small, offsets, cursor = [], [], 0
+    large = []
+    for i, spec in enumerate(manifest.tensors):
+        if spec.nbytes < manifest.compact_threshold:
+            small.append(i)
+            offsets.append(cursor)
+            cursor += -(-spec.nbytes // ALIGN) * ALIGN
+        else:
+            large.append(i)
+    items = []
+    if small:
+        items.append(Item(kind="compact", nbytes=cursor, tensors=small, offsets=offsets))
+    for i in large:
+        items.append(
+            Item(kind="tensor", nbytes=manifest.tensors[i].nbytes, tensors=[i], offsets=[0])
+        )
+    return items
+
+
+class BoundLayout:
+    """A manifest bound to this process's tensors, plus the compact region that backs them.
+
+    `item_bytes[k]` is the local memory of item k (what peers read from us, and what we read
+    into): the compact buffer, or a large tensor's own bytes. Small tensors are copied in and
+    out of the compact buffer by `pack` and `scatter`.
+    """
+
+    def __init__(self, manifest: Manifest, tensors: Sequence[torch.Tensor]):
+        check_manifest(manifest)
+        if len(tensors) != len(manifest.tensors):
+            raise LayoutError(
+                f"layout has {len(manifest.tensors)} tensors, got {len(tensors)}"
+            )
+        for spec, t in zip(manifest.tensors, tensors, strict=True):
+            _check_tensor(spec, t)
+        self.manifest = manifest
+        self.layout_id = layout_id(manifest)
+        self.tensors = list(tensors)
+        self.items = plan_items(manifest)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.compact: torch.Tensor | None = None
+        self.item_bytes: list[torch.Tensor] = []
+        for item in self.items:
+            if item.kind == "compact":
+                self.compact = torch.zeros(item.nbytes, dtype=torch.uint8, device=device)
+                self.item_bytes.append(self.compact)
+            else:
+                self.item_bytes.append(as_bytes(self.tensors[item.tensors[0]]))
+
+    @classmethod
+    def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu") -> BoundLayout:
+        """Fresh, zeroed tensors for a manifest: a worker that joins with no weights of its own."""
+        tensors = [
+            torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device)
+            for s in manifest.tensors
+        ]
+        return cls(manifest, tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(s.name, t) for s, t in zip(self.manifest.tensors, self.tensors, strict=True)]
+
+    def _compact_views(self) -> Iterable[tuple[torch.Tensor, int]]:
+        for item in self.items:
+            if item.kind != "compact":
+                continue
+            assert self.compact is not None
+            for idx, off in zip(item.tensors, item.offsets, strict=True):
+                spec = self.manifest.tensors[idx]
+                yield self.compact[off : off + spec.nbytes], idx
+
+    def pack(self, sources: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy the small tensors (ours, or `sources` in manifest order) into the compact region."""
+        src = self.tensors if sources is None else sources
+        for view, idx in self._compact_views():
+            view.copy_(as_bytes(src[idx]))
+
+    def scatter(self) -> None:
+        """Copy the compact region back into the small tensors after a read."""
+        for view, idx in self._compact_views():
+            as_bytes(self.tensors[idx]).copy_(view)
+
+    def copy_large_from(self, sources: Sequence[torch.Tensor]) -> None:
+        for item in self.items:
+            if item.kind == "tensor":
+                i = item.tensors[0]
+                self.tensors[i].copy_(sources[i])
+
+    def checksums(self) -> list[str]:
+        return [checksum(b) for b in self.item_bytes]
+
+    def memory(self) -> list[MemoryDesc]:
+        return [describe(b) for b in self.item_bytes]
+
+
+def _check_tensor(spec: TensorSpec, t: torch.Tensor) -> None:
+    if dtype_name(t.dtype) != spec.dtype or list(t.shape) != spec.shape:
+        raise LayoutError(
+            f"tensor {spec.name!r} is {dtype_name(t.dtype)}{list(t.shape)}, "
+            f"the layout says {spec.dtype}{spec.shape}"
+        )
+    if not t.is_contiguous():
+        raise LayoutError(f"tensor {spec.name!r} is not contiguous")

@@ -1,0 +1,145 @@
+"""A worker's membership: registration, heartbeats, and the references it holds.
+
+Publisher and Replica both stand on this. It re-registers by itself when the coordinator has
+forgotten it (restart, or a missed heartbeat window) and replays every reference it holds,
+so the coordinator's soft state comes back without any worker restarting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import Heartbeat, Hold, Register, Unregister, Withdraw
+from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
+from tensorhub.core.layout import BoundLayout
+from tensorhub.core.transport import Transport, make_transport
+
+log = logging.getLogger("tensorhub.session")
+
+
+class WorkerSession:
+    def __init__(
+        self,
+        coordinator: str,
+        name: str,
+        role: str,
+        transport: str | Transport | None = None,
+        labels: dict[str, str] | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+    ):
+        self.name = name
+        self.role = role
+        self.labels = dict(labels or {})
+        self.transport = (
+            transport if isinstance(transport, Transport)
+            else make_transport(transport, worker_name=f"{name}-{uuid.uuid4().hex[:8]}")
+        )
+        self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
+        self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
+        self._lock = threading.RLock()
+        self.worker_id = ""
+        self.heartbeat_interval = 1.0
+        self.announce_address = ""
+        self._register()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                      name=f"tensorhub-heartbeat-{name}")
+        self._beat.start()
+
+    # ------------------------------------------------------------------ membership
+    def _register(self) -> None:
+        reply = self.client.call(
+            Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
+                     labels=self.labels)
+        )
+        self.worker_id = reply.worker_id
+        self.heartbeat_interval = reply.heartbeat_interval
+        self.announce_address = reply.announce_address
+
+    def _recover(self) -> None:
+        """The coordinator forgot us: register again and re-announce what we hold."""
+        with self._lock:
+            log.warning("%s: coordinator does not know us; registering again", self.name)
+            self._register()
+            for (model, version), (layout, hold) in list(self._holds.items()):
+                hold = hold.model_copy(update={"worker_id": self.worker_id,
+                                               "endpoint": self.transport.endpoint()})
+                try:
+                    self.client.call(hold)
+                    self._holds[(model, version)] = (layout, hold)
+                except CoordinatorError as exc:
+                    log.warning("%s: could not re-announce %s v%d: %s", self.name, model,
+                                version, exc)
+                    if exc.code != "busy":
+                        self._holds.pop((model, version), None)
+
+    def call(self, request, timeout: float | None = None):
+        """Call the coordinator as this worker; recover once if it has forgotten us."""
+        try:
+            return self.client.call(request.model_copy(update={"worker_id": self.worker_id}),
+                                    timeout)
+        except CoordinatorError as exc:
+            if exc.code != "unknown_worker":
+                raise
+        self._recover()
+        return self.client.call(request.model_copy(update={"worker_id": self.worker_id}),
+                                timeout)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                self.call(Heartbeat(worker_id=self.worker_id),
+                          timeout=max(2.0, 2 * self.heartbeat_interval))
+            except (CoordinatorUnavailable, CoordinatorError) as exc:
+                log.debug("%s: heartbeat failed: %s", self.name, exc)
+            except Exception:  # never let the thread die silently
+                log.exception("%s: heartbeat loop error", self.name)
+
+    # ------------------------------------------------------------------ references
+    def hold(self, model: str, version: int, layout: BoundLayout, checksums: list[str]) -> None:
+        """Tell the coordinator we hold `version` completely and serve reads of it."""
+        hold = Hold(worker_id=self.worker_id, model=model, version=version,
+                    layout_id=layout.layout_id, memory=layout.memory(),
+                    endpoint=self.transport.endpoint(), manifest=layout.manifest,
+                    checksums=checksums)
+        with self._lock:
+            self.call(hold)
+            self._holds[(model, version)] = (layout, hold)
+
+    def remember(self, model: str, version: int, layout: BoundLayout, hold: Hold) -> None:
+        with self._lock:
+            self._holds[(model, version)] = (layout, hold)
+
+    def withdraw(self, model: str, version: int, timeout: float) -> None:
+        """Stop serving `version` and wait until reads of it in flight have ended.
+
+        Only then may the caller overwrite the bytes (the mutability contract). Raises
+        `TensorHubError` if reads are still in flight after `timeout` seconds.
+        """
+        with self._lock:
+            self._holds.pop((model, version), None)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.call(Withdraw(worker_id=self.worker_id, model=model, version=version))
+            if reply.active_reads == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TensorHubError(
+                    f"{reply.active_reads} read(s) of {model} v{version} still in flight after "
+                    f"{timeout:.1f}s; not overwriting it", code="busy")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(timeout=5)
+        try:
+            self.client.call(Unregister(worker_id=self.worker_id), timeout=2.0)
+        except TensorHubError:
+            pass
+        self.transport.close()
+        self.client.close()

@@ -1,0 +1,183 @@
+"""NIXL transport: one-sided READ over UCX (DRAM here; VRAM with the same calls on GPU).
+
+Descriptors travel as plain (addr, nbytes, device) triples in our own pydantic models, never
+as NIXL's pickled descriptor lists. Agent metadata is NIXL's own binary blob, passed through
+untouched. Defaults for a single host (UCX over loopback, `cma` for a true one-sided READ)
+are set only when the user has not set them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from tensorhub.core.data_types import Endpoint
+from tensorhub.core.errors import TransferError
+from tensorhub.core.memory import describe
+from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
+
+UCX_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+
+
+def apply_ucx_defaults() -> None:
+    """Single-host defaults; set UCX_NET_DEVICES / UCX_TLS yourself for a real network."""
+    if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") != "0":
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+
+    def __init__(self, agent_name: str | None = None):
+        apply_ucx_defaults()
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent_name = agent_name or f"tensorhub-{uuid.uuid4().hex[:12]}"
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL could not create its UCX backend; check UCX_TLS")
+        self._lock = threading.RLock()
+        self._registered: dict[tuple[int, int], object] = {}
+        self._peers: dict[str, tuple[str, str]] = {}  # worker_id -> (agent name, metadata hash)
+
+    def register(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            fresh = [b for b in buffers if _key(b) not in self._registered and b.numel() > 0]
+            if not fresh:
+                return
+            for b in fresh:
+                self._registered[_key(b)] = self._agent.register_memory([b])
+
+    def deregister(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in buffers:
+                descs = self._registered.pop(_key(b), None)
+                if descs is not None:
+                    self._agent.deregister_memory(descs)
+
+    def endpoint(self) -> Endpoint:
+        with self._lock:
+            return Endpoint(
+                transport="nixl",
+                agent_name=self.agent_name,
+                agent_metadata=self._agent.get_agent_metadata(),
+            )
+
+    def _connect(self, peer: Peer) -> str:
+        ep = peer.endpoint
+        if ep.transport != "nixl" or not ep.agent_metadata or not ep.agent_name:
+            raise TransferError(f"holder {peer.worker_id} has no NIXL endpoint", peer.worker_id)
+        digest = hashlib.sha256(ep.agent_metadata).hexdigest()
+        known = self._peers.get(peer.worker_id)
+        if known == (ep.agent_name, digest):
+            return ep.agent_name
+        if known is not None:
+            # Metadata is a snapshot: memory registered later is only known after re-adding.
+            self._agent.remove_remote_agent(known[0])
+        try:
+            name = self._agent.add_remote_agent(ep.agent_metadata)
+        except Exception as exc:
+            raise TransferError(f"cannot load agent metadata of {peer.worker_id}: {exc}",
+                                peer.worker_id) from None
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peers[peer.worker_id] = (name, digest)
+        return name
+
+    def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
+        if not ops:
+            return
+        check_ops(ops)
+        with self._lock:
+            remote_agent = self._connect(peer)
+            groups: dict[tuple[str, str], list[ReadOp]] = {}
+            for op in ops:
+                groups.setdefault((describe(op.local).mem, op.remote.mem), []).append(op)
+            handles = []
+            try:
+                for (local_mem, remote_mem), group in groups.items():
+                    local = np.array(
+                        [(op.local.data_ptr(), op.remote.nbytes, _dev(op.local)) for op in group],
+                        dtype=np.uint64,
+                    )
+                    remote = np.array(
+                        [(op.remote.addr, op.remote.nbytes, op.remote.device) for op in group],
+                        dtype=np.uint64,
+                    )
+                    handle = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(local, local_mem),
+                        self._agent.get_xfer_descs(remote, remote_mem),
+                        remote_agent,
+                        b"tensorhub-read",
+                    )
+                    handles.append(handle)
+                    if self._agent.transfer(handle) == "ERR":
+                        raise TransferError(f"NIXL READ from {peer.worker_id} failed to start",
+                                            peer.worker_id)
+                self._wait(handles, peer, timeout)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise TransferError(f"NIXL READ from {peer.worker_id} failed: {exc}",
+                                    peer.worker_id) from None
+            finally:
+                for h in handles:
+                    try:
+                        h.release()
+                    except Exception:  # a handle still in flight after a timeout
+                        pass
+
+    def _wait(self, handles: list, peer: Peer, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(handles)
+        spins = 0
+        while pending:
+            state = self._agent.check_xfer_state(pending[0])
+            if state == "DONE":
+                pending.pop(0)
+                continue
+            if state == "ERR":
+                raise TransferError(f"NIXL READ from {peer.worker_id} failed", peer.worker_id)
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"NIXL READ from {peer.worker_id} made no progress within {timeout:.1f}s",
+                    peer.worker_id,
+                )
+            spins += 1
+            if spins > 1000:
+                time.sleep(0.0002)
+
+    def forget_peer(self, worker_id: str) -> None:
+        with self._lock:
+            known = self._peers.pop(worker_id, None)
+            if known is not None:
+                try:
+                    self._agent.remove_remote_agent(known[0])
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            for worker_id in list(self._peers):
+                self.forget_peer(worker_id)
+            for descs in self._registered.values():
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception:
+                    pass
+            self._registered.clear()
+
+
+def _key(b: torch.Tensor) -> tuple[int, int]:
+    return (b.data_ptr(), b.numel() * b.element_size())
+
+
+def _dev(t: torch.Tensor) -> int:
+    return (t.device.index or 0) if t.device.type == "cuda" else 0

@@ -1,0 +1,168 @@
+"""A worker that pulls versions into its own buffers and then serves them to others.
+
+`pull` asks the coordinator for a plan, reads one-sided from the holders it names, verifies
+every byte against the version's checksums, and only then reports itself as a holder, so
+later readers pull from it instead of the trainer.
+
+In place (default) the replica reads straight into its live buffers: before that it
+withdraws its reference to the version it holds and waits for reads of it to end, and a
+failed pull leaves it holding nothing (`version is None`). With `staging=True` it reads
+into a shadow copy while it keeps serving the old version, and a failed pull leaves it
+exactly on its previous version; the price is a second copy of the weights in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tensorhub.core.announcements import VersionWatcher
+from tensorhub.core.data_types import GetManifest, PlanRequest, ReadDone, ReadPlan
+from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
+from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.puller import PullStats, read_plan, verify
+from tensorhub.core.session import WorkerSession
+from tensorhub.core.transport import Transport
+from tensorhub.publisher import NamedTensors, named_list
+
+log = logging.getLogger("tensorhub.replica")
+
+
+class Replica:
+    def __init__(
+        self,
+        coordinator: str,
+        model: str,
+        named_tensors: NamedTensors | None = None,
+        *,
+        name: str = "replica",
+        transport: str | Transport | None = None,
+        staging: bool = False,
+        verify: bool = True,
+        compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
+        token: str | None = None,
+        timeout: float = 10.0,
+        labels: dict[str, str] | None = None,
+        device: str = "cpu",
+    ):
+        """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
+        None: allocate empty buffers from the model's latest manifest (a worker joining with
+        no weights of its own)."""
+        self.model = model
+        self.staging = staging
+        self.verify = verify
+        self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
+                                     timeout)
+        try:
+            if named_tensors is None:
+                manifest = self.session.client.call(GetManifest(model=model)).manifest
+                self.layout = BoundLayout.allocate(manifest, device)
+            else:
+                named = named_list(named_tensors)
+                self.layout = BoundLayout(manifest_of(named, compact_threshold),
+                                          [t for _, t in named])
+            self._staged: list[torch.Tensor] | None = None
+            if staging:
+                self._staged = [torch.empty_like(b) for b in self.layout.item_bytes]
+                self.session.transport.register(self._staged)
+            self.session.transport.register(self.layout.item_bytes)
+        except BaseException:
+            self.session.close()
+            raise
+        self.version: int | None = None
+        self.last_pull: PullStats | None = None
+        self._watcher: VersionWatcher | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.layout.named_tensors())
+
+    # ------------------------------------------------------------------ pulling
+    def _plan(self, version, deadline: float) -> ReadPlan:
+        while True:
+            try:
+                return self.session.call(PlanRequest(
+                    worker_id=self.session.worker_id, model=self.model, version=version,
+                    layout_id=self.layout.layout_id))
+            except CoordinatorError as exc:
+                retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
+                if retry is None or time.monotonic() + retry > deadline:
+                    raise
+                time.sleep(retry)
+
+    def _end_lease(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
+                   error: str | None = None, failed: list[str] | None = None) -> None:
+        try:
+            self.session.call(ReadDone(
+                worker_id=self.session.worker_id, lease_id=plan.lease_id, ok=ok,
+                nbytes=stats.nbytes if stats else 0, seconds=stats.seconds if stats else 0.0,
+                error=error, failed_holders=failed or []))
+        except TensorHubError as exc:  # the lease expires on its own
+            log.warning("could not end read lease %s: %s", plan.lease_id, exc)
+
+    def pull(self, version: int | str = "latest", timeout: float = 60.0) -> int:
+        """Pull `version` (or the latest) into this replica's buffers; return the version.
+
+        Raises `CoordinatorError` (unknown model/version, no holder), `TransferError`,
+        `IntegrityError` or `LayoutError`; see the class docstring for what a failure
+        leaves behind."""
+        deadline = time.monotonic() + timeout
+        plan = self._plan(version, deadline)
+        if plan.version == self.version:
+            self._end_lease(plan, ok=True)
+            return plan.version
+        if plan.layout_id != self.layout.layout_id:
+            self._end_lease(plan, ok=False, error="layout mismatch")
+            raise LayoutError(f"{self.model} v{plan.version} has layout {plan.layout_id}, "
+                              f"this replica {self.layout.layout_id}")
+        dest = self._staged if self.staging else self.layout.item_bytes
+        previous = self.version
+        try:
+            if not self.staging and previous is not None:
+                self.version = None  # from here on our buffers are not a complete version
+                self.session.withdraw(self.model, previous, deadline - time.monotonic())
+            stats = read_plan(self.session.transport, plan, dest,
+                              timeout=max(0.001, deadline - time.monotonic()))
+            if self.verify:
+                stats.verify_seconds = verify(plan, dest)
+        except TransferError as exc:
+            self._end_lease(plan, ok=False, error=str(exc),
+                            failed=[exc.source] if exc.source else None)
+            raise
+        except BaseException as exc:
+            self._end_lease(plan, ok=False, error=str(exc))
+            raise
+        self._end_lease(plan, ok=True, stats=stats)
+        if self.staging:
+            if previous is not None:
+                self.version = None
+                self.session.withdraw(self.model, previous, max(1.0, deadline - time.monotonic()))
+            for live, staged in zip(self.layout.item_bytes, dest, strict=True):
+                live.copy_(staged)
+        self.layout.scatter()
+        self.session.hold(self.model, plan.version, self.layout, plan.checksums)
+        self.version = plan.version
+        self.last_pull = stats
+        log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
+                 self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
+                 stats.seconds, stats.gbps)
+        return plan.version
+
+    def wait_for_newer(self, timeout: float) -> int | None:
+        """Block until the coordinator knows a version newer than ours; None at the timeout."""
+        if self._watcher is None:
+            self._watcher = VersionWatcher(self.session, self.model)
+        return self._watcher.wait_newer(self.version, timeout)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+        self.session.close()
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
