@@ -19,7 +19,7 @@ import time
 import torch
 
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.data_types import GetManifest, PlanRequest, ReadDone, ReadPlan
+from tensorhub.core.data_types import PlanRequest, ReadDone, ReadPlan
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.puller import PullStats, read_plan, verify
@@ -48,36 +48,39 @@ class Replica:
         device: str = "cpu",
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
-        None: allocate empty buffers from the model's latest manifest (a worker joining with
-        no weights of its own)."""
+        None: allocate buffers from the manifest of the first version pulled (a worker
+        joining with no weights of its own)."""
         self.model = model
         self.staging = staging
         self.verify = verify
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout)
-        try:
-            if named_tensors is None:
-                manifest = self.session.client.call(GetManifest(model=model)).manifest
-                self.layout = BoundLayout.allocate(manifest, device)
-            else:
-                named = named_list(named_tensors)
-                self.layout = BoundLayout(manifest_of(named, compact_threshold),
-                                          [t for _, t in named])
-            self._staged: list[torch.Tensor] | None = None
-            if staging:
-                self._staged = [torch.empty_like(b) for b in self.layout.item_bytes]
-                self.session.transport.register(self._staged)
-            self.session.transport.register(self.layout.item_bytes)
-        except BaseException:
-            self.session.close()
-            raise
+        self._device = device
+        self.layout: BoundLayout | None = None
+        self._staged: list[torch.Tensor] | None = None
+        if named_tensors is not None:
+            named = named_list(named_tensors)
+            try:
+                self._bind(BoundLayout(manifest_of(named, compact_threshold),
+                                       [t for _, t in named]))
+            except BaseException:
+                self.session.close()
+                raise
         self.version: int | None = None
         self.last_pull: PullStats | None = None
         self._watcher: VersionWatcher | None = None
 
+    def _bind(self, layout: BoundLayout) -> None:
+        """Register our buffers (and the staging copy) before anyone reads into or from them."""
+        if self.staging:
+            self._staged = [torch.empty_like(b) for b in layout.item_bytes]
+            self.session.transport.register(self._staged)
+        self.session.transport.register(layout.item_bytes)
+        self.layout = layout
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.layout.named_tensors())
+        return dict(self.layout.named_tensors()) if self.layout else {}
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float) -> ReadPlan:
@@ -85,7 +88,7 @@ class Replica:
             try:
                 return self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
-                    layout_id=self.layout.layout_id))
+                    layout_id=self.layout.layout_id if self.layout else None))
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
                 if retry is None or time.monotonic() + retry > deadline:
@@ -113,6 +116,12 @@ class Replica:
         if plan.version == self.version:
             self._end_lease(plan, ok=True)
             return plan.version
+        if self.layout is None:
+            try:
+                self._bind(BoundLayout.allocate(plan.manifest, self._device))
+            except BaseException as exc:
+                self._end_lease(plan, ok=False, error=str(exc))
+                raise
         if plan.layout_id != self.layout.layout_id:
             self._end_lease(plan, ok=False, error="layout mismatch")
             raise LayoutError(f"{self.model} v{plan.version} has layout {plan.layout_id}, "

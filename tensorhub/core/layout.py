@@ -121,7 +121,7 @@ class BoundLayout:
     def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu") -> BoundLayout:
         """Fresh, zeroed tensors for a manifest: a worker that joins with no weights of its own."""
         tensors = [
-            torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device)
+            torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device)
             for s in manifest.tensors
         ]
         return cls(manifest, tensors)
@@ -133,25 +133,39 @@ class BoundLayout:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.manifest.tensors, self.tensors, strict=True)]
 
-    def _compact_views(self) -> Iterable[tuple[torch.Tensor, int]]:
-        for item in self.items:
-            if item.kind != "compact":
-                continue
-            assert self.compact is not None
-            for idx, off in zip(item.tensors, item.offsets, strict=True):
-                spec = self.manifest.tensors[idx]
-                yield self.compact[off : off + spec.nbytes], idx
+    def _compact_slots(self) -> list[tuple[int, int, int]]:
+        """(tensor index, offset in the compact region, nbytes) for every small tensor."""
+        return [
+            (idx, off, self.manifest.tensors[idx].nbytes)
+            for item in self.items if item.kind == "compact"
+            for idx, off in zip(item.tensors, item.offsets, strict=True)
+        ]
 
     def pack(self, sources: Sequence[torch.Tensor] | None = None) -> None:
         """Copy the small tensors (ours, or `sources` in manifest order) into the compact region."""
         src = self.tensors if sources is None else sources
-        for view, idx in self._compact_views():
-            view.copy_(as_bytes(src[idx]))
+        if self.compact is None:
+            return
+        if self.compact.device.type == "cpu":
+            # memoryview slice assignment: ~10x faster than hundreds of tiny torch copies.
+            region = memoryview(self.compact.numpy())
+            for idx, off, n in self._compact_slots():
+                region[off : off + n] = memoryview(as_bytes(src[idx]).numpy())
+        else:
+            for idx, off, n in self._compact_slots():
+                self.compact[off : off + n].copy_(as_bytes(src[idx]))
 
     def scatter(self) -> None:
         """Copy the compact region back into the small tensors after a read."""
-        for view, idx in self._compact_views():
-            as_bytes(self.tensors[idx]).copy_(view)
+        if self.compact is None:
+            return
+        if self.compact.device.type == "cpu":
+            region = memoryview(self.compact.numpy())
+            for idx, off, n in self._compact_slots():
+                memoryview(as_bytes(self.tensors[idx]).numpy())[:] = region[off : off + n]
+        else:
+            for idx, off, n in self._compact_slots():
+                as_bytes(self.tensors[idx]).copy_(self.compact[off : off + n])
 
     def copy_large_from(self, sources: Sequence[torch.Tensor]) -> None:
         for item in self.items:

@@ -1,0 +1,204 @@
+"""`tensorhub` command line: run a coordinator, look at its state, run a replica, the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+
+DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from tensorhub.core.client import token_from_env
+    from tensorhub.coordinator.planner import PlannerConfig
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+
+    token = token_from_env()
+    config = CoordinatorConfig(
+        bind=args.bind, announce=args.announce, token=token,
+        heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
+        lease_ttl=args.lease_ttl,
+        planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder),
+    )  # fmt: skip
+    if not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and token is None:
+        logging.warning("binding %s beyond loopback without TENSORHUB_TOKEN: anyone who can "
+                        "reach it can publish and read references", args.bind)
+    coordinator = Coordinator(config)
+    signal.signal(signal.SIGTERM, lambda *_: coordinator._stop.set())
+    print(f"tensorhub coordinator: requests on {coordinator.address}, announcements on "
+          f"{coordinator.announce_address}", flush=True)
+    try:
+        coordinator.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tensorhub.core.client import CoordinatorClient
+    from tensorhub.core.data_types import StatusRequest
+
+    client = CoordinatorClient(args.coordinator, timeout=args.timeout)
+    try:
+        reply = client.call(StatusRequest())
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(reply.model_dump(mode="json"), indent=2))
+        return 0
+    print(f"coordinator {args.coordinator}: {len(reply.workers)} workers, "
+          f"{reply.reads_in_flight} reads in flight")
+    for w in reply.workers:
+        print(f"  worker {w['worker_id']:<28} {w['role']:<8} {w['transport']:<5} "
+              f"seen {w['seen_ago']}s ago")
+    for m in reply.models:
+        print(f"model {m.model}: latest v{m.latest}")
+        for v in m.versions:
+            holders = ", ".join(
+                f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
+                for h in v.holders) or "no holder"
+            print(f"  v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: {holders}")
+    if reply.transfers:
+        print("recent pulls (reader <- source):")
+        for t in reply.transfers[-20:]:
+            rate = t.nbytes / t.seconds / 1e9 if t.seconds else 0.0
+            print(f"  {t.reader} <- {t.source}: {t.model} v{t.version} "
+                  f"{t.nbytes / 2**20:.1f} MiB {rate:.2f} GB/s {'ok' if t.ok else t.error}")
+    return 0
+
+
+def _replica(args: argparse.Namespace) -> int:
+    """A replica process with no weights of its own: allocate from the manifest, follow."""
+    from tensorhub.core.checksum import checksum
+    from tensorhub.core.errors import TensorHubError
+    from tensorhub.replica import Replica
+
+    deadline = time.monotonic() + args.timeout
+    replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    pulled = 0
+    try:
+        while not stop and (args.versions == 0 or pulled < args.versions):
+            newer = replica.wait_for_newer(timeout=min(1.0, max(0.0,
+                                                                 deadline - time.monotonic())))
+            if newer is None:
+                if time.monotonic() > deadline:
+                    print(json.dumps({"event": "timeout"}) if args.json else "timed out",
+                          flush=True)
+                    return 1
+                continue
+            try:
+                version = replica.pull(timeout=args.pull_timeout)
+            except TensorHubError as exc:
+                print(json.dumps({"event": "error", "code": exc.code, "message": str(exc)})
+                      if args.json else f"pull failed: {exc}", flush=True)
+                continue
+            pulled += 1
+            s = replica.last_pull
+            if args.json:
+                event = {"event": "pulled", "name": args.name, "version": version,
+                         "sources": s.sources, "nbytes": s.nbytes, "seconds": s.seconds,
+                         "gbps": s.gbps}
+                if args.checksums:
+                    event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
+                print(json.dumps(event), flush=True)
+            else:
+                print(f"{args.name}: v{version} from {'+'.join(s.sources)} "
+                      f"{s.nbytes / 2**20:.1f} MiB in {s.seconds * 1e3:.1f} ms "
+                      f"({s.gbps:.2f} GB/s)", flush=True)
+        if args.linger:
+            while not stop:  # keep serving what we hold until told to stop
+                time.sleep(0.1)
+    finally:
+        replica.close()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tensorhub.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensorhub",
+        description="TensorHub: publish LLM weight versions from a trainer; engines pull them "
+                    "one-sided from whichever peer already holds them.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (references, plans, leases)",
+                       description="Run the coordinator. It stores no weights, only which "
+                       "worker holds which version. Set TENSORHUB_TOKEN (or "
+                       "TENSORHUB_TOKEN_FILE) to require a shared token from every client.")
+    p.add_argument("--bind", default=DEFAULT_COORDINATOR,
+                   help=f"ZeroMQ address for requests (default {DEFAULT_COORDINATOR})")
+    p.add_argument("--announce", default=None,
+                   help="ZeroMQ address for version announcements (default: bind port + 1)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between worker heartbeats (default 1)")
+    p.add_argument("--worker-ttl", type=float, default=5.0,
+                   help="a worker silent this long loses its references (default 5)")
+    p.add_argument("--lease-ttl", type=float, default=120.0,
+                   help="longest a read may keep a holder from overwriting (default 120)")
+    p.add_argument("--max-readers-per-holder", type=int, default=2,
+                   help="concurrent readers per holder; forms trees, not stars (default 2)")
+    p.set_defaults(func=_coordinator)
+
+    p = sub.add_parser("status", help="models, versions, holders and recent pulls")
+    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=_status)
+
+    p = sub.add_parser("replica", help="a replica process: pull each new version, serve it on",
+                       description="Allocate buffers from the model's manifest, pull every new "
+                       "version as it is announced, and serve it to other readers.")
+    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
+    p.add_argument("--model", default="policy")
+    p.add_argument("--name", default="replica")
+    p.add_argument("--transport", choices=["nixl", "zmq"], default=None,
+                   help="default: $TENSORHUB_TRANSPORT or nixl")
+    p.add_argument("--versions", type=int, default=0, help="stop after N pulls (0: never)")
+    p.add_argument("--timeout", type=float, default=600.0, help="give up after this long")
+    p.add_argument("--pull-timeout", type=float, default=60.0)
+    p.add_argument("--linger", action="store_true",
+                   help="after the last pull, keep serving until SIGTERM")
+    p.add_argument("--json", action="store_true", help="one JSON line per pull")
+    p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
+    p.set_defaults(func=_replica)
+
+    p = sub.add_parser("demo", help="coordinator + trainer + replicas on this machine",
+                       description="Start a coordinator and replica processes, publish a few "
+                       "versions from an in-process trainer, and show who pulled from whom.")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--versions", type=int, default=3)
+    p.add_argument("--size-mb", type=int, default=256, help="size of the fake model (MiB)")
+    p.add_argument("--transport", choices=["nixl", "zmq"], default="nixl")
+    p.add_argument("--port", type=int, default=5655)
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    from tensorhub.core.errors import TensorHubError
+
+    try:
+        return args.func(args)
+    except TensorHubError as exc:
+        print(f"tensorhub: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

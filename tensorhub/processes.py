@@ -1,0 +1,75 @@
+"""Child processes for the demo, tests and benchmarks: started in their own process group,
+read line by line, always stopped by PID (SIGTERM, then SIGKILL) with a bounded wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+
+class ChildProcess:
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None,
+                 name: str = "child", log_path: str | None = None):
+        self.name = name
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=self._log or subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def tensorhub(cls, *args: str, **kw) -> ChildProcess:
+        return cls([sys.executable, "-m", "tensorhub.cli", *args], **kw)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def next_line(self, timeout: float) -> str:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: no output within {timeout:.0f}s "
+                               f"(exit code {self.proc.poll()})") from None
+
+    def next_json(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next_line(max(0.01, deadline - time.monotonic()))
+            if line.startswith("{"):
+                return json.loads(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, for failure tests)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log:
+            self._log.close()
+        return self.proc.returncode

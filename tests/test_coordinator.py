@@ -1,0 +1,150 @@
+"""Bad input at the coordinator: each gets a clear typed error, and the coordinator serves on."""
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import (
+    Endpoint,
+    Hold,
+    Manifest,
+    PlanRequest,
+    Publish,
+    Register,
+    StatusRequest,
+    TensorSpec,
+)
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+
+STATE = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
+
+
+def _still_serving(address: str) -> None:
+    client = CoordinatorClient(address, timeout=5)
+    assert client.call(StatusRequest()).type == "status_reply"
+    client.close()
+
+
+def test_publishing_an_older_or_equal_version_is_refused(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        assert pub.publish(STATE, version=5) == 5
+        for stale in (5, 3):
+            with pytest.raises(CoordinatorError, match="at version 5") as err:
+                pub.publish(STATE, version=stale)
+            assert err.value.code == "stale_version"
+        assert pub.publish(STATE) == 6  # and it still serves: the next version is fine
+
+
+def test_a_second_trainer_cannot_go_back_either(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as a:
+        a.publish(STATE, version=2)
+        client = CoordinatorClient(coordinator.address)
+        reg = client.call(Register(name="t2", role="trainer", endpoint=Endpoint(transport="zmq",
+                                   address="tcp://127.0.0.1:1")))
+        manifest = Manifest(tensors=[TensorSpec(name="x", dtype="float32", shape=[2],
+                                                nbytes=8)], compact_threshold=1 << 20)
+        with pytest.raises(CoordinatorError) as err:
+            client.call(Publish(worker_id=reg.worker_id, model="policy", version=2,
+                                manifest=manifest, checksums=["0"], memory=[]))
+        assert err.value.code == "stale_version"
+        client.close()
+
+
+def _raw_trainer(address):
+    client = CoordinatorClient(address)
+    reg = client.call(Register(name="raw", role="trainer",
+                               endpoint=Endpoint(transport="zmq", address="tcp://127.0.0.1:1")))
+    return client, reg.worker_id
+
+
+def test_a_manifest_whose_sizes_contradict_its_shapes_is_refused(coordinator):
+    client, wid = _raw_trainer(coordinator.address)
+    bad = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=[4, 4], nbytes=60)],
+                   compact_threshold=1 << 20)
+    with pytest.raises(CoordinatorError, match="'w': nbytes 60 does not match") as err:
+        client.call(Publish(worker_id=wid, model="policy", version=1, manifest=bad,
+                            checksums=["x"], memory=[]))
+    assert err.value.code == "bad_request"
+    client.close()
+    _still_serving(coordinator.address)
+
+
+def test_registered_memory_that_does_not_fit_the_layout_is_refused(coordinator):
+    from tensorhub.core.data_types import MemoryDesc
+
+    client, wid = _raw_trainer(coordinator.address)
+    manifest = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=[4], nbytes=16)],
+                        compact_threshold=1 << 20)
+    with pytest.raises(CoordinatorError, match="item 0: 8 bytes registered") as err:
+        client.call(Publish(worker_id=wid, model="policy", version=1, manifest=manifest,
+                            checksums=["x"], memory=[MemoryDesc(addr=4096, nbytes=8)]))
+    assert err.value.code == "layout_mismatch"
+    client.close()
+
+
+def test_a_replica_whose_tensors_have_another_shape_gets_a_layout_error(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(STATE)
+        wrong = {"w": torch.zeros(4, 5), "b": torch.zeros(4)}
+        with Replica(coordinator.address, "policy", wrong, transport="zmq") as rep:
+            with pytest.raises(CoordinatorError, match="layout") as err:
+                rep.pull(timeout=5)
+            assert err.value.code == "layout_mismatch"
+            assert rep.version is None
+
+
+def test_plans_for_an_unknown_model_or_version_say_what_exists(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(STATE, version=3)
+        with Replica(coordinator.address, "policy", STATE, transport="zmq") as rep:
+            with pytest.raises(CoordinatorError, match="latest is 3") as err:
+                rep.pull(version=9, timeout=5)
+            assert err.value.code == "unknown_version"
+            client = rep.session.client
+            with pytest.raises(CoordinatorError, match=r"'nope' has no versions \(known: policy\)"):
+                client.call(PlanRequest(worker_id=rep.session.worker_id, model="nope"))
+
+
+def test_requests_from_an_unknown_worker_are_told_to_register(coordinator):
+    client = CoordinatorClient(coordinator.address)
+    with pytest.raises(CoordinatorError, match="register again") as err:
+        client.call(Hold(worker_id="ghost", model="m", version=1, layout_id="x", memory=[]))
+    assert err.value.code == "unknown_worker"
+    client.close()
+
+
+@pytest.mark.parametrize("frames", [
+    [b"id", b"\xc1\xc1not msgpack"],
+    [b"id", msgpack.packb({"request": {"type": "publish", "version": -1}})],
+    [b"id", msgpack.packb({"request": {"type": "status"}, "token": ["x"]})],
+    [b"only-one-frame"],
+    [b"id", b"payload", b"one too many"],
+    [b"id", b"\x00" * 100_000],
+])
+def test_malformed_bytes_on_the_socket_get_an_error_and_the_coordinator_serves_on(
+        coordinator, frames):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(coordinator.address)
+    sock.send_multipart(frames)
+    if len(frames) >= 2:
+        assert sock.poll(5000), "no reply to a malformed request"
+        reply = msgpack.unpackb(sock.recv_multipart()[-1])
+        assert reply["type"] == "error" and reply["code"] == "bad_request"
+        assert reply["message"]
+    sock.close()
+    _still_serving(coordinator.address)
+
+
+def test_a_coordinator_with_a_token_refuses_clients_without_it():
+    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token="s3cret")).start()
+    try:
+        with pytest.raises(CoordinatorError, match="token") as err:
+            CoordinatorClient(c.address, token="wrong").call(StatusRequest())
+        assert err.value.code == "unauthorized"
+        assert CoordinatorClient(c.address, token="s3cret").call(StatusRequest()).workers == []
+    finally:
+        c.stop()
