@@ -16,7 +16,7 @@ req="$here/requirements/$target.txt"
 [ -f "$req" ] || { echo "setup.sh: unknown target '$target' (core, vllm, sglang)" >&2; exit 2; }
 post="$here/requirements/$target.post.sh"
 cache=${TENSORHUB_VENV_CACHE:-$HOME/.cache/tensorhub/venvs}
-key=$(cat "$req" "$post" 2>/dev/null | sha256sum | cut -c1-12)
+key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; } | sha256sum | cut -c1-12)
 venv="$cache/$target-$key"
 python=${TENSORHUB_PYTHON:-python3}
 if [ ! -f "$venv/.tensorhub-ready" ]; then

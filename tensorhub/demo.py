@@ -41,11 +41,15 @@ def synthetic_state_dict(total_mb: float, n_tiny: int = 500, seed: int = 0,
 
 def run_demo(args: argparse.Namespace) -> int:
     address = f"tcp://127.0.0.1:{args.port}"
-    coordinator = ChildProcess.tensorhub("coordinator", "--bind", address, name="coordinator")
+    coordinator = ChildProcess.tensorhub("coordinator", "--bind", address,
+                                         "--max-readers-per-holder", "1", name="coordinator")
     replicas: list[ChildProcess] = []
     publisher = None
     try:
+        # One reader per holder at a time makes the chain visible: replica-1 reads from
+        # replica-0 while the trainer is busy (the default, 2, suits larger fleets).
         print(coordinator.next_line(timeout=30))
+
         state = synthetic_state_dict(args.size_mb)
         publisher = Publisher(address, "policy", transport=args.transport)
         for i in range(args.replicas):

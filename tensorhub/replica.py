@@ -143,16 +143,21 @@ class Replica:
         except BaseException as exc:
             self._end_lease(plan, ok=False, error=str(exc))
             raise
-        self._end_lease(plan, ok=True, stats=stats)
-        if self.staging:
-            if previous is not None:
-                self.version = None
-                self.session.withdraw(self.model, previous, max(1.0, deadline - time.monotonic()))
-            for live, staged in zip(self.layout.item_bytes, dest, strict=True):
-                live.copy_(staged)
-        self.layout.scatter()
-        self.session.hold(self.model, plan.version, self.layout, plan.checksums)
-        self.version = plan.version
+        try:
+            if self.staging:
+                if previous is not None:
+                    self.version = None
+                    self.session.withdraw(self.model, previous,
+                                          max(1.0, deadline - time.monotonic()))
+                for live, staged in zip(self.layout.item_bytes, dest, strict=True):
+                    live.copy_(staged)
+            self.layout.scatter()
+            # Hold before ending the lease: a reader planned in between then finds us as a
+            # holder, rather than a momentarily idle trainer (trees, not stars).
+            self.session.hold(self.model, plan.version, self.layout, plan.checksums)
+            self.version = plan.version
+        finally:
+            self._end_lease(plan, ok=self.version == plan.version, stats=stats)
         self.last_pull = stats
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
