@@ -60,3 +60,12 @@ def test_duplicate_names_are_refused():
     t = torch.zeros(2)
     with pytest.raises(LayoutError, match="twice"):
         manifest_of([("a", t), ("a", t)])
+
+
+def test_allocated_small_tensors_live_inside_the_compact_region():
+    layout = BoundLayout.allocate(manifest_of(_state().items()))
+    region = layout.compact
+    norm = layout.tensors[1]
+    assert region.data_ptr() <= norm.data_ptr() < region.data_ptr() + region.numel()
+    region.fill_(0)
+    assert torch.count_nonzero(norm) == 0  # a read into the region is a read into the tensor

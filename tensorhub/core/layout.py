@@ -95,7 +95,8 @@ class BoundLayout:
     out of the compact buffer by `pack` and `scatter`.
     """
 
-    def __init__(self, manifest: Manifest, tensors: Sequence[torch.Tensor]):
+    def __init__(self, manifest: Manifest, tensors: Sequence[torch.Tensor],
+                 compact: torch.Tensor | None = None):
         check_manifest(manifest)
         if len(tensors) != len(manifest.tensors):
             raise LayoutError(
@@ -112,19 +113,36 @@ class BoundLayout:
         self.item_bytes: list[torch.Tensor] = []
         for item in self.items:
             if item.kind == "compact":
-                self.compact = torch.zeros(item.nbytes, dtype=torch.uint8, device=device)
-                self.item_bytes.append(self.compact)
+                if compact is None:
+                    compact = torch.zeros(item.nbytes, dtype=torch.uint8, device=device)
+                self.compact = compact
+                self.item_bytes.append(compact)
             else:
                 self.item_bytes.append(as_bytes(self.tensors[item.tensors[0]]))
+        self._slots = self._all_slots()
 
     @classmethod
     def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu") -> BoundLayout:
-        """Fresh, zeroed tensors for a manifest: a worker that joins with no weights of its own."""
-        tensors = [
-            torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device)
-            for s in manifest.tensors
-        ]
-        return cls(manifest, tensors)
+        """Fresh tensors for a manifest (a worker that joins with no weights of its own).
+
+        Small tensors are views into the compact region, so a read of that one region
+        lands every small tensor in place: no scatter copy at all."""
+        items = plan_items(manifest)
+        compact = None
+        if items and items[0].kind == "compact":
+            compact = torch.zeros(items[0].nbytes, dtype=torch.uint8, device=device)
+        views = dict(
+            (idx, compact[off : off + manifest.tensors[idx].nbytes])
+            for item in items if item.kind == "compact"
+            for idx, off in zip(item.tensors, item.offsets, strict=True)
+        )
+        tensors = []
+        for idx, s in enumerate(manifest.tensors):
+            if idx in views and s.nbytes > 0:
+                tensors.append(views[idx].view(torch_dtype(s.dtype)).view(s.shape))
+            else:
+                tensors.append(torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device))
+        return cls(manifest, tensors, compact=compact)
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +151,7 @@ class BoundLayout:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.manifest.tensors, self.tensors, strict=True)]
 
-    def _compact_slots(self) -> list[tuple[int, int, int]]:
+    def _all_slots(self) -> list[tuple[int, int, int]]:
         """(tensor index, offset in the compact region, nbytes) for every small tensor."""
         return [
             (idx, off, self.manifest.tensors[idx].nbytes)
@@ -141,18 +159,25 @@ class BoundLayout:
             for idx, off in zip(item.tensors, item.offsets, strict=True)
         ]
 
+    def _outside(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
+        """Slots whose tensor lives outside the compact region (the rest need no copy)."""
+        assert self.compact is not None
+        base = self.compact.data_ptr()
+        return [(i, off, n) for i, off, n in self._slots
+                if n and tensors[i].data_ptr() != base + off]
+
     def pack(self, sources: Sequence[torch.Tensor] | None = None) -> None:
         """Copy the small tensors (ours, or `sources` in manifest order) into the compact region."""
-        src = self.tensors if sources is None else sources
         if self.compact is None:
             return
+        src = self.tensors if sources is None else sources
         if self.compact.device.type == "cpu":
             # memoryview slice assignment: ~10x faster than hundreds of tiny torch copies.
             region = memoryview(self.compact.numpy())
-            for idx, off, n in self._compact_slots():
+            for idx, off, n in self._outside(src):
                 region[off : off + n] = memoryview(as_bytes(src[idx]).numpy())
         else:
-            for idx, off, n in self._compact_slots():
+            for idx, off, n in self._outside(src):
                 self.compact[off : off + n].copy_(as_bytes(src[idx]))
 
     def scatter(self) -> None:
@@ -161,10 +186,10 @@ class BoundLayout:
             return
         if self.compact.device.type == "cpu":
             region = memoryview(self.compact.numpy())
-            for idx, off, n in self._compact_slots():
+            for idx, off, n in self._outside(self.tensors):
                 memoryview(as_bytes(self.tensors[idx]).numpy())[:] = region[off : off + n]
         else:
-            for idx, off, n in self._compact_slots():
+            for idx, off, n in self._outside(self.tensors):
                 as_bytes(self.tensors[idx]).copy_(self.compact[off : off + n])
 
     def copy_large_from(self, sources: Sequence[torch.Tensor]) -> None:
