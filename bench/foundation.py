@@ -68,7 +68,7 @@ def bench_gib(report: Report, size_mb: int, repeat: int) -> None:
     dst.fill_(0)
     memcpy = gb / median_seconds(lambda: dst.copy_(src), repeat)
     report.add(f"memcpy {size_mb} MiB (torch copy_, one process)", memcpy, "GB/s")
-    del src, dst
+    src = dst = None  # free 2 GiB before the next figures
 
     holder, info = _holder("raw", "--size-mb", str(size_mb))
     try:

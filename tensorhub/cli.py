@@ -13,9 +13,9 @@ DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from tensorhub.core.client import token_from_env
     from tensorhub.coordinator.planner import PlannerConfig
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.core.client import token_from_env
 
     token = token_from_env()
     config = CoordinatorConfig(

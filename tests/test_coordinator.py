@@ -6,6 +6,7 @@ import torch
 import zmq
 
 from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     Endpoint,
@@ -17,7 +18,6 @@ from tensorhub.core.data_types import (
     StatusRequest,
     TensorSpec,
 )
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 
 STATE = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
 

@@ -46,7 +46,7 @@ def test_successive_versions_replace_the_replica_buffers_in_place(coordinator, t
     pointers = {k: v.data_ptr() for k, v in live.items()}
     with Publisher(coordinator.address, "policy", transport=transport) as pub, \
             Replica(coordinator.address, "policy", live, transport=transport) as rep:
-        for step in range(3):
+        for _ in range(3):
             for t in state.values():
                 t.add_(1.0)
             v = pub.publish(state)

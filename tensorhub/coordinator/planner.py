@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorhub.core.data_types import ReadRange
 from tensorhub.coordinator.table import LayoutRec, Table
+from tensorhub.core.data_types import ReadRange
 
 
 @dataclass(frozen=True)

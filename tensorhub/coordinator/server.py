@@ -13,18 +13,20 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
+from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_ranges
+from tensorhub.coordinator.table import HolderRec, LayoutRec, ModelRec, Table, VersionRec, WorkerRec
 from tensorhub.core.data_types import (
     Ack,
     Announcement,
     ErrorReply,
     GetManifest,
     Heartbeat,
-    HolderStatus,
     Hold,
+    HolderStatus,
     ManifestReply,
     MemoryDesc,
     ModelStatus,
@@ -47,8 +49,6 @@ from tensorhub.core.data_types import (
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
 from tensorhub.core.wire import WireError, decode_envelope, encode
-from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_ranges
-from tensorhub.coordinator.table import HolderRec, LayoutRec, ModelRec, Table, VersionRec, WorkerRec
 
 log = logging.getLogger("tensorhub.coordinator")
 
@@ -62,7 +62,7 @@ class CoordinatorConfig:
     worker_ttl: float = 5.0
     lease_ttl: float = 120.0
     busy_retry: float = 0.05
-    planner: PlannerConfig = PlannerConfig()
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 class Reject(Exception):
