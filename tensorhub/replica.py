@@ -19,15 +19,17 @@ import time
 import torch
 
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.data_types import PlanRequest, ReadDone, ReadPlan
+from tensorhub.core.data_types import ByteRange, PlanRequest, ReadDone, ReadPlan
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
-from tensorhub.core.puller import PullStats, read_plan, verify
+from tensorhub.core.puller import PullStats, read_plan, split, verify
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
 
 log = logging.getLogger("tensorhub.replica")
+
+NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
 
 
 class Replica:
@@ -83,15 +85,20 @@ class Replica:
         return dict(self.layout.named_tensors()) if self.layout else {}
 
     # ------------------------------------------------------------------ pulling
-    def _plan(self, version, deadline: float) -> ReadPlan:
+    def _plan(self, version, deadline: float,
+              missing: list[ByteRange] | None = None) -> ReadPlan:
+        """Ask for a plan; wait while holders are busy, and briefly (a few heartbeats, in
+        case holders are re-registering with a restarted coordinator) while none is left."""
+        no_holder_until = time.monotonic() + NO_HOLDER_GRACE
         while True:
             try:
                 return self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
-                    layout_id=self.layout.layout_id if self.layout else None))
+                    layout_id=self.layout.layout_id if self.layout else None, missing=missing))
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
-                if retry is None or time.monotonic() + retry > deadline:
+                limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
+                if retry is None or time.monotonic() + retry > limit:
                     raise
                 time.sleep(retry)
 
@@ -105,12 +112,45 @@ class Replica:
         except TensorHubError as exc:  # the lease expires on its own
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
-    def pull(self, version: int | str = "latest", timeout: float = 60.0) -> int:
+    def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
+              max_replans: int) -> tuple[ReadPlan, PullStats]:
+        """Read the plan; when a source fails, report it, and re-plan only the missing
+        ranges of the same version from another holder."""
+        done: set[tuple[int, int, int]] = set()
+        total = PullStats(self.model, plan.version, [], 0, 0.0)
+        for attempt in range(max_replans + 1):
+            try:
+                read_plan(self.session.transport, plan, dest,
+                          timeout=max(0.001, deadline - time.monotonic()), done=done,
+                          stats=total)
+            except TransferError as exc:
+                # The failed source loses its references; the lease on the others ends too.
+                self._end_lease(plan, ok=False, error=str(exc),
+                                failed=[exc.source] if exc.source else None)
+                missing = [ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes)
+                           for r in split(plan) if r.key() not in done]
+                if attempt == max_replans:
+                    raise
+                log.warning("%s: reading %s v%d failed (%s); re-planning %d missing ranges "
+                            "(%.1f MiB)", self.session.name, self.model, plan.version, exc,
+                            len(missing), sum(r.nbytes for r in missing) / 2**20)
+                plan = self._plan(plan.version, deadline, missing)
+                continue
+            except BaseException as exc:
+                self._end_lease(plan, ok=False, error=str(exc))
+                raise
+            return plan, total
+        raise AssertionError("unreachable")
+
+    def pull(self, version: int | str = "latest", timeout: float = 60.0,
+             max_replans: int = 3) -> int:
         """Pull `version` (or the latest) into this replica's buffers; return the version.
 
-        Raises `CoordinatorError` (unknown model/version, no holder), `TransferError`,
-        `IntegrityError` or `LayoutError`; see the class docstring for what a failure
-        leaves behind."""
+        A source that fails mid-read is reported (the coordinator drops its references)
+        and only the missing ranges are re-planned from another holder, up to
+        `max_replans` times. Raises `CoordinatorError` (unknown model/version, no holder
+        left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
+        for what a failure leaves behind."""
         deadline = time.monotonic() + timeout
         plan = self._plan(version, deadline)
         if plan.version == self.version:
@@ -132,14 +172,9 @@ class Replica:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
-            stats = read_plan(self.session.transport, plan, dest,
-                              timeout=max(0.001, deadline - time.monotonic()))
+            plan, stats = self._read(plan, dest, deadline, max_replans)
             if self.verify:
                 stats.verify_seconds = verify(plan, dest)
-        except TransferError as exc:
-            self._end_lease(plan, ok=False, error=str(exc),
-                            failed=[exc.source] if exc.source else None)
-            raise
         except BaseException as exc:
             self._end_lease(plan, ok=False, error=str(exc))
             raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorhub.coordinator.table import LayoutRec, Table
-from tensorhub.core.data_types import ReadRange
+from tensorhub.core.data_types import ByteRange, ReadRange
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,13 @@ class NoSource(Exception):
 
 
 def plan_ranges(table: Table, layout: LayoutRec, reader: str, config: PlannerConfig,
-                exclude: set[str] = frozenset()) -> list[ReadRange]:
+                missing: list[ByteRange] | None = None) -> list[ReadRange]:
+    """Ranges for `reader` to read: every item whole, or only the `missing` ranges left
+    after a failed read (re-planning reads nothing twice)."""
     candidates = []
     for holder in layout.holders.values():
         worker = table.workers.get(holder.worker_id)
         if holder.withdrawn or worker is None or holder.worker_id == reader:
-            continue
-        if holder.worker_id in exclude:
             continue
         load = table.active_reads(holder.worker_id)
         candidates.append((worker.role == "trainer", load, worker.seq, holder.worker_id))
@@ -44,7 +44,11 @@ def plan_ranges(table: Table, layout: LayoutRec, reader: str, config: PlannerCon
     if not free:
         raise NoSource(busy=True)
     source = free[0][3]
-    return [
-        ReadRange(item=k, offset=0, nbytes=item.nbytes, source=source)
-        for k, item in enumerate(layout.items)
-    ]
+    if missing is None:
+        return [ReadRange(item=k, offset=0, nbytes=item.nbytes, source=source)
+                for k, item in enumerate(layout.items)]
+    for r in missing:
+        if r.item >= len(layout.items) or r.offset + r.nbytes > layout.items[r.item].nbytes:
+            raise ValueError(f"range {r.item}:{r.offset}+{r.nbytes} is outside the layout")
+    return [ReadRange(item=r.item, offset=r.offset, nbytes=r.nbytes, source=source)
+            for r in missing]

@@ -333,7 +333,10 @@ class Coordinator:
                          f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                          f"known layouts: {', '.join(vrec.layouts)}")
         try:
-            ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner)
+            ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner,
+                                 req.missing)
+        except ValueError as exc:
+            raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
             if exc.busy:
                 raise Reject("busy", "every holder is serving its maximum of readers",

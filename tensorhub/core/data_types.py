@@ -137,12 +137,22 @@ class Withdraw(Strict):
     version: Version
 
 
+class ByteRange(Strict):
+    """Bytes [offset, offset+nbytes) of item `item` of a layout."""
+
+    item: Annotated[int, Field(ge=0)]
+    offset: Annotated[int, Field(ge=0)]
+    nbytes: Annotated[int, Field(ge=0)]
+
+
 class PlanRequest(Strict):
     type: Literal["plan"] = "plan"
     worker_id: Name
     model: Name
     version: Version | Literal["latest"] = "latest"
     layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
+    # Re-planning after a failure: only these ranges are still missing (None: everything).
+    missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
 
 
 class ReadDone(Strict):
@@ -224,6 +234,9 @@ class ReadRange(Strict):
     offset: int
     nbytes: int
     source: Name
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.item, self.offset, self.nbytes)
 
 
 class Source(Strict):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorhub.core.checksum import checksum
-from tensorhub.core.data_types import MemoryDesc, ReadPlan
+from tensorhub.core.data_types import MemoryDesc, ReadPlan, ReadRange
 from tensorhub.core.errors import IntegrityError
 from tensorhub.core.transport import Peer, ReadOp, Transport
 
@@ -34,31 +34,67 @@ class PullStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+BATCH_BYTES = 64 << 20  # progress is tracked per batch: a failure loses at most this much
+
+
+def split(plan: ReadPlan, batch_bytes: int | None = None) -> list[ReadRange]:
+    """The plan's ranges cut into pieces of at most `batch_bytes` (idempotent)."""
+    batch_bytes = batch_bytes or BATCH_BYTES
+    pieces = []
+    for r in plan.ranges:
+        for off in range(0, max(r.nbytes, 1), batch_bytes):
+            n = min(batch_bytes, r.nbytes - off)
+            pieces.append(r.model_copy(update={"offset": r.offset + off, "nbytes": n}))
+    return pieces
+
+
 def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
-              timeout: float) -> PullStats:
-    """Read every range of `plan` into `dest` (one uint8 buffer per item). Raises
-    `TransferError` naming the failing source."""
+              timeout: float, done: set[tuple[int, int, int]] | None = None,
+              stats: PullStats | None = None, batch_bytes: int | None = None) -> PullStats:
+    """Read the ranges of `plan` into `dest` (one uint8 buffer per item), in batches of at
+    most `batch_bytes`. Every range read is added to `done` (and ranges already in it are
+    skipped), so after a `TransferError` (which names the failing source) the caller knows
+    exactly which bytes are still missing and re-plans only those. `stats` (if given)
+    accumulates across such attempts."""
     if len(dest) != len(plan.checksums):
         raise ValueError(f"{len(dest)} destination items for a plan of {len(plan.checksums)}")
+    done = set() if done is None else done
+    batch_bytes = batch_bytes or BATCH_BYTES
     sources = {s.worker_id: s for s in plan.sources}
-    by_source: dict[str, list[ReadOp]] = {}
-    for r in plan.ranges:
-        src = sources[r.source]
-        m = src.memory[r.item]
-        remote = MemoryDesc(addr=m.addr + r.offset, nbytes=r.nbytes, device=m.device, mem=m.mem)
-        local = dest[r.item][r.offset : r.offset + r.nbytes]
-        by_source.setdefault(r.source, []).append(ReadOp(local=local, remote=remote))
-    started = time.perf_counter()
+    batches: list[tuple[str, list[ReadRange]]] = []
+    for r in split(plan, batch_bytes):
+        if r.key() in done:
+            continue
+        if batches and batches[-1][0] == r.source and \
+                sum(x.nbytes for x in batches[-1][1]) + r.nbytes <= batch_bytes:
+            batches[-1][1].append(r)
+        else:
+            batches.append((r.source, [r]))
+    if stats is None:
+        stats = PullStats(plan.model, plan.version, [], 0, 0.0)
     deadline = time.monotonic() + timeout
-    counted: dict[str, int] = {}
-    for sid, ops in by_source.items():
-        transport.read(Peer(sid, sources[sid].endpoint), ops,
-                       timeout=max(0.001, deadline - time.monotonic()))
-        counted[sources[sid].name] = sum(op.remote.nbytes for op in ops)
-    seconds = time.perf_counter() - started
-    return PullStats(model=plan.model, version=plan.version,
-                     sources=[sources[s].name for s in by_source], nbytes=sum(counted.values()),
-                     seconds=seconds, by_source=counted)
+    for sid, ranges in batches:
+        src = sources[sid]
+        ops = []
+        for r in ranges:
+            m = src.memory[r.item]
+            ops.append(ReadOp(
+                local=dest[r.item][r.offset : r.offset + r.nbytes],
+                remote=MemoryDesc(addr=m.addr + r.offset, nbytes=r.nbytes, device=m.device,
+                                  mem=m.mem)))
+        started = time.perf_counter()
+        try:
+            transport.read(Peer(sid, src.endpoint), ops,
+                           timeout=max(0.001, deadline - time.monotonic()))
+        finally:
+            stats.seconds += time.perf_counter() - started
+        done.update(r.key() for r in ranges)
+        nbytes = sum(r.nbytes for r in ranges)
+        if src.name not in stats.by_source:
+            stats.sources.append(src.name)
+        stats.by_source[src.name] = stats.by_source.get(src.name, 0) + nbytes
+        stats.nbytes += nbytes
+    return stats
 
 
 def verify(plan: ReadPlan, dest: list[torch.Tensor]) -> float:

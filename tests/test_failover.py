@@ -1,0 +1,48 @@
+"""A source that dies mid-pull: the reader re-plans only the missing ranges elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from tensorhub import Publisher, Replica
+from tensorhub.core import puller
+from tensorhub.core.checksum import checksum
+from tensorhub.demo import synthetic_state_dict
+from tensorhub.processes import ChildProcess
+
+
+def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
+        coordinator, transport, monkeypatch):
+    state = synthetic_state_dict(256, n_tiny=100, seed=11)
+    holder = ChildProcess.tensorhub(
+        "--log-level", "WARNING", "replica", "--coordinator", coordinator.address,
+        "--name", "doomed", "--transport", transport, "--json", "--versions", "1", "--linger",
+        "--timeout", "120", name="doomed")
+    try:
+        with Publisher(coordinator.address, "policy", transport=transport) as pub:
+            pub.publish(state)
+            assert holder.next_json(timeout=120)["event"] == "pulled"
+            with Replica(coordinator.address, "policy", transport=transport,
+                         name="reader") as reader:
+                monkeypatch.setattr(puller, "BATCH_BYTES", 8 << 20)
+                real_read = reader.session.transport.read
+                reads = []
+
+                def read_then_kill(peer, ops, timeout):
+                    reads.append(peer.worker_id)
+                    if len(reads) == 3:
+                        holder.kill()  # SIGKILL, mid-pull: two batches are in
+                    return real_read(peer, ops, min(timeout, 10.0))
+
+                monkeypatch.setattr(reader.session.transport, "read", read_then_kill)
+                assert reader.pull(timeout=120) == 1
+                assert {n: checksum(t) for n, t in reader.tensors.items()} == \
+                       {n: checksum(t) for n, t in state.items()}
+                assert reader.last_pull.sources[0] == "doomed"
+                assert "trainer" in reader.last_pull.sources
+                total = sum(t.numel() * t.element_size() for t in state.values())
+                assert reader.last_pull.nbytes < total + (8 << 20)  # no range read twice
+                records = [t for t in coordinator.table.transfers if t.reader == "reader"]
+                assert [r.ok for r in records] == [False, True]
+    finally:
+        holder.stop()
