@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tensorhub import Publisher, Replica
 from tensorhub.core import puller
 from tensorhub.core.checksum import checksum
