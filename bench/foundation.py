@@ -23,7 +23,7 @@ import torch
 from bench.holder import big_tensors, tiny_tensors
 from bench.results import Report, median_seconds
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-from tensorhub.core.transport.nixl import apply_ucx_defaults
+from tensorhub.core.transport.nixl import make_agent, apply_ucx_defaults
 from tensorhub.processes import ChildProcess
 from tensorhub.replica import Replica
 
@@ -34,12 +34,12 @@ def _holder(*args: str) -> tuple[ChildProcess, dict]:
 
 
 class RawReader:
-    """A bare NIXL agent reading from the raw holder: the baseline without TensorHub."""
+    """A bare NIXL agent reading from the raw holder: the baseline without TensorHub.
+    (Same agent settings as ours, progress-thread delay included, so only our layers
+    differ.)"""
 
     def __init__(self, info: dict):
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.agent = nixl_agent("raw-reader", nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent("raw-reader")
         self.peer = self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
 
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -171,7 +171,6 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     apply_ucx_defaults()
-    torch.set_num_threads(1)
     report = Report("foundation")
     bench_gib(report, args.size_mb, args.repeat)
     bench_tiny(report, args.tiny, args.repeat * 2)

@@ -28,13 +28,11 @@ def big_tensors(total_mb: int) -> list[torch.Tensor]:
 
 
 def _raw(args) -> None:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    from tensorhub.core.transport.nixl import apply_ucx_defaults
+    from tensorhub.core.transport.nixl import make_agent, apply_ucx_defaults
 
     apply_ucx_defaults()
     tensors = tiny_tensors(args.tiny) if args.tiny else big_tensors(args.size_mb)
-    agent = nixl_agent("raw-holder", nixl_agent_config(backends=["UCX"]))
+    agent = make_agent("raw-holder")
     agent.register_memory(tensors)
     compact = None
     if args.tiny:  # the same bytes, packed, as TensorHub's compaction would

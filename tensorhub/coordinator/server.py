@@ -26,6 +26,8 @@ from tensorhub.core.data_types import (
     GetManifest,
     Heartbeat,
     Hold,
+    HoldingsReply,
+    HoldingsRequest,
     HolderStatus,
     ManifestReply,
     MemoryDesc,
@@ -106,6 +108,7 @@ class Coordinator:
             Unregister: self._unregister, Publish: self._publish, Hold: self._hold,
             Withdraw: self._withdraw, PlanRequest: self._plan, ReadDone: self._read_done,
             GetManifest: self._manifest, StatusRequest: self._status,
+            HoldingsRequest: self._holdings,
         }  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
@@ -392,6 +395,19 @@ class Coordinator:
         layout = vrec.layouts[vrec.origin_layout]
         return ManifestReply(model=req.model, version=vrec.version,
                              layout_id=vrec.origin_layout, manifest=layout.manifest)
+
+    def _holdings(self, req: HoldingsRequest) -> HoldingsReply:
+        mrec = self.table.models.get(req.model)
+        wanted = set(req.names)
+        holdings: dict[str, list[int]] = {n: [] for n in req.names}
+        for v, vrec in sorted(mrec.versions.items()) if mrec else []:
+            for layout in vrec.layouts.values():
+                for h in layout.holders.values():
+                    w = self.table.workers.get(h.worker_id)
+                    if w is not None and w.name in wanted and not h.withdrawn \
+                            and v not in holdings[w.name]:
+                        holdings[w.name].append(v)
+        return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings)
 
     def _status(self, req: StatusRequest) -> StatusReply:
         now = time.monotonic()

@@ -178,9 +178,18 @@ class StatusRequest(Strict):
     type: Literal["status"] = "status"
 
 
+class HoldingsRequest(Strict):
+    """Which versions of `model` do the workers named `names` hold? (Cheap enough to poll:
+    an engine's front end watches its own workers this way.)"""
+
+    type: Literal["holdings"] = "holdings"
+    model: Name
+    names: list[Name] = Field(max_length=1024)
+
+
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
-    | GetManifest | StatusRequest,
+    | GetManifest | StatusRequest | HoldingsRequest,
     Field(discriminator="type"),
 ]
 
@@ -310,6 +319,12 @@ class StatusReply(Strict):
     transfers: list[TransferRecord]
 
 
+class HoldingsReply(Strict):
+    type: Literal["holdings_reply"] = "holdings_reply"
+    latest: int  # 0: the model has no version yet
+    holdings: dict[str, list[int]]  # name -> versions held completely (not withdrawn)
+
+
 class Announcement(Strict):
     """PUB message: a model has a new version (topic = model name)."""
 
@@ -320,6 +335,6 @@ class Announcement(Strict):
 
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply,
+    | StatusReply | HoldingsReply,
     Field(discriminator="type"),
 ]

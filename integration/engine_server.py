@@ -1,0 +1,155 @@
+"""One engine server process tree, started from tests (core venv side) and always stopped.
+
+vLLM and SGLang run in their own venvs (each pins its own torch), so a server is a
+subprocess of that venv's python. It gets its own process group (`start_new_session`), and
+`stop()` signals the whole group by the leader's PID, so the engine's child processes die
+with it and nothing is ever matched by name. Engine specifics (arguments, environment,
+how to ask for greedy tokens) live in `vllm_server.py` and `sglang_server.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineServer:
+    kind = "engine"
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], port: int,
+                 log_path: str | Path | None):
+        self.args = list(args)
+        self.env = dict(env)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_path) if log_path else \
+            Path(f"/tmp/{self.kind}-server-{port}.log")
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def launch(self) -> EngineServer:
+        """Start the process without waiting (start several, then `wait_healthy` each)."""
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def start(self, timeout: float = 240.0) -> EngineServer:
+        """Launch the server and block until `/health` answers 200 (or raise)."""
+        self.launch()
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.kind} exited with {self.proc.returncode} during startup; "
+                    f"log tail:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.kind} not healthy after {timeout}s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group (by the leader's PID), SIGKILL if it lingers,
+        then wait until the whole group is gone so the next test starts clean."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            deadline = time.monotonic() + 10
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+                while time.monotonic() < deadline:
+                    os.killpg(proc.pid, 0)  # raises ProcessLookupError once all are gone
+                    time.sleep(0.1)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> EngineServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- helpers ---------------------------------------------------------------------
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def request(self, path: str, payload: dict | None = None, timeout: float = 120.0,
+                method: str | None = None, headers: Mapping[str, str] | None = None):
+        """JSON request (POST when `payload` is given). Returns parsed JSON, or the text if
+        the body is not JSON. Raises `urllib.error.HTTPError` on 4xx/5xx."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method or ("POST" if data else "GET"),
+            headers={"Content-Type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+        if not body:
+            return {}
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        raise NotImplementedError
+
+
+def base_env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env

@@ -1,0 +1,146 @@
+"""vLLM end to end: real `vllm serve` engines with the TensorHub plugin, a real coordinator,
+a trainer publishing float32 versions; greedy tokens checked against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from integration.conftest import Versions
+from integration.tiny_model import pick_stable_prompts
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import StatusRequest
+
+MODEL = "policy"
+TOKENS = 16
+PLUGIN_ARGS = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+               "--enable-scale-out"]
+
+
+def plugin_env(coordinator: str) -> dict[str, str]:
+    return {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": coordinator,
+            "TENSORHUB_MODEL": MODEL}
+
+
+def wait_serving(server: VLLMServer, version: int, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = server.request("/tensorhub/status")
+        if status["serving_version"] == version:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.url} serves v{status['serving_version']}, not "
+                                 f"v{version} after {timeout}s: {status}\n{server.log_tail()}")
+        time.sleep(0.2)
+
+
+def transfers(address: str, version: int) -> list:
+    client = CoordinatorClient(address)
+    try:
+        return [t for t in client.call(StatusRequest()).transfers
+                if t.version == version and t.ok and t.nbytes > 0]
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, vllm_python, coordinator_process):
+    root = tmp_path_factory.mktemp("vllm")
+    versions = Versions(root, count=4)
+    prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
+                                            state_dicts=versions.states)
+    for v in range(1, 4):
+        assert expected[v] != expected[v - 1], "versions must change the greedy tokens"
+    address = coordinator_process.address
+    pub = Publisher(address, MODEL, name="trainer")
+    pub.publish(versions.state(1))  # version 1: the weights in the model folder
+    engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
+                          env=plugin_env(address), log_path=root / f"engine-{i}.log").launch()
+               for i in range(2)]
+    try:
+        for e in engines:
+            e.wait_healthy(300)
+        yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected, pub=pub,
+                              engines=engines, address=address, root=root)
+    finally:
+        for e in engines:
+            e.stop()
+        pub.close()
+
+
+def test_engines_start_by_joining_the_published_version(fleet):
+    for e in fleet.engines:
+        status = wait_serving(e, 1)
+        assert status["vllm_weight_version"] == "1"
+        assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[0]
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_both_engines_switch_to_a_new_version_and_match_hf(fleet, version):
+    assert fleet.pub.publish(fleet.versions.state(version)) == version
+    for e in fleet.engines:
+        status = wait_serving(e, version)
+        assert status["vllm_weight_version"] == str(version)
+        got = e.greedy(fleet.prompts, TOKENS)
+        assert got == fleet.expected[version - 1], f"{e.url} differs from HF at v{version}"
+        assert got != fleet.expected[version - 2]
+    pulls = transfers(fleet.address, version)
+    engine_to_engine = [t for t in pulls if t.source.startswith("vllm-")]
+    assert len(pulls) == 2 and engine_to_engine, \
+        f"v{version}: expected one engine to read from the other, got {pulls}"
+
+
+def test_an_engine_started_later_serves_the_newest_version_without_its_weights_on_disk(
+        fleet, vllm_python):
+    weightless = fleet.versions.weightless_dir(fleet.root)
+    late = VLLMServer(vllm_python, weightless, extra_args=[*PLUGIN_ARGS, "--load-format", "dummy"],
+                      env=plugin_env(fleet.address), log_path=fleet.root / "late.log")
+    with late:
+        assert late.request("/tensorhub/status")["serving_version"] == 3  # before any request
+        assert late.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
+    assert "joined at policy v3 from peers" in late.log_path.read_text()
+
+
+def _generate(server: VLLMServer, prompt: list[int]) -> dict:
+    r = server.request("/inference/v1/generate", {
+        "token_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True}})
+    return r["choices"][0]
+
+
+def test_requests_in_flight_during_an_update_are_answered_by_exactly_one_version(fleet):
+    engine = fleet.engines[0]
+    answers: list[tuple[int, dict]] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        while not stop.is_set():
+            i = k % len(fleet.prompts)
+            answers.append((i, _generate(engine, fleet.prompts[i])))
+            k += 2
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    fleet.pub.publish(fleet.versions.state(4))
+    wait_serving(engine, 4)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    seen = set()
+    for i, choice in answers:
+        spans = choice["weight_versions"]
+        assert len(spans) == 1, f"an answer mixed versions: {spans}"
+        version = int(spans[0]["version"])
+        seen.add(version)
+        assert choice["token_ids"] == fleet.expected[version - 1][i], \
+            f"prompt {i} answered by v{version} differs from HF on v{version}"
+    assert seen == {3, 4}, f"expected answers from v3 and v4, saw {seen}"

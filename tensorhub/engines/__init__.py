@@ -1,0 +1,1 @@
+"""Engine-agnostic pieces the vLLM and SGLang plugins share (no engine imports here)."""

@@ -1,0 +1,118 @@
+"""The worker-side half of an engine plugin: a checkpoint-layout copy that pulls and serves.
+
+On CPU, engines repack their weights after loading, so an engine cannot serve reads from
+its live parameters; it keeps the version it holds in checkpoint layout (HF names, as the
+trainer publishes them) in registered memory. That copy is a `Replica`: it pulls a new
+version while the engine keeps generating with the old one, serves it to other engines at
+once, and is what the engine applies with its own `load_weights`.
+
+In follow mode a thread pulls each announced version, but only once the engine has applied
+what it holds, so the copy is never overwritten while the front end is about to apply it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tensorhub.core.errors import TensorHubError
+from tensorhub.replica import Replica
+
+log = logging.getLogger("tensorhub.engines")
+
+STALE_APPLY = 30.0  # seconds after which a held, never-applied version may be overwritten
+
+
+class CheckpointHolder:
+    def __init__(self, coordinator: str, model: str, name: str, *,
+                 transport: str | None = None, follow: bool = True,
+                 pull_timeout: float = 120.0):
+        self.replica = Replica(coordinator, model, name=name, transport=transport)
+        self.pull_timeout = pull_timeout
+        self.applied: int | None = None
+        self.last_error: str | None = None
+        self._held_since = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if follow:
+            self._thread = threading.Thread(target=self._follow, daemon=True,
+                                            name=f"tensorhub-follow-{name}")
+            self._thread.start()
+
+    @property
+    def version(self) -> int | None:
+        return self.replica.version
+
+    def pull(self, version: int | str = "latest") -> int:
+        """Pull now (blocking) into the checkpoint copy; the engine keeps serving meanwhile."""
+        with self._lock:
+            got = self.replica.pull(version, timeout=self.pull_timeout)
+            self._held_since = time.monotonic()
+            self.last_error = None
+            return got
+
+    def prefetch(self, version: int | str = "latest") -> None:
+        """Pull in the background; returns at once (errors land in `last_error`)."""
+        def run() -> None:
+            try:
+                self.pull(version)
+            except TensorHubError as exc:
+                self.last_error = str(exc)
+                log.warning("prefetch of %s failed: %s", version, exc)
+        threading.Thread(target=run, daemon=True, name="tensorhub-prefetch").start()
+
+    def _may_replace(self) -> bool:
+        held = self.replica.version
+        return held is None or held == self.applied or \
+            time.monotonic() - self._held_since > STALE_APPLY
+
+    def _follow(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                newer = self.replica.wait_for_newer(timeout=1.0)
+                if newer is None or not self._may_replace():
+                    if newer is not None:
+                        self._stop.wait(0.05)
+                    continue
+                self.pull(newer)
+                backoff = 0.5
+            except TensorHubError as exc:
+                self.last_error = str(exc)
+                log.warning("%s: pulling a new version failed (%s); retrying in %.1fs",
+                            self.replica.session.name, exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except Exception:  # never let the thread die: the engine relies on it
+                log.exception("follow loop error")
+                self._stop.wait(1.0)
+
+    @contextmanager
+    def tensors_of(self, version: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The checkpoint tensors of `version`, locked against replacement while the engine
+        applies them. Raises before yielding if we do not hold exactly that version."""
+        if not self._lock.acquire(timeout=10.0):
+            raise TensorHubError("the checkpoint copy is busy (a pull is running)",
+                                 code="busy")
+        try:
+            if self.replica.version != version:
+                raise TensorHubError(
+                    f"asked to apply v{version} but this worker holds "
+                    f"{'nothing' if self.replica.version is None else f'v{self.replica.version}'}",
+                    code="unknown_version")
+            yield self.replica.layout.named_tensors()
+            self.applied = version
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.replica.close()

@@ -1,0 +1,115 @@
+"""The `tensorhub` weight-transfer backend: vLLM creates it in each worker process.
+
+It keeps a checkpoint-layout copy of the weights it holds (`CheckpointHolder`) that pulls
+new versions while the engine serves, and serves them to other engines. Applying a version
+is vLLM's layerwise reload (the path that works on CPU, where linear weights are repacked
+after loading) fed from that copy. Everything that can fail — holding the wrong version,
+a pull in progress — is checked before the model is touched, so a failed update leaves
+the engine on its previous weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from tensorhub.engines.holder import CheckpointHolder
+
+log = logging.getLogger("tensorhub.vllm")
+
+
+@dataclass
+class TensorHubInitInfo(WeightTransferInitInfo):
+    """`op="init"` creates the holder; `op="prefetch"` pulls `version` in the background."""
+
+    op: str = "init"
+    coordinator: str = ""
+    model: str = "policy"
+    name: str = "vllm"
+    transport: str | None = None
+    follow: bool = True
+    pull_timeout: float = 120.0
+    version: int = 0  # prefetch: 0 = latest
+
+
+@dataclass
+class TensorHubUpdateInfo(WeightTransferUpdateInfo):
+    version: int = 0
+
+
+class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
+    init_info_cls = TensorHubInitInfo
+    update_info_cls = TensorHubUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.holder: CheckpointHolder | None = None
+
+    def _worker_name(self, base: str) -> str:
+        world = self.parallel_config.world_size
+        if world == 1:
+            return base
+        from vllm.distributed import get_world_group
+
+        return f"{base}-rank{get_world_group().rank}"
+
+    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
+        if init_info.op == "init":
+            if self.holder is not None:
+                self.holder.close()
+            self.holder = CheckpointHolder(
+                init_info.coordinator, init_info.model, self._worker_name(init_info.name),
+                transport=init_info.transport, follow=init_info.follow,
+                pull_timeout=init_info.pull_timeout)
+            log.info("TensorHub holder %s ready (follow=%s)", self.holder.replica.session.name,
+                     init_info.follow)
+        elif init_info.op == "prefetch":
+            self._holder().prefetch(init_info.version or "latest")
+        else:
+            raise ValueError(f"unknown TensorHub init op {init_info.op!r}")
+
+    def _holder(self) -> CheckpointHolder:
+        if self.holder is None:
+            raise RuntimeError("TensorHub engine not initialised (init op missing)")
+        return self.holder
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the whole swap happens in `receive_weights`, after checks."""
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class synchronises an accelerator, which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        with self._holder().tensors_of(update_info.version) as named:
+            initialize_layerwise_reload(self.model)
+            self.model.load_weights(iter(named))
+            finalize_layerwise_reload(self.model, self.model_config)
+            if getattr(self.model_config.hf_config, "tie_word_embeddings", False) and \
+                    hasattr(self.model, "lm_head") and hasattr(self.model.lm_head, "quant_method"):
+                # A tied lm_head shares the embedding's parameter but keeps its own packed
+                # CPU GEMM, which the layerwise reload does not redo: redo it.
+                self.model.lm_head.quant_method.process_weights_after_loading(self.model.lm_head)
+        log.info("applied v%d", update_info.version)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
+            self.holder = None

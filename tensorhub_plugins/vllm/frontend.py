@@ -1,0 +1,238 @@
+"""TensorHub's front end inside vLLM's API server: elastic start-up, follow mode, routes.
+
+The front end decides *when* the engine switches version; the workers' `TensorHubEngine`s
+do the pulling and the swap. It learns what its workers hold from the coordinator (they
+report every version they hold, which is how other engines find them too), and swaps only
+to a version that every rank already holds: pause → swap → reset prefix cache → resume,
+so the stall is the swap alone, never the transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+
+from tensorhub.core.client import CoordinatorClient, token_from_env
+from tensorhub.core.data_types import HoldingsRequest
+from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.settings import EngineSettings, load_settings
+
+log = logging.getLogger("tensorhub.vllm")
+router = APIRouter()
+
+
+class UpdateRequest(BaseModel):
+    version: int | None = Field(default=None, ge=1, description="default: the latest")
+    timeout: float = Field(default=120.0, gt=0, le=3600)
+
+
+class Frontend:
+    def __init__(self, settings: EngineSettings, engine_client, name: str, world_size: int):
+        self.settings = settings
+        self.engine = engine_client
+        self.name = name
+        self.workers = [name] if world_size == 1 else [f"{name}-rank{r}"
+                                                       for r in range(world_size)]
+        self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
+        self.serving: int | None = None
+        self.last_update: dict | None = None
+        self.updates = 0
+        self.last_error: str | None = None
+        self._swap = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ coordinator
+    async def holdings(self) -> tuple[int, int | None]:
+        """(latest version known to the coordinator, newest version every rank holds)."""
+        reply = await asyncio.to_thread(
+            self.client.call, HoldingsRequest(model=self.settings.model, names=self.workers))
+        common = set.intersection(*(set(v) for v in reply.holdings.values()))
+        return reply.latest, max(common) if common else None
+
+    async def _init_workers(self) -> None:
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "op": "init", "coordinator": self.settings.coordinator,
+            "model": self.settings.model, "name": self.name,
+            "transport": self.settings.transport, "follow": self.settings.mode == "follow",
+            "pull_timeout": self.settings.update_timeout}))
+
+    async def _wait_held(self, version: int, timeout: float) -> None:
+        """Wait until every rank holds `version`, asking them to pull it if need be."""
+        deadline = time.monotonic() + timeout
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
+            init_info={"op": "prefetch", "version": version}))
+        while True:
+            _, held = await self.holdings()
+            if held is not None and held >= version:
+                return
+            if time.monotonic() > deadline:
+                raise TensorHubError(f"workers did not get v{version} within {timeout:.0f}s",
+                                     code="timeout")
+            await asyncio.sleep(self.settings.poll_interval)
+
+    # ------------------------------------------------------------------ swapping
+    async def swap(self, version: int, pause: bool = True) -> dict:
+        """Make the engine serve `version`, which every rank holds. Returns timings."""
+        async with self._swap:
+            if self.serving == version:
+                return {"version": version, "stall_ms": 0.0, "changed": False}
+            started = time.perf_counter()
+            if pause:
+                await self.engine.pause_generation(mode=self.settings.pause)
+            try:
+                await self.engine.start_weight_update()
+                try:
+                    await self.engine.update_weights(
+                        WeightTransferUpdateRequest(update_info={"version": version}))
+                except BaseException:
+                    log.error("swap to v%d failed; still serving %s", version,
+                              self.serving or "the weights loaded at start")
+                    raise
+                await self.engine.finish_weight_update(weight_version=str(version))
+                await self.engine.reset_prefix_cache()
+            finally:
+                if pause:
+                    await self.engine.resume_generation()
+            stall_ms = (time.perf_counter() - started) * 1e3
+            self.serving = version
+            self.updates += 1
+            self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
+                                "at": time.time()}
+            log.info("now serving %s v%d (stall %.1f ms)", self.settings.model, version,
+                     stall_ms)
+            return {"version": version, "stall_ms": stall_ms, "changed": True}
+
+    async def update(self, version: int | None, timeout: float) -> dict:
+        """Manual update: pull (if needed) then swap; the stall covers the swap only."""
+        latest, _ = await self.holdings()
+        target = version or latest
+        if not target:
+            raise TensorHubError(f"model {self.settings.model!r} has no version yet",
+                                 code="unknown_model")
+        await self._wait_held(target, timeout)
+        return await self.swap(target)
+
+    async def follow(self) -> None:
+        """Follow mode: swap to each version as soon as every rank holds it."""
+        while True:
+            try:
+                _, held = await self.holdings()
+                if held is not None and (self.serving is None or held > self.serving):
+                    await self.swap(held)
+                self.last_error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # log and keep serving the old version
+                if str(exc) != self.last_error:
+                    log.warning("TensorHub follow: %s (still serving v%s)", exc, self.serving)
+                self.last_error = str(exc)
+            await asyncio.sleep(self.settings.poll_interval)
+
+    async def join(self, dummy_weights: bool) -> None:
+        """Elastic start-up: serve the newest version from peers before taking requests."""
+        try:
+            latest, _ = await self.holdings()
+        except TensorHubError as exc:
+            if dummy_weights:
+                raise RuntimeError(f"TensorHub: started with --load-format dummy but the "
+                                   f"coordinator is unreachable ({exc}); nothing to serve")
+            log.warning("TensorHub: coordinator unreachable at start (%s); serving the weights "
+                        "from disk until it answers", exc)
+            return
+        if latest == 0:
+            if dummy_weights:
+                raise RuntimeError(f"TensorHub: started with --load-format dummy but model "
+                                   f"{self.settings.model!r} has no published version yet")
+            log.info("TensorHub: no version of %s yet; serving the weights from disk",
+                     self.settings.model)
+            return
+        started = time.perf_counter()
+        await self._wait_held(latest, self.settings.join_timeout)
+        await self.swap(latest, pause=False)
+        log.info("TensorHub: joined at %s v%d from peers in %.2fs", self.settings.model, latest,
+                 time.perf_counter() - started)
+
+    async def status(self) -> dict:
+        try:
+            latest, held = await self.holdings()
+        except TensorHubError as exc:
+            latest, held = None, None
+            self.last_error = str(exc)
+        return {
+            "model": self.settings.model, "coordinator": self.settings.coordinator,
+            "name": self.name, "workers": self.workers, "mode": self.settings.mode,
+            "serving_version": self.serving,
+            "vllm_weight_version": await self.engine.get_weight_version(),
+            "held_version": held, "latest_version": latest, "updates": self.updates,
+            "last_update": self.last_update, "last_error": self.last_error,
+        }
+
+
+async def start_frontend(engine_client, args) -> Frontend | None:
+    if engine_client is None:
+        return None
+    config = engine_client.vllm_config
+    settings = load_settings((config.additional_config or {}).get("tensorhub"))
+    if settings is None:
+        log.warning("TensorHub plugin loaded but not configured: set TENSORHUB_COORDINATOR "
+                    "or --additional-config '{\"tensorhub\": {\"coordinator\": ...}}'")
+        return None
+    wt = config.weight_transfer_config
+    if wt is None or wt.backend != "tensorhub":
+        raise RuntimeError("TensorHub needs --weight-transfer-config '{\"backend\": "
+                           "\"tensorhub\"}' (and VLLM_PLUGINS=tensorhub)")
+    frontend = Frontend(settings, engine_client, settings.instance_name(
+        "vllm", getattr(args, "port", None)), config.parallel_config.world_size)
+    await frontend._init_workers()
+    await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
+    if settings.mode == "follow":
+        frontend._task = asyncio.get_running_loop().create_task(frontend.follow())
+    log.info("TensorHub front end %s: model %s, coordinator %s, mode %s", frontend.name,
+             settings.model, settings.coordinator, settings.mode)
+    return frontend
+
+
+# ---------------------------------------------------------------------- routes
+def _frontend(request: Request) -> Frontend:
+    frontend = getattr(request.app.state, "tensorhub", None)
+    if frontend is None:
+        raise HTTPException(503, "TensorHub is not configured on this server "
+                                 "(set TENSORHUB_COORDINATOR)")
+    token = token_from_env() or os.environ.get("TENSORHUB_HTTP_TOKEN")
+    if token:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "TensorHub routes need 'Authorization: Bearer <token>' "
+                                     "(the value of TENSORHUB_TOKEN)")
+    return frontend
+
+
+@router.get("/tensorhub/status")
+async def tensorhub_status(request: Request) -> dict:
+    return await _frontend(request).status()
+
+
+@router.post("/tensorhub/update")
+async def tensorhub_update(request: Request, body: UpdateRequest | None = None) -> dict:
+    frontend = _frontend(request)
+    body = body or UpdateRequest()
+    try:
+        return await frontend.update(body.version, body.timeout)
+    except TensorHubError as exc:
+        status = {"unknown_model": 404, "unknown_version": 404, "timeout": 504}.get(
+            exc.code, 502)
+        raise HTTPException(status, f"update failed ({exc.code}): {exc}; still serving "
+                                    f"v{frontend.serving}") from None
+    except Exception as exc:
+        raise HTTPException(500, f"update failed: {exc}; still serving "
+                                 f"v{frontend.serving}") from None
