@@ -23,7 +23,7 @@ import torch
 from bench.holder import big_tensors, tiny_tensors
 from bench.results import Report, median_seconds
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-from tensorhub.core.transport.nixl import make_agent, apply_ucx_defaults
+from tensorhub.core.transport.nixl import apply_ucx_defaults, make_agent
 from tensorhub.processes import ChildProcess
 from tensorhub.replica import Replica
 

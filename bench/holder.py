@@ -28,7 +28,7 @@ def big_tensors(total_mb: int) -> list[torch.Tensor]:
 
 
 def _raw(args) -> None:
-    from tensorhub.core.transport.nixl import make_agent, apply_ucx_defaults
+    from tensorhub.core.transport.nixl import apply_ucx_defaults, make_agent
 
     apply_ucx_defaults()
     tensors = tiny_tensors(args.tiny) if args.tiny else big_tensors(args.size_mb)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (first time only) and run the demo: coordinator + trainer + replicas on this machine.
-# Arguments go to `tensorhub demo` (see `--help`).
+# Set up (first time only) and run the demo: coordinator + trainer + two `vllm serve`
+# engines on this machine. `--engines none` skips the engines (replica processes only).
+# `--help` lists the options.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$here/scripts/setup.sh" core)
 cd "$here"
-exec "$venv/bin/tensorhub" --log-level WARNING demo "$@"
+exec "$venv/bin/python" -m integration.demo "$@"

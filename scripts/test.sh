@@ -4,4 +4,4 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$here/scripts/setup.sh" core)
 cd "$here"
-exec "$venv/bin/python" -m pytest tests -q -p no:cacheprovider "$@"
+exec "$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider "$@"

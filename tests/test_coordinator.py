@@ -148,3 +148,16 @@ def test_a_coordinator_with_a_token_refuses_clients_without_it():
         assert CoordinatorClient(c.address, token="s3cret").call(StatusRequest()).workers == []
     finally:
         c.stop()
+
+
+def test_holdings_name_the_versions_each_worker_holds(coordinator):
+    from tensorhub.core.data_types import HoldingsRequest
+
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="eng-a") as rep:
+        pub.publish(STATE, version=4)
+        rep.pull(timeout=10)
+        reply = rep.session.client.call(HoldingsRequest(model="policy",
+                                                        names=["eng-a", "eng-b"]))
+        assert reply.latest == 4
+        assert reply.holdings == {"eng-a": [4], "eng-b": []}

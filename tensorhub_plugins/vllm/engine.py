@@ -11,6 +11,7 @@ the engine on its previous weights.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        started = time.perf_counter()
         with self._holder().tensors_of(update_info.version) as named:
+            locked = time.perf_counter()
             initialize_layerwise_reload(self.model)
             self.model.load_weights(iter(named))
             finalize_layerwise_reload(self.model, self.model_config)
@@ -104,7 +107,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 # A tied lm_head shares the embedding's parameter but keeps its own packed
                 # CPU GEMM, which the layerwise reload does not redo: redo it.
                 self.model.lm_head.quant_method.process_weights_after_loading(self.model.lm_head)
-        log.info("applied v%d", update_info.version)
+        log.info("applied v%d in %.1f ms (%.1f ms waiting for the copy)", update_info.version,
+                 (time.perf_counter() - started) * 1e3, (locked - started) * 1e3)
 
     def finish_weight_update(self) -> None:
         pass

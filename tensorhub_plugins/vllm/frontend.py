@@ -87,29 +87,39 @@ class Frontend:
             if self.serving == version:
                 return {"version": version, "stall_ms": 0.0, "changed": False}
             started = time.perf_counter()
+            marks: dict[str, float] = {}
             if pause:
-                await self.engine.pause_generation(mode=self.settings.pause)
+                # clear_cache=False: we reset the prefix cache ourselves after the swap.
+                await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
+                marks["pause"] = time.perf_counter()
             try:
                 await self.engine.start_weight_update()
                 try:
                     await self.engine.update_weights(
                         WeightTransferUpdateRequest(update_info={"version": version}))
+                    marks["swap"] = time.perf_counter()
                 except BaseException:
                     log.error("swap to v%d failed; still serving %s", version,
                               self.serving or "the weights loaded at start")
                     raise
                 await self.engine.finish_weight_update(weight_version=str(version))
                 await self.engine.reset_prefix_cache()
+                marks["finish"] = time.perf_counter()
             finally:
                 if pause:
                     await self.engine.resume_generation()
+            marks["resume"] = time.perf_counter()
+            steps, last = [], started
+            for step, t in marks.items():
+                steps.append(f"{step} {(t - last) * 1e3:.1f}")
+                last = t
             stall_ms = (time.perf_counter() - started) * 1e3
             self.serving = version
             self.updates += 1
             self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
                                 "at": time.time()}
-            log.info("now serving %s v%d (stall %.1f ms)", self.settings.model, version,
-                     stall_ms)
+            log.info("now serving %s v%d (stall %.1f ms: %s ms)", self.settings.model, version,
+                     stall_ms, ", ".join(steps))
             return {"version": version, "stall_ms": stall_ms, "changed": True}
 
     async def update(self, version: int | None, timeout: float) -> dict:
@@ -145,7 +155,8 @@ class Frontend:
         except TensorHubError as exc:
             if dummy_weights:
                 raise RuntimeError(f"TensorHub: started with --load-format dummy but the "
-                                   f"coordinator is unreachable ({exc}); nothing to serve")
+                                   f"coordinator is unreachable ({exc}); nothing to serve"
+                                   ) from None
             log.warning("TensorHub: coordinator unreachable at start (%s); serving the weights "
                         "from disk until it answers", exc)
             return

@@ -1,0 +1,123 @@
+"""The main demo: a coordinator, a trainer and real inference engines on this machine.
+
+    bash scripts/demo.sh                  # two `vllm serve` engines
+    bash scripts/demo.sh --engines none   # no engines: trainer + replica processes only
+
+The trainer publishes versions of a tiny float32 model (built on the spot); each engine
+switches as it pulls the version from whichever peer already has it. For every version the
+demo prints each engine's answer to a fixed prompt, who pulled from whom, and each
+engine's stall (the time it did not serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from integration.conftest import Versions, engine_python
+from integration.engine_server import free_port
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import StatusRequest
+from tensorhub.processes import ChildProcess
+
+PROMPT = "the trainer will publish a new policy and the engine"
+
+
+def _wait_serving(engines, version: int, timeout: float = 180.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    statuses = []
+    for e in engines:
+        while True:
+            status = e.request("/tensorhub/status")
+            if status["serving_version"] == version:
+                statuses.append(status)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{e.url} did not reach v{version}: {status}")
+            time.sleep(0.2)
+    return statuses
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="tensorhub-demo-"))
+    print(f"building a tiny float32 model in {work} ...", flush=True)
+    versions = Versions(work, count=args.versions)
+    tokenizer = AutoTokenizer.from_pretrained(str(versions.dir))
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    python = engine_python("vllm")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+                                address, "--announce", f"tcp://127.0.0.1:{free_port()}",
+                                "--max-readers-per-holder", "1"], name="coordinator")
+    engines: list[VLLMServer] = []
+    publisher = None
+    try:
+        print(coordinator.next_line(timeout=60))
+        publisher = Publisher(address, "policy", name="trainer")
+        publisher.publish(versions.state(1))
+        print("trainer: published v1 (the weights in the model folder)")
+        env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
+               "TENSORHUB_MODEL": "policy"}
+        for i in range(args.vllm):
+            engines.append(VLLMServer(
+                python, versions.dir, env=env, log_path=work / f"vllm-{i}.log",
+                extra_args=["--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
+            ).launch())
+        print(f"starting {len(engines)} vLLM engines (~40 s; logs in {work}) ...", flush=True)
+        for e in engines:
+            e.wait_healthy(300)
+        client = CoordinatorClient(address)
+        for version in range(1, args.versions + 1):
+            if version > 1:
+                started = time.perf_counter()
+                publisher.publish(versions.state(version))
+            statuses = _wait_serving(engines, version)
+            if version > 1:
+                print(f"\nversion {version}: all engines serving it "
+                      f"{time.perf_counter() - started:.2f}s after publish")
+            else:
+                print("\nversion 1: engines joined it at start-up")
+            for e, status in zip(engines, statuses, strict=True):
+                ids = e.greedy([prompt_ids], 12)[0]
+                stall = (status["last_update"] or {}).get("stall_ms", 0.0)
+                print(f"  {status['name']:<34} stall {stall:6.1f} ms  answers: "
+                      f"{tokenizer.decode(ids)!r}")
+            for t in client.call(StatusRequest()).transfers:
+                if t.version == version and t.ok and t.nbytes:
+                    print(f"  pull: {t.reader} <- {t.source}  {t.nbytes / 2**20:.1f} MiB "
+                          f"{t.nbytes / max(t.seconds, 1e-9) / 1e9:.2f} GB/s")
+        client.close()
+        return 0
+    finally:
+        for e in engines:
+            e.stop()
+        if publisher is not None:
+            publisher.close()
+        coordinator.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="vllm",
+                   help="vllm (default) or none (trainer + replica processes, no engine)")
+    p.add_argument("--vllm", type=int, default=2, help="number of vLLM engines (default 2)")
+    p.add_argument("--versions", type=int, default=3)
+    args, rest = p.parse_known_args()
+    if args.engines == "none":
+        from tensorhub.cli import main as cli
+
+        return cli(["--log-level", "WARNING", "demo", *rest])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
