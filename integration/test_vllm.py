@@ -144,3 +144,21 @@ def test_requests_in_flight_during_an_update_are_answered_by_exactly_one_version
         assert choice["token_ids"] == fleet.expected[version - 1][i], \
             f"prompt {i} answered by v{version} differs from HF on v{version}"
     assert seen == {3, 4}, f"expected answers from v3 and v4, saw {seen}"
+
+
+def test_a_manual_update_to_an_unknown_version_is_refused_and_the_engine_serves_on(fleet):
+    import urllib.error
+
+    engine = fleet.engines[1]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        engine.request("/tensorhub/update", {"version": 99, "timeout": 5})
+    assert err.value.code == 404
+    assert "no version 99 (latest is 4)" in err.value.read().decode()
+    status = wait_serving(engine, 4)
+    assert status["vllm_weight_version"] == "4"
+    assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
+
+
+def test_a_manual_update_to_the_current_version_changes_nothing(fleet):
+    reply = fleet.engines[1].request("/tensorhub/update", {})
+    assert reply == {"version": 4, "stall_ms": 0.0, "changed": False}

@@ -129,6 +129,9 @@ class Frontend:
         if not target:
             raise TensorHubError(f"model {self.settings.model!r} has no version yet",
                                  code="unknown_model")
+        if target > latest:
+            raise TensorHubError(f"model {self.settings.model!r} has no version {target} "
+                                 f"(latest is {latest})", code="unknown_version")
         await self._wait_held(target, timeout)
         return await self.swap(target)
 

@@ -1,0 +1,120 @@
+"""SGLang end to end, in one fleet with vLLM: real servers, a real coordinator, a trainer
+publishing float32 versions; greedy tokens checked against HF transformers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import time
+import urllib.error
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from integration.conftest import Versions
+from integration.sglang_server import SGLangServer
+from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_serving
+from integration.tiny_model import pick_stable_prompts
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+
+MODEL = "policy"
+TOKENS = 16
+LOADER = "tensorhub_plugins.sglang.loader.apply"
+
+
+def sglang_env(coordinator: str) -> dict[str, str]:
+    return {"SGLANG_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": coordinator,
+            "TENSORHUB_MODEL": MODEL}
+
+
+def sglang_version(server: SGLangServer) -> str:
+    return server.request("/get_model_info")["weight_version"]
+
+
+def wait_sglang(server: SGLangServer, version: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sglang_version(server) != str(version):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"SGLang serves {sglang_version(server)}, not v{version}\n"
+                                 f"{server.log_tail()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
+    root = tmp_path_factory.mktemp("sglang")
+    versions = Versions(root, count=3)
+    prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
+                                            state_dicts=versions.states, seed=3)
+    address = coordinator_process.address
+    pub = Publisher(address, MODEL, name="trainer")
+    pub.publish(versions.state(1))
+    sgl = SGLangServer(sglang_python, versions.dir, env=sglang_env(address),
+                       extra_args=["--custom-weight-loader", LOADER],
+                       log_path=root / "sglang.log").launch()
+    vllm = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
+                      env=plugin_env(address), log_path=root / "vllm.log").launch()
+    try:
+        sgl.wait_healthy(300)
+        vllm.wait_healthy(300)
+        yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected, pub=pub,
+                              sgl=sgl, vllm=vllm, address=address, root=root)
+    finally:
+        sgl.stop()
+        vllm.stop()
+        pub.close()
+
+
+def test_sglang_joins_the_published_version_at_start(fleet):
+    wait_sglang(fleet.sgl, 1)
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[0]
+    assert "joined at policy v1 from peers" in fleet.sgl.log_path.read_text()
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_sglang_and_vllm_switch_together_and_pull_from_each_other(fleet, version):
+    fleet.pub.publish(fleet.versions.state(version))
+    wait_sglang(fleet.sgl, version)
+    wait_serving(fleet.vllm, version)
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[version - 1]
+    assert fleet.vllm.greedy(fleet.prompts, TOKENS) == fleet.expected[version - 1]
+    pulls = transfers(fleet.address, version)
+    kinds = {(t.reader.split("-")[0], t.source.split("-")[0]) for t in pulls}
+    assert ("sglang", "vllm") in kinds or ("vllm", "sglang") in kinds, pulls
+
+
+def _update_through_our_loader(server: SGLangServer, names: list[str]) -> None:
+    payload = base64.b64encode(pickle.dumps([(n, torch.empty(0)) for n in names])).decode()
+    server.request("/begin_weight_update", {})
+    try:
+        server.request("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "load_format": LOADER})
+    finally:
+        server.request("/end_weight_update", {})
+
+
+@pytest.mark.parametrize("names", [
+    ['tensorhub:{"version": 99}'],          # a version nobody holds
+    ["tensorhub:{not json"],                # malformed descriptor
+    ["model.embed_tokens.weight"],          # no descriptor at all
+])
+def test_a_malformed_update_through_our_loader_leaves_the_server_serving(fleet, names):
+    _update_through_our_loader(fleet.sgl, names)
+    assert fleet.sgl.healthy()
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
+    assert "TensorHub update refused, weights unchanged" in fleet.sgl.log_path.read_text()
+
+
+def test_a_second_sglang_joins_at_the_newest_version_without_weights_on_disk(
+        fleet, sglang_python):
+    weightless = fleet.versions.weightless_dir(fleet.root)
+    late = SGLangServer(sglang_python, weightless, env=sglang_env(fleet.address),
+                        extra_args=["--custom-weight-loader", LOADER, "--load-format", "dummy"],
+                        log_path=fleet.root / "late.log")
+    with late:
+        assert late.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
+    assert "joined at policy v3 from peers" in late.log_path.read_text()
+

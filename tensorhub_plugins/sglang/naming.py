@@ -1,0 +1,20 @@
+"""Names and files the SGLang main process and its schedulers agree on without talking."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from tensorhub.engines.settings import EngineSettings
+
+LOADER = "tensorhub_plugins.sglang.loader.apply"
+
+
+def worker_name(settings: EngineSettings, host: str, port: int, tp_rank: int) -> str:
+    return f"{settings.name or 'sglang'}-{host}:{port}-tp{tp_rank}"
+
+
+def status_path(port: int, tp_rank: int) -> str:
+    """Where a scheduler records the version it last applied (its loader cannot answer the
+    HTTP request that called it, so the driver reads this to confirm a swap)."""
+    return os.path.join(tempfile.gettempdir(), f"tensorhub-sglang-{port}-tp{tp_rank}.json")
