@@ -4,10 +4,8 @@ publishing float32 versions; greedy tokens checked against HF transformers."""
 from __future__ import annotations
 
 import base64
-import json
 import pickle
 import time
-import urllib.error
 from types import SimpleNamespace
 
 import pytest
