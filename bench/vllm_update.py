@@ -35,17 +35,6 @@ from tensorhub.processes import ChildProcess
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 
 
-def _serving(server: VLLMServer, version: int, timeout: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = server.request("/tensorhub/status")
-        if status["serving_version"] == version:
-            return status
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not serving v{version}: {status}")
-        time.sleep(0.01)
-
-
 def _start_timed(server: VLLMServer) -> float:
     started = time.perf_counter()
     server.start(timeout=600)
@@ -90,7 +79,7 @@ def main() -> None:
                           env=plugin_env, log_path=work / "ours.log")
         servers.append(ours)
         ours.start(timeout=600)
-        _serving(ours, 1)
+        ours.wait_serving(1, timeout=300)
 
         ours_total, ours_stall, base_total, base_stall, base_save = [], [], [], [], []
         for k in range(2, args.updates + 2):
@@ -99,7 +88,7 @@ def main() -> None:
                     t.add_(0.001)
             started = time.perf_counter()
             publisher.publish(state)
-            status = _serving(ours, k)
+            status = ours.wait_serving(k, timeout=300, interval=0.01)
             ours_total.append(time.perf_counter() - started)
             ours_stall.append(status["last_update"]["stall_ms"] / 1e3)
 

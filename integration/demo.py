@@ -29,21 +29,6 @@ from tensorhub.processes import ChildProcess
 PROMPT = "the trainer will publish a new policy and the engine"
 
 
-def _wait_serving(engines, version: int, timeout: float = 180.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    statuses = []
-    for e in engines:
-        while True:
-            status = e.request("/tensorhub/status")
-            if status["serving_version"] == version:
-                statuses.append(status)
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{e.url} did not reach v{version}: {status}")
-            time.sleep(0.2)
-    return statuses
-
-
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -79,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             if version > 1:
                 started = time.perf_counter()
                 publisher.publish(versions.state(version))
-            statuses = _wait_serving(engines, version)
+            statuses = [e.wait_serving(version, timeout=180) for e in engines]
             if version > 1:
                 print(f"\nversion {version}: all engines serving it "
                       f"{time.perf_counter() - started:.2f}s after publish")

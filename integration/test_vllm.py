@@ -29,15 +29,7 @@ def plugin_env(coordinator: str) -> dict[str, str]:
 
 
 def wait_serving(server: VLLMServer, version: int, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = server.request("/tensorhub/status")
-        if status["serving_version"] == version:
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{server.url} serves v{status['serving_version']}, not "
-                                 f"v{version} after {timeout}s: {status}\n{server.log_tail()}")
-        time.sleep(0.2)
+    return server.wait_serving(version, timeout)
 
 
 def transfers(address: str, version: int) -> list:
