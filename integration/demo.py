@@ -1,6 +1,8 @@
 """The main demo: a coordinator, a trainer and real inference engines on this machine.
 
-    bash scripts/demo.sh                  # two `vllm serve` engines
+    bash scripts/demo.sh                  # two `vllm serve` engines and one SGLang server
+    bash scripts/demo.sh --sglang 0       # vLLM only (no SGLang venv needed)
+    bash scripts/demo.sh --vllm 0         # SGLang only
     bash scripts/demo.sh --engines none   # no engines: trainer + replica processes only
 
 The trainer publishes versions of a tiny float32 model (built on the spot); each engine
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from integration.conftest import Versions, engine_python
 from integration.engine_server import free_port
+from integration.sglang_server import SGLangServer
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
@@ -27,6 +30,25 @@ from tensorhub.core.data_types import StatusRequest
 from tensorhub.processes import ChildProcess
 
 PROMPT = "the trainer will publish a new policy and the engine"
+
+
+def _status(engine, version: int, timeout: float = 180.0) -> dict:
+    """Wait until an engine serves `version`; its name and last stall, for either kind."""
+    if isinstance(engine, VLLMServer):
+        return engine.wait_serving(version, timeout)
+    from tensorhub_plugins.sglang.naming import driver_status_path
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = json.loads(Path(driver_status_path(engine.port)).read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status.get("serving_version") == version:
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"SGLang at {engine.url} did not reach v{version}: {status}")
+        time.sleep(0.2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
     versions = Versions(work, count=args.versions)
     tokenizer = AutoTokenizer.from_pretrained(str(versions.dir))
     prompt_ids = tokenizer(PROMPT)["input_ids"]
-    python = engine_python("vllm")
+    vllm_python = engine_python("vllm") if args.vllm else None
+    sglang_python = engine_python("sglang") if args.sglang else None
     address = f"tcp://127.0.0.1:{free_port()}"
     coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
                                 address, "--announce", f"tcp://127.0.0.1:{free_port()}",
                                 "--max-readers-per-holder", "1"], name="coordinator")
-    engines: list[VLLMServer] = []
+    engines: list = []
     publisher = None
     try:
         print(coordinator.next_line(timeout=60))
@@ -53,10 +76,18 @@ def run(args: argparse.Namespace) -> int:
                "TENSORHUB_MODEL": "policy"}
         for i in range(args.vllm):
             engines.append(VLLMServer(
-                python, versions.dir, env=env, log_path=work / f"vllm-{i}.log",
+                vllm_python, versions.dir, env=env, log_path=work / f"vllm-{i}.log",
                 extra_args=["--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
             ).launch())
-        print(f"starting {len(engines)} vLLM engines (~40 s; logs in {work}) ...", flush=True)
+        for i in range(args.sglang):
+            engines.append(SGLangServer(
+                sglang_python, versions.dir, log_path=work / f"sglang-{i}.log",
+                env={"SGLANG_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
+                     "TENSORHUB_MODEL": "policy"},
+                extra_args=["--custom-weight-loader", "tensorhub_plugins.sglang.loader.apply"],
+            ).launch())
+        print(f"starting {args.vllm} vLLM and {args.sglang} SGLang engines (~60 s; logs in "
+              f"{work}) ...", flush=True)
         for e in engines:
             e.wait_healthy(300)
         client = CoordinatorClient(address)
@@ -64,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             if version > 1:
                 started = time.perf_counter()
                 publisher.publish(versions.state(version))
-            statuses = [e.wait_serving(version, timeout=180) for e in engines]
+            statuses = [_status(e, version) for e in engines]
             if version > 1:
                 print(f"\nversion {version}: all engines serving it "
                       f"{time.perf_counter() - started:.2f}s after publish")
@@ -95,6 +126,7 @@ def main() -> int:
     p.add_argument("--engines", default="vllm",
                    help="vllm (default) or none (trainer + replica processes, no engine)")
     p.add_argument("--vllm", type=int, default=2, help="number of vLLM engines (default 2)")
+    p.add_argument("--sglang", type=int, default=1, help="number of SGLang engines (default 1)")
     p.add_argument("--versions", type=int, default=3)
     args, rest = p.parse_known_args()
     if args.engines == "none":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (first time only) and run the demo: coordinator + trainer + two `vllm serve`
-# engines on this machine. `--engines none` skips the engines (replica processes only).
-# `--help` lists the options.
+# engines + one SGLang server on this machine. `--sglang 0` / `--vllm 0` skip an engine
+# kind; `--engines none` runs replica processes only. `--help` lists the options.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$here/scripts/setup.sh" core)

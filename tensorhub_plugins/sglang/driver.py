@@ -24,7 +24,12 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.settings import EngineSettings
-from tensorhub_plugins.sglang.naming import LOADER, status_path, worker_name
+from tensorhub_plugins.sglang.naming import (
+    LOADER,
+    driver_status_path,
+    status_path,
+    worker_name,
+)
 
 log = logging.getLogger("tensorhub.sglang")
 
@@ -105,9 +110,18 @@ class Driver:
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
         self.last_update = {"version": version, "stall_ms": round(stall * 1e3, 2)}
+        self._record()
         log.info("now serving %s v%d (stall %.1f ms)", self.settings.model, version,
                  stall * 1e3)
         return stall
+
+    def _record(self) -> None:
+        try:
+            with open(driver_status_path(self.port), "w") as f:
+                json.dump({"name": self.names[0], "serving_version": self.serving,
+                           "last_update": self.last_update}, f)
+        except OSError as exc:
+            log.warning("cannot write the driver status: %s", exc)
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -140,6 +154,7 @@ class Driver:
                                                       "abort_all_requests": False})
             except Exception as exc:
                 log.warning("could not set SGLang's weight_version: %s", exc)
+        self._record()
         log.info("TensorHub driver following %s for %s (serving v%s)", self.settings.model,
                  ", ".join(self.names), self.serving)
         last_error = None

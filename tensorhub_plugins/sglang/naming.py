@@ -18,3 +18,9 @@ def status_path(port: int, tp_rank: int) -> str:
     """Where a scheduler records the version it last applied (its loader cannot answer the
     HTTP request that called it, so the driver reads this to confirm a swap)."""
     return os.path.join(tempfile.gettempdir(), f"tensorhub-sglang-{port}-tp{tp_rank}.json")
+
+
+def driver_status_path(port: int) -> str:
+    """Where the driver records what the server serves and its last stall (SGLang has no
+    plugin hook for HTTP routes; `tensorhub status`-like tools and the demo read this)."""
+    return os.path.join(tempfile.gettempdir(), f"tensorhub-sglang-{port}-driver.json")
