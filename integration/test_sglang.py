@@ -1,9 +1,14 @@
 """SGLang end to end, in one fleet with vLLM: real servers, a real coordinator, a trainer
-publishing float32 versions; greedy tokens checked against HF transformers."""
+publishing float32 versions; greedy tokens checked against HF transformers.
+
+The first SGLang engine takes the checkpoint path (it keeps a checkpoint copy and bridges
+to vLLM); a second one of the same layout joins and then updates natively from it, straight
+into its live parameters, spending the compact region only."""
 
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import time
 from types import SimpleNamespace
@@ -17,6 +22,7 @@ from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_servi
 from integration.tiny_model import pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
+from tensorhub_plugins.sglang.naming import driver_status_path, status_path
 
 MODEL = "policy"
 TOKENS = 16
@@ -44,7 +50,7 @@ def wait_sglang(server: SGLangServer, version: int, timeout: float = 120.0) -> N
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
     root = tmp_path_factory.mktemp("sglang")
-    versions = Versions(root, count=3)
+    versions = Versions(root, count=4)
     prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
                                             state_dicts=versions.states, seed=3)
     address = coordinator_process.address
@@ -106,13 +112,58 @@ def test_a_malformed_update_through_our_loader_leaves_the_server_serving(fleet, 
     assert "TensorHub update refused, weights unchanged" in fleet.sgl.log_path.read_text()
 
 
-def test_a_second_sglang_joins_at_the_newest_version_without_weights_on_disk(
-        fleet, sglang_python):
-    weightless = fleet.versions.weightless_dir(fleet.root)
-    late = SGLangServer(sglang_python, weightless, env=sglang_env(fleet.address),
-                        extra_args=["--custom-weight-loader", LOADER, "--load-format", "dummy"],
-                        log_path=fleet.root / "late.log")
-    with late:
-        assert late.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
-    assert "joined at policy v3 from peers" in late.log_path.read_text()
+def native_name(server: SGLangServer) -> str:
+    return f"sglang-127.0.0.1:{server.port}-tp0-native"
 
+
+def scheduler_status(server: SGLangServer) -> dict:
+    with open(status_path(server.port, 0)) as f:
+        return json.load(f)
+
+
+def driver_status(server: SGLangServer) -> dict:
+    with open(driver_status_path(server.port)) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def late(fleet, sglang_python):
+    """A second SGLang engine, same layout, started after v3 with no weights on disk."""
+    weightless = fleet.versions.weightless_dir(fleet.root)
+    server = SGLangServer(sglang_python, weightless, env=sglang_env(fleet.address),
+                          extra_args=["--custom-weight-loader", LOADER,
+                                      "--load-format", "dummy"],
+                          log_path=fleet.root / "late.log")
+    with server:
+        yield server
+
+
+def test_a_second_sglang_joins_natively_from_the_first_without_weights_on_disk(fleet, late):
+    assert late.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
+    assert "joined at policy v3 from peers" in late.log_path.read_text()
+    joined = scheduler_status(late)
+    assert (joined["applied"], joined["path"]) == (3, "native")
+    assert joined["sources"] == [native_name(fleet.sgl)]
+    assert joined["memory"]["checkpoint_copy_bytes"] == 0
+
+
+def test_the_second_sglang_pulls_the_next_version_natively_into_its_live_parameters(
+        fleet, late):
+    fleet.pub.publish(fleet.versions.state(4))
+    for server in (fleet.sgl, late):
+        wait_sglang(server, 4)
+    wait_serving(fleet.vllm, 4)
+    for server in (fleet.sgl, late, fleet.vllm):
+        assert server.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
+    bridge, native = driver_status(fleet.sgl), driver_status(late)
+    assert bridge["last_update"]["path"] == "checkpoint"
+    assert native["last_update"]["path"] == "native"
+    assert native["last_update"]["sources"] == [native_name(fleet.sgl)]
+    assert (native_name(late), native_name(fleet.sgl)) in {
+        (t.reader, t.source) for t in transfers(fleet.address, 4)}
+    assert native["params_moved"] is False  # the pull wrote into SGLang's own storages
+    # Extra memory: the native engine spends the compact region (norms, biases) only; the
+    # bridge also keeps a full checkpoint-layout copy for vLLM.
+    assert native["memory"]["checkpoint_copy_bytes"] == 0
+    assert 0 < native["memory"]["compact_bytes"] == bridge["memory"]["compact_bytes"]
+    assert bridge["memory"]["checkpoint_copy_bytes"] > 10 * native["memory"]["compact_bytes"]

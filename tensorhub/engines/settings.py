@@ -37,6 +37,12 @@ class EngineSettings(BaseModel):
     update_timeout: float = Field(default=120.0, gt=0, description="longest pull")
     poll_interval: float = Field(default=0.2, gt=0,
                                  description="how often the front end checks for versions")
+    checkpoint_copy: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="SGLang: keep a checkpoint-layout copy (a full model of memory) beside "
+                    "the live parameters? auto: only while the engine takes the checkpoint "
+                    "path (it bridges other engine kinds and layouts); always; never "
+                    "(a transient copy per checkpoint-path update)")
 
     def instance_name(self, engine: str, port: int | None) -> str:
         """A readable, unique name: `vllm-host:port-1a2b` unless one was given."""

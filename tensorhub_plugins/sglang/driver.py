@@ -3,8 +3,14 @@
 SGLang has no plugin hook for HTTP routes, so the driver is a thread in the server's main
 process that talks to the server on its own address, exactly as a trainer-side client
 would: pause → begin_weight_update → update_weights_from_tensor (our loader, a small
-descriptor) → end_weight_update (with `weight_version`) → continue. It swaps only to a
-version every scheduler already holds, so the stall is the swap, not the transfer.
+descriptor) → end_weight_update (with `weight_version`) → continue.
+
+Which path an update takes (see `worker`): the checkpoint path when every scheduler's
+checkpoint copy already holds the version (pulled in the background: the stall is
+`load_weights` only); else the native path when a peer of the same layout holds it (the
+stall is the pull straight into the live parameters); else, after `NATIVE_WAIT` seconds
+without either, the checkpoint path pulling inside the pause. A scheduler that reports torn
+parameters keeps generation paused until an update succeeds.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import urllib.request
 import torch
 
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import HoldingsRequest
+from tensorhub.core.data_types import HoldingsRequest, StatusRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.settings import EngineSettings
 from tensorhub_plugins.sglang.naming import (
@@ -31,6 +37,10 @@ from tensorhub_plugins.sglang.naming import (
     worker_name,
 )
 
+# How long a new version may wait for a same-layout peer (native path) when no checkpoint
+# copy holds it yet; then the checkpoint path pulls it inside the pause.
+NATIVE_WAIT = 10.0
+
 log = logging.getLogger("tensorhub.sglang")
 
 # SGLang's pause modes; "wait" (finish in-flight requests on the old version) has no
@@ -38,10 +48,10 @@ log = logging.getLogger("tensorhub.sglang")
 PAUSE_MODES = {"wait": "abort", "abort": "abort", "keep": "in_place"}
 
 
-def descriptor_payload(version: int) -> str:
+def descriptor_payload(version: int, path: str = "checkpoint") -> str:
     """`serialized_named_tensors` entry carrying only our descriptor: the format SGLang
     expects (a pickled list of (name, tensor)); we only ever pickle, never unpickle."""
-    item = [("tensorhub:" + json.dumps({"version": version}), torch.empty(0))]
+    item = [("tensorhub:" + json.dumps({"version": version, "path": path}), torch.empty(0))]
     return base64.b64encode(pickle.dumps(item)).decode()
 
 
@@ -55,6 +65,8 @@ class Driver:
         self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
         self.serving: int | None = None
         self.last_update: dict | None = None
+        self.memory: dict | None = None
+        self._first_seen: dict[int, float] = {}
         self._stop = threading.Event()
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
@@ -81,27 +93,65 @@ class Driver:
                 out.append({"applied": None, "error": "no status yet"})
         return out
 
-    def held(self) -> int | None:
+    def held(self) -> tuple[int, int | None]:
+        """(the model's latest version, the newest version every checkpoint copy holds)."""
         reply = self.client.call(HoldingsRequest(model=self.settings.model, names=self.names))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        return max(common) if common else None
+        return reply.latest, max(common) if common else None
 
-    def swap(self, version: int) -> float:
+    def native_peers(self, version: int, states: list[dict]) -> bool:
+        """Whether, for every rank, a worker other than us holds `version` in that rank's
+        native layout."""
+        ours = {s.get("native_name") for s in states}
+        layouts = [s.get("native_layout") for s in states]
+        if None in layouts:
+            return False
+        reply = self.client.call(StatusRequest())
+        held = {vs.layout_id for m in reply.models if m.model == self.settings.model
+                for vs in m.versions if vs.version == version
+                and any(h.name not in ours and not h.withdrawn for h in vs.holders)}
+        return all(lid in held for lid in layouts)
+
+    def next_update(self) -> tuple[int, str] | None:
+        """The version to swap to and the path to take, or None (nothing new, or wait)."""
+        latest, copied = self.held()
+        if not latest or (self.serving is not None and latest <= self.serving):
+            return None
+        if copied == latest:
+            return latest, "checkpoint"
+        states = self.applied()
+        if all(s.get("applied") == latest for s in states):
+            return latest, "checkpoint"  # already applied (a join): only the label is missing
+        if self.native_peers(latest, states):
+            return latest, "native"
+        first = self._first_seen.setdefault(latest, time.monotonic())
+        if time.monotonic() - first > NATIVE_WAIT:
+            return latest, "checkpoint"
+        return None
+
+    def swap(self, version: int, path: str = "checkpoint") -> float:
         started = time.perf_counter()
+        torn = False
         self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]})
         try:
             self._post("/begin_weight_update", {})
             try:
                 self._post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": [descriptor_payload(version)] * self.tp_size,
+                    "serialized_named_tensors": [descriptor_payload(version, path)]
+                    * self.tp_size,
                     "load_format": LOADER, "weight_version": str(version),
                     "flush_cache": True})
             finally:
                 self._post("/end_weight_update", {})
         finally:
-            self._post("/continue_generation", {})
+            torn = any(s.get("torn") for s in self.applied())
+            if not torn:  # torn weights are never served: stay paused, retry next poll
+                self._post("/continue_generation", {})
         stall = time.perf_counter() - started
         states = self.applied()
+        if torn:
+            raise TensorHubError(f"swap to v{version} left the weights torn; generation "
+                                 f"stays paused until an update succeeds: {states}")
         if any(s.get("applied") != version for s in states):
             # The loader refused (and left the weights alone): put the label back.
             self._post("/update_weight_version",
@@ -109,17 +159,28 @@ class Driver:
                         "abort_all_requests": False})
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
-        self.last_update = {"version": version, "stall_ms": round(stall * 1e3, 2)}
+        self.last_update = {
+            "version": version, "stall_ms": round(stall * 1e3, 2),
+            "path": states[0].get("path"), "asked_path": path,
+            "sources": sorted({src for s in states for src in s.get("sources") or []}),
+            "apply_ms": max(s.get("apply_ms") or 0.0 for s in states)}
         self._record()
-        log.info("now serving %s v%d (stall %.1f ms)", self.settings.model, version,
-                 stall * 1e3)
+        log.info("now serving %s v%d via the %s path from %s (stall %.1f ms; TensorHub "
+                 "memory: compact region %d B, checkpoint copy %d B)", self.settings.model,
+                 version, self.last_update["path"],
+                 ",".join(self.last_update["sources"]) or "the local copy", stall * 1e3,
+                 self.memory["compact_bytes"], self.memory["checkpoint_copy_bytes"])
         return stall
 
     def _record(self) -> None:
+        states = self.applied()
+        self.memory = {key: sum((s.get("memory") or {}).get(key, 0) for s in states)
+                       for key in ("compact_bytes", "checkpoint_copy_bytes")}
         try:
             with open(driver_status_path(self.port), "w") as f:
                 json.dump({"name": self.names[0], "serving_version": self.serving,
-                           "last_update": self.last_update}, f)
+                           "last_update": self.last_update, "memory": self.memory,
+                           "params_moved": any(s.get("params_moved") for s in states)}, f)
         except OSError as exc:
             log.warning("cannot write the driver status: %s", exc)
 
@@ -160,9 +221,9 @@ class Driver:
         last_error = None
         while not self._stop.wait(self.settings.poll_interval):
             try:
-                held = self.held()
-                if held is not None and (self.serving is None or held > self.serving):
-                    self.swap(held)
+                update = self.next_update()
+                if update is not None:
+                    self.swap(*update)
                 last_error = None
             except Exception as exc:  # log once, keep serving the old version
                 if str(exc) != last_error:

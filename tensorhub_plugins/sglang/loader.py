@@ -2,15 +2,18 @@
 
 SGLang calls `apply(model, named_tensors)` in the scheduler from
 `/update_weights_from_tensor`. TensorHub sends no weights through that request, only a
-descriptor in a tensor's name (`tensorhub:{"version": N}` with an empty tensor); the bytes
-come from the holder, pulled beforehand. It never raises: an exception here would kill the
-server. Failures are logged and recorded for the driver, and the model is left untouched.
+descriptor in a tensor's name (`tensorhub:{"version": N, "path": "native"}` with an empty
+tensor); the bytes come through TensorHub: straight into the live parameters from a
+same-layout peer (`native`), or from the checkpoint-layout copy through the model's
+`load_weights` (`checkpoint`, the default). It never raises: an exception here would kill
+the server. Failures are logged and recorded for the driver.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +26,7 @@ PREFIX = "tensorhub:"
 class Descriptor(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=1)
+    path: Literal["native", "checkpoint"] = "checkpoint"
 
 
 def apply(model, named_tensors) -> None:
@@ -31,10 +35,11 @@ def apply(model, named_tensors) -> None:
         if len(names) != 1:
             raise ValueError(f"expected one '{PREFIX}{{...}}' descriptor, got {len(names)}")
         desc = Descriptor.model_validate(json.loads(names[0][len(PREFIX):]))
-        worker.apply(model, desc.version)
+        worker.apply(model, desc.version, desc.path)
     except Exception as exc:
-        log.error("TensorHub update refused, weights unchanged: %s", exc)
+        log.error("TensorHub update refused%s: %s",
+                  " and the weights are torn" if worker._torn else ", weights unchanged", exc)
         try:
-            worker.record(worker._holder.applied if worker._holder else None, str(exc))
+            worker.refused(str(exc))
         except Exception:
             pass

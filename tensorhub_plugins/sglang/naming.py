@@ -14,6 +14,12 @@ def worker_name(settings: EngineSettings, host: str, port: int, tp_rank: int) ->
     return f"{settings.name or 'sglang'}-{host}:{port}-tp{tp_rank}"
 
 
+def native_worker_name(settings: EngineSettings, host: str, port: int, tp_rank: int) -> str:
+    """The holder of the live parameters (native layout): a worker of its own, so that
+    withdrawing one layout never touches the other's references."""
+    return worker_name(settings, host, port, tp_rank) + "-native"
+
+
 def status_path(port: int, tp_rank: int) -> str:
     """Where a scheduler records the version it last applied (its loader cannot answer the
     HTTP request that called it, so the driver reads this to confirm a swap)."""

@@ -1,10 +1,28 @@
-"""The scheduler-side half: a checkpoint-layout holder beside SGLang's model.
+"""The scheduler-side half: SGLang's live parameters as a native holder, and a
+checkpoint-layout copy when one is needed.
 
-Created right after SGLang loads its model (a hook on `ModelRunner.load_model`); pulls new
-versions in the background while SGLang serves, serves them to other engines, and applies
-a version with the model's own `load_weights` when the driver asks through the custom
-loader. Nothing here may raise into SGLang after start-up: an exception in the scheduler
-kills the whole server.
+Created right after SGLang loads its model (a hook on `ModelRunner.load_model`). A version
+reaches the live parameters by one of two paths, chosen by the driver and carried by the
+loader's descriptor:
+
+- native: pulled from a peer of the same layout straight into the live parameters (no
+  conversion, no staging copy); extra memory: the compact region of the small tensors;
+- checkpoint: the checkpoint layout (HF names, as the trainer publishes it) pulled into a
+  copy and applied with the model's own `load_weights`; the live parameters are then held
+  natively, so same-layout peers can pull them.
+
+Whether an engine keeps the checkpoint copy (a full model of memory) is the setting
+`checkpoint_copy`. `auto` (default): an engine that takes the checkpoint path keeps the copy,
+pulls the next versions into it in the background while serving, and serves it to other
+engine kinds and layouts (one fleet with vLLM); an engine that pulls natively frees it, so
+it spends the compact region only. `always` keeps it in every case; `never` builds it for a
+checkpoint-path update and frees it right after.
+
+Failures never raise into SGLang from the loader (see `loader`). A native pull that fails
+before writing falls back to the checkpoint path; one that fails after it started writing
+leaves the parameters torn: the checkpoint path of the new version repairs them, or else the
+checkpoint copy of the old version; if both fail the status says `torn` and the driver keeps
+generation paused (torn weights are never served) and retries.
 """
 
 from __future__ import annotations
@@ -16,29 +34,176 @@ import time
 from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.engines.holder import CheckpointHolder
-from tensorhub.engines.settings import load_settings
-from tensorhub_plugins.sglang.naming import status_path, worker_name
+from tensorhub.engines.settings import EngineSettings, load_settings
+from tensorhub_plugins.sglang.naming import native_worker_name, status_path, worker_name
+from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 
 log = logging.getLogger("tensorhub.sglang")
 
-_holder: CheckpointHolder | None = None
+_settings: EngineSettings | None = None
+_names: tuple[str, str] = ("", "")  # (checkpoint copy, native holder) worker names
+_checkpoint: CheckpointHolder | None = None
+_native: NativeHolder | None = None
 _where: tuple[int, int] = (0, 0)  # (port, tp_rank)
+_applied: int | None = None
+_torn = False
+_last: dict = {}
 
 
-def record(applied: int | None, error: str | None = None) -> None:
-    with open(status_path(*_where), "w") as f:
-        json.dump({"applied": applied, "error": error, "at": time.time()}, f)
+def memory() -> dict[str, int]:
+    """Bytes this scheduler spends on TensorHub beside SGLang's own parameters."""
+    copy = _checkpoint.replica.layout if _checkpoint is not None else None
+    return {"compact_bytes": _native.compact_bytes if _native is not None else 0,
+            "checkpoint_copy_bytes": copy.nbytes if copy is not None else 0}
 
 
-def apply(model, version: int) -> None:
-    """Load `version` from the holder into the live model (raises if we do not hold it)."""
-    if _holder is None:
-        raise RuntimeError("TensorHub holder not running in this scheduler")
-    started = time.perf_counter()
-    with _holder.tensors_of(version) as named:
+def record(error: str | None = None) -> None:
+    """Write what this scheduler serves for the driver (its loader cannot answer the HTTP
+    request that called it)."""
+    try:
+        with open(status_path(*_where), "w") as f:
+            json.dump({"applied": _applied, "error": error, "torn": _torn, "at": time.time(),
+                       "native_name": _names[1],
+                       "native_layout": _native.layout_id if _native is not None else None,
+                       "params_moved": _native.params_moved() if _native is not None else None,
+                       "memory": memory(), **_last}, f)
+    except OSError as exc:
+        log.warning("cannot write the scheduler status: %s", exc)
+
+
+def _copy() -> CheckpointHolder:
+    global _checkpoint
+    if _checkpoint is None:
+        assert _settings is not None
+        _checkpoint = CheckpointHolder(
+            _settings.coordinator, _settings.model, _names[0], transport=_settings.transport,
+            follow=_settings.mode == "follow" and _settings.checkpoint_copy != "never",
+            pull_timeout=_settings.update_timeout)
+    return _checkpoint
+
+
+def _drop_copy() -> None:
+    """Free the checkpoint copy: withdraw what it holds (its reads end first), then leave."""
+    global _checkpoint
+    holder, _checkpoint = _checkpoint, None
+    if holder is None:
+        return
+    try:
+        if holder.version is not None:
+            holder.replica.session.withdraw(holder.replica.model, holder.version,
+                                            holder.pull_timeout)
+    except Exception as exc:
+        log.warning("withdrawing the checkpoint copy: %s", exc)
+    holder.close()
+
+
+def _apply_checkpoint(model, version: int) -> list[str]:
+    """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it."""
+    global _torn
+    holder = _copy()
+    sources: list[str] = []
+    if holder.version != version:
+        holder.pull(version)
+        sources = list(holder.replica.last_pull.sources) if holder.replica.last_pull else []
+    if _native is not None:
+        _native.release()  # nobody reads the live parameters while we write them
+    with holder.tensors_of(version) as named:
+        _torn = True
         model.load_weights(named)
-    record(version)
-    log.info("applied v%d in %.1f ms", version, (time.perf_counter() - started) * 1e3)
+        _torn = False
+    return sources
+
+
+def _pull_native(version: int) -> list[str] | None:
+    """Sources of a native pull, or None when it failed (logged; `_torn` says whether the
+    live parameters were touched)."""
+    global _torn
+    if _native is None:
+        return None
+    was_torn, _torn = _torn, True
+    try:
+        sources = _native.pull(version)
+        _torn = False
+        return sources
+    except NotStarted as exc:
+        _torn = was_torn
+        log.warning("native pull of v%d not possible (%s); taking the checkpoint path",
+                    version, exc)
+    except Exception as exc:
+        log.warning("native pull of v%d failed after it started writing (%s); repairing "
+                    "through the checkpoint path", version, exc)
+    return None
+
+
+def apply(model, version: int, path: str = "checkpoint") -> None:
+    """Put `version` into the live model by `path` (falling back as the module docstring
+    says); raises when the version could not be applied."""
+    global _applied
+    if _settings is None:
+        raise RuntimeError("TensorHub is not running in this scheduler")
+    if version == _applied and not _torn:
+        record()  # already applied (the driver's earlier request timed out): nothing to do
+        return
+    started = time.perf_counter()
+    previous = _applied
+    sources = _pull_native(version) if path == "native" else None
+    taken = "native" if sources is not None else "checkpoint"
+    try:
+        if sources is None:
+            sources = _apply_checkpoint(model, version)
+    except Exception:
+        if _checkpoint is not None and _checkpoint.version is None \
+                and _settings.checkpoint_copy != "always":
+            _drop_copy()  # built for this update, holds nothing: free it
+        if _torn:
+            _repair(model, previous)
+        elif _native is not None and previous is not None and _native.replica.version is None:
+            _native.hold_applied(previous)  # untouched: serve it to peers again
+        raise
+    _applied = version
+    if taken == "native":
+        if _settings is not None and _settings.checkpoint_copy == "auto":
+            _drop_copy()
+        elif _checkpoint is not None:
+            _checkpoint.applied = version
+            _checkpoint.prefetch(version)
+    else:
+        if _native is not None:
+            _native.hold_applied(version)
+        if _settings is not None and _settings.checkpoint_copy == "never":
+            _drop_copy()
+    if _native is not None and _native.params_moved():
+        log.error("SGLang moved a parameter's storage: the native holder is stale")
+    _last.update(path=taken, sources=sources,
+                 apply_ms=round((time.perf_counter() - started) * 1e3, 2))
+    record()
+    mem = memory()
+    log.info("applied v%d via the %s path from %s in %.1f ms (TensorHub memory: compact "
+             "region %d B, checkpoint copy %d B)", version, taken,
+             ",".join(sources) or "the local copy", _last["apply_ms"], mem["compact_bytes"],
+             mem["checkpoint_copy_bytes"])
+
+
+def _repair(model, previous: int | None) -> None:
+    """The live parameters are torn: re-apply the old version from the checkpoint copy if it
+    still has it. If not, `_torn` stays set and the driver keeps generation paused."""
+    global _torn
+    if previous is None or _checkpoint is None or _checkpoint.version != previous:
+        log.error("live parameters torn and no copy of v%s to restore: generation stays "
+                  "paused until an update succeeds", previous)
+        return
+    try:
+        _apply_checkpoint(model, previous)
+        if _native is not None:
+            _native.hold_applied(previous)
+        log.warning("restored v%d from the checkpoint copy", previous)
+    except Exception as exc:
+        log.error("restoring v%d failed (%s): generation stays paused", previous, exc)
+
+
+def refused(error: str) -> None:
+    """The loader refused an update: record why (the driver reads it)."""
+    record(error)
 
 
 def _tp_rank() -> int:
@@ -51,10 +216,11 @@ def _tp_rank() -> int:
 
 
 def after_load_model(result, runner):
-    """AFTER hook on `ModelRunner.load_model`: start the holder and join at the newest
-    version. With `--load-format dummy` a failed join stops start-up (random weights must
-    never be served); otherwise it is logged and the weights from disk are served."""
-    global _holder, _where
+    """AFTER hook on `ModelRunner.load_model`: register the live parameters and join at the
+    newest version (natively when a same-layout peer holds it). With `--load-format dummy`
+    a failed join stops start-up (random weights must never be served), and so does one that
+    tore the weights; otherwise it is logged and the weights from disk are served."""
+    global _settings, _names, _native, _where
     settings = load_settings(None)
     if settings is None:
         log.warning("TensorHub plugin loaded but TENSORHUB_COORDINATOR is not set: inactive")
@@ -66,14 +232,18 @@ def after_load_model(result, runner):
     try:
         rank = _tp_rank()
         _where = (args.port, rank)
-        record(None)
-        _holder = CheckpointHolder(
-            settings.coordinator, settings.model,
-            worker_name(settings, args.host, args.port, rank),
-            transport=settings.transport, follow=settings.mode == "follow",
-            pull_timeout=settings.update_timeout)
+        _settings = settings
+        _names = (worker_name(settings, args.host, args.port, rank),
+                  native_worker_name(settings, args.host, args.port, rank))
+        _native = NativeHolder(settings.coordinator, settings.model, _names[1],
+                               list(runner.model.named_parameters()),
+                               transport=settings.transport, pull_timeout=settings.update_timeout)
+        if settings.checkpoint_copy == "always":
+            _copy()
+        record()
         try:
-            latest = _holder.replica.session.client.call(GetManifest(model=settings.model)).version
+            latest = _native.replica.session.client.call(
+                GetManifest(model=settings.model)).version
         except CoordinatorError as exc:
             if exc.code not in ("unknown_model", "unknown_version"):
                 raise
@@ -85,12 +255,13 @@ def after_load_model(result, runner):
             log.info("no version of %s yet; serving the weights from disk", settings.model)
             return result
         started = time.perf_counter()
-        _holder.pull(latest)
-        apply(runner.model, latest)
-        log.info("joined at %s v%d from peers in %.2fs", settings.model, latest,
-                 time.perf_counter() - started)
+        path = "native" if _native.peer_holds(latest) else "checkpoint"
+        apply(runner.model, latest, path)
+        log.info("joined at %s v%d from peers in %.2fs (%s path)", settings.model, latest,
+                 time.perf_counter() - started, _last.get("path"))
     except Exception as exc:
-        if dummy:
+        record(str(exc))
+        if dummy or _torn:
             log.error("TensorHub: cannot serve without weights: %s", exc)
             raise
         log.exception("TensorHub: join failed; serving the weights from disk")
