@@ -24,30 +24,36 @@ PLUGIN_ARGS = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
 
 
 def plugin_env(coordinator: str) -> dict[str, str]:
+    # A source that stops answering is given up after 5 s (default 30 s) so that the
+    # failover test below stays short.
     return {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": coordinator,
-            "TENSORHUB_MODEL": MODEL}
+            "TENSORHUB_MODEL": MODEL, "TENSORHUB_STALL_TIMEOUT": "5"}
 
 
 def wait_serving(server: VLLMServer, version: int, timeout: float = 120.0) -> dict:
     return server.wait_serving(version, timeout)
 
 
-def transfers(address: str, version: int) -> list:
+def coordinator_status(address: str):
     client = CoordinatorClient(address)
     try:
-        return [t for t in client.call(StatusRequest()).transfers
-                if t.version == version and t.ok and t.nbytes > 0]
+        return client.call(StatusRequest())
     finally:
         client.close()
+
+
+def transfers(address: str, version: int) -> list:
+    return [t for t in coordinator_status(address).transfers
+            if t.version == version and t.ok and t.nbytes > 0]
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, vllm_python, coordinator_process):
     root = tmp_path_factory.mktemp("vllm")
-    versions = Versions(root, count=4)
+    versions = Versions(root, count=6)
     prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
                                             state_dicts=versions.states)
-    for v in range(1, 4):
+    for v in range(1, 6):
         assert expected[v] != expected[v - 1], "versions must change the greedy tokens"
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
@@ -154,3 +160,54 @@ def test_a_manual_update_to_an_unknown_version_is_refused_and_the_engine_serves_
 def test_a_manual_update_to_the_current_version_changes_nothing(fleet):
     reply = fleet.engines[1].request("/tensorhub/update", {})
     assert reply == {"version": 4, "stall_ms": 0.0, "changed": False}
+
+
+# A second trainer process that publishes a version and then hangs (SIGSTOP, right after the
+# coordinator accepted it): the engines start reading from it and get no byte. It uses plain
+# NIXL, whose READs over loopback TCP need the holder's progress thread; a same-host `cma`
+# read would copy out of a stopped process regardless (truly one-sided).
+HANGING_TRAINER = """
+import os, signal, sys
+from safetensors.torch import load_file
+from tensorhub import Publisher
+pub = Publisher(sys.argv[1], "policy", name="doomed-trainer", transport="nixl")
+print('{"version": %d}' % pub.publish(load_file(sys.argv[2])), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
+    import sys
+
+    from safetensors.torch import save_file
+
+    from tensorhub.processes import ChildProcess
+
+    v5 = fleet.root / "v5.safetensors"
+    save_file({k: t.contiguous() for k, t in fleet.versions.state(5).items()}, str(v5))
+    doomed = ChildProcess([sys.executable, "-c", HANGING_TRAINER, fleet.address, str(v5)],
+                          name="doomed-trainer")
+    try:
+        assert doomed.next_json(timeout=120) == {"version": 5}
+
+        def failed_and_dropped() -> bool:
+            status = coordinator_status(fleet.address)
+            failed = [t for t in status.transfers if t.version == 5 and not t.ok
+                      and t.source.startswith("doomed-trainer")]  # name, or id once gone
+            holders = [h for m in status.models for v in m.versions if v.version == 5
+                       for h in v.holders]
+            return bool(failed) and not holders
+
+        deadline = time.monotonic() + 120
+        while not failed_and_dropped():
+            assert time.monotonic() < deadline, "the stalled source was never given up"
+            time.sleep(0.2)
+        for e in fleet.engines:  # still the old version, whole
+            assert e.request("/tensorhub/status")["serving_version"] == 4
+            assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
+    finally:
+        doomed.kill()
+    assert fleet.pub.publish(fleet.versions.state(6)) == 6  # the trainer goes on
+    for e in fleet.engines:
+        wait_serving(e, 6)
+        assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]

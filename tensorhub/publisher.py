@@ -4,17 +4,24 @@ By default `publish` snapshots the trainer's tensors into buffers the publisher 
 registers once (the copy is the trainer's only cost), so the trainer may run its next
 optimizer step at once. With `zero_copy=True` peers read the trainer's own tensors: no copy,
 but the trainer must not touch them until `release()` (or the next `publish`) returns.
+
+Retention: the newest version must outlive the trainer's copy of it. `release()` and
+`close()` first wait (bounded by `retain_timeout`) until `min_replicas` replicas hold the
+newest version, unless no replica exists that could; the coordinator itself refuses to let
+the last holder of a newest version withdraw. Publishing a newer version supersedes the old
+one, so `publish` only waits for reads of the old version in flight before reusing buffers.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
 
-from tensorhub.core.data_types import GetManifest, Hold, Publish
-from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.data_types import GetManifest, Hold, Publish, RetentionRequest
+from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
@@ -40,6 +47,8 @@ class Publisher:
         zero_copy: bool = False,
         compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
         release_timeout: float = 60.0,
+        min_replicas: int = 1,
+        retain_timeout: float = 30.0,
         token: str | None = None,
         timeout: float = 10.0,
         labels: dict[str, str] | None = None,
@@ -48,6 +57,9 @@ class Publisher:
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
         self.release_timeout = release_timeout
+        self.min_replicas = min_replicas
+        self.retain_timeout = retain_timeout
+        self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
                                      timeout)
         self._layout: BoundLayout | None = None
@@ -66,14 +78,14 @@ class Publisher:
         announce it. Returns the version. Raises `CoordinatorError` ("stale_version") for a
         version that is not newer than the model's latest, before touching anything."""
         named = named_list(named_tensors)
-        latest = self._latest()
+        latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
         if version <= latest:
             raise CoordinatorError(
                 f"model {self.model!r} is at version {latest}; cannot publish {version}",
                 code="stale_version")
         manifest = manifest_of(named, self.compact_threshold)
-        self.release()  # our buffers are about to change: end reads of the old version first
+        self._drop_current()  # buffers are about to change: end reads of the old version first
         tensors = [t for _, t in named]
         if self.zero_copy:
             layout = BoundLayout(manifest, tensors)
@@ -96,6 +108,7 @@ class Publisher:
             endpoint=self.session.transport.endpoint()))
         self._layout = layout
         self.version = version
+        self._newest = version
         # Kept so a restarted coordinator learns of this version again (soft state).
         self.session.remember(self.model, version, layout, Hold(
             worker_id=self.session.worker_id, model=self.model, version=reply.version,
@@ -105,15 +118,54 @@ class Publisher:
                  layout.nbytes / 2**20, layout.layout_id)
         return version
 
-    def release(self, timeout: float | None = None) -> None:
+    def retained(self, timeout: float | None = None) -> bool:
+        """Wait until `min_replicas` replicas hold our current version. False at once when
+        no replica is registered and none is reading it (nobody could keep it); raises
+        `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
+        if self.version is None:
+            return True
+        timeout = self.retain_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.session.client.call(RetentionRequest(model=self.model,
+                                                          version=self.version))
+            if r.replica_holders >= self.min_replicas:
+                return True
+            if r.replicas == 0 and r.active_reads == 0:
+                return False
+            if time.monotonic() > deadline:
+                raise TensorHubError(
+                    f"{self.model} v{self.version}: {r.replica_holders} of {self.min_replicas} "
+                    f"replica(s) hold it after {timeout:.1f}s ({r.active_reads} read(s) in "
+                    f"flight); the trainer's copy is its last", code="last_holder")
+            time.sleep(0.05)
+
+    def release(self, timeout: float | None = None, force: bool = False) -> None:
         """Stop serving the current version and wait (bounded) until reads of it end; after
-        this the trainer may modify tensors published with `zero_copy=True`."""
+        this the trainer may modify tensors published with `zero_copy=True`. Unless `force`,
+        first waits until the version is retained by replicas (see `retained`)."""
+        if self.version is None:
+            return
+        if not force and not self.retained(timeout):
+            log.warning("%s v%d: no replica to keep it; releasing the only copy", self.model,
+                        self.version)
+        self._drop_current(timeout)
+
+    def _drop_current(self, timeout: float | None = None) -> None:
         if self.version is not None:
             self.session.withdraw(self.model, self.version,
-                                  self.release_timeout if timeout is None else timeout)
+                                  self.release_timeout if timeout is None else timeout,
+                                  force=True)
             self.version = None
 
     def close(self) -> None:
+        """Unregister, after waiting (bounded) for replicas to hold the newest version."""
+        try:
+            if self.version is not None and not self.retained():
+                log.warning("%s v%d: no replica holds it; it is gone when the trainer exits",
+                            self.model, self.version)
+        except TensorHubError as exc:
+            log.warning("closing anyway: %s", exc)
         self.session.close()
 
     def __enter__(self) -> Publisher:

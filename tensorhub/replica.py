@@ -22,7 +22,7 @@ from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.data_types import ByteRange, PlanRequest, ReadDone, ReadPlan
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
-from tensorhub.core.puller import PullStats, read_plan, split, verify
+from tensorhub.core.puller import PullStats, Verifier, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
@@ -113,7 +113,7 @@ class Replica:
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
     def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-              max_replans: int) -> tuple[ReadPlan, PullStats]:
+              max_replans: int, verifier: Verifier | None = None) -> tuple[ReadPlan, PullStats]:
         """Read the plan; when a source fails, report it, and re-plan only the missing
         ranges of the same version from another holder."""
         done: set[tuple[int, int, int]] = set()
@@ -122,7 +122,7 @@ class Replica:
             try:
                 read_plan(self.session.transport, plan, dest,
                           timeout=max(0.001, deadline - time.monotonic()), done=done,
-                          stats=total)
+                          stats=total, verifier=verifier)
             except TransferError as exc:
                 # The failed source loses its references; the lease on the others ends too.
                 self._end_lease(plan, ok=False, error=str(exc),
@@ -172,9 +172,15 @@ class Replica:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
-            plan, stats = self._read(plan, dest, deadline, max_replans)
-            if self.verify:
-                stats.verify_seconds = verify(plan, dest)
+            verifier = Verifier(plan, dest) if self.verify else None
+            try:
+                plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
+            except BaseException:
+                if verifier is not None:
+                    verifier.close()
+                raise
+            if verifier is not None:
+                stats.verify_seconds = verifier.finish()
         except BaseException as exc:
             self._end_lease(plan, ok=False, error=str(exc))
             raise

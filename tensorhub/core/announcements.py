@@ -10,8 +10,9 @@ import time
 
 import zmq
 
+from tensorhub.core import curve
 from tensorhub.core.data_types import GetManifest
-from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.wire import WireError, decode_announcement
 
@@ -24,11 +25,17 @@ class VersionWatcher:
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, model.encode())
+        if session.client.curve_server_key is not None:  # same key as the request socket
+            curve.secure_client(self._sub, session.client.curve_server_key)
         self._sub.connect(session.announce_address)
 
     def latest(self) -> int | None:
+        """The model's latest version; None if it has none, or the coordinator is not
+        answering now (restarting): the caller simply waits on."""
         try:
             return self.session.client.call(GetManifest(model=self.model)).version
+        except CoordinatorUnavailable:
+            return None
         except CoordinatorError as exc:
             if exc.code in ("unknown_model", "unknown_version"):
                 return None

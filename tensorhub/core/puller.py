@@ -6,14 +6,17 @@ run the very same code path to pull a version.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import MemoryDesc, ReadPlan, ReadRange
-from tensorhub.core.errors import IntegrityError
+from tensorhub.core.errors import IntegrityError, TransferError
 from tensorhub.core.transport import Peer, ReadOp, Transport
 
 
@@ -35,6 +38,10 @@ class PullStats:
 
 
 BATCH_BYTES = 64 << 20  # progress is tracked per batch: a failure loses at most this much
+# A batch that makes no progress for this long means a stalled holder (SIGSTOP, a hung
+# engine, a dead link with no reset): it is reported like a dead one and the rest of the
+# pull is re-planned elsewhere. 64 MiB in 30 s is ~2 MB/s, far below any working link.
+STALL_TIMEOUT = float(os.environ.get("TENSORHUB_STALL_TIMEOUT", "30"))
 
 
 def split(plan: ReadPlan, batch_bytes: int | None = None) -> list[ReadRange]:
@@ -50,12 +57,17 @@ def split(plan: ReadPlan, batch_bytes: int | None = None) -> list[ReadRange]:
 
 def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
               timeout: float, done: set[tuple[int, int, int]] | None = None,
-              stats: PullStats | None = None, batch_bytes: int | None = None) -> PullStats:
+              stats: PullStats | None = None, batch_bytes: int | None = None,
+              stall_timeout: float | None = None,
+              verifier: Verifier | None = None) -> PullStats:
     """Read the ranges of `plan` into `dest` (one uint8 buffer per item), in batches of at
     most `batch_bytes`. Every range read is added to `done` (and ranges already in it are
     skipped), so after a `TransferError` (which names the failing source) the caller knows
     exactly which bytes are still missing and re-plans only those. `stats` (if given)
-    accumulates across such attempts."""
+    accumulates across such attempts. A batch taking longer than `stall_timeout` fails like
+    a dead source, and the connection to that source is dropped so that none of its late
+    bytes can land after the ranges were read again elsewhere. A `verifier` is told of every
+    range read, and checks each item as soon as it is complete, while later batches read."""
     if len(dest) != len(plan.checksums):
         raise ValueError(f"{len(dest)} destination items for a plan of {len(plan.checksums)}")
     done = set() if done is None else done
@@ -73,6 +85,7 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     if stats is None:
         stats = PullStats(plan.model, plan.version, [], 0, 0.0)
     deadline = time.monotonic() + timeout
+    stall_timeout = STALL_TIMEOUT if stall_timeout is None else stall_timeout
     for sid, ranges in batches:
         src = sources[sid]
         ops = []
@@ -85,10 +98,16 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
         started = time.perf_counter()
         try:
             transport.read(Peer(sid, src.endpoint), ops,
-                           timeout=max(0.001, deadline - time.monotonic()))
+                           timeout=max(0.001, min(stall_timeout, deadline - time.monotonic())))
+        except TransferError:
+            transport.forget_peer(sid)
+            raise
         finally:
             stats.seconds += time.perf_counter() - started
         done.update(r.key() for r in ranges)
+        if verifier is not None:
+            for r in ranges:
+                verifier.add(r.item, r.nbytes)
         nbytes = sum(r.nbytes for r in ranges)
         if src.name not in stats.by_source:
             stats.sources.append(src.name)
@@ -97,14 +116,75 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     return stats
 
 
+class Verifier:
+    """Checksums each item on a background thread as soon as all its bytes have arrived, so
+    verification overlaps the reads of later batches instead of following them (xxh3 runs
+    without the GIL). `finish` waits for the last item and raises the first mismatch."""
+
+    def __init__(self, plan: ReadPlan, dest: list[torch.Tensor]):
+        if len(dest) != len(plan.checksums):
+            raise ValueError(f"{len(dest)} destination items for a plan of "
+                             f"{len(plan.checksums)}")
+        self._plan = plan
+        self._dest = dest
+        self._left = [b.numel() * b.element_size() for b in dest]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorhub-verify")
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self.seconds = 0.0  # time spent checksumming (on the background thread)
+        for k, left in enumerate(self._left):
+            if left == 0:
+                self._submit(k)
+
+    def _submit(self, k: int) -> None:
+        self._left[k] = -1  # submitted
+        self._futures.append(self._pool.submit(self._check, k))
+
+    def _check(self, k: int) -> None:
+        started = time.perf_counter()
+        try:
+            check_item(self._plan, k, self._dest[k])
+        finally:
+            with self._lock:
+                self.seconds += time.perf_counter() - started
+
+    def add(self, item: int, nbytes: int) -> None:
+        """`nbytes` more of `item` have arrived (each byte reported once)."""
+        if self._left[item] > 0:
+            self._left[item] -= nbytes
+            if self._left[item] <= 0:
+                self._submit(item)
+
+    def finish(self) -> float:
+        """Wait until every item is checked; raise `IntegrityError` on a mismatch, or
+        `ValueError` if some item never arrived completely. Returns the checksum seconds."""
+        try:
+            for f in self._futures:
+                f.result()
+            missing = [k for k, left in enumerate(self._left) if left > 0]
+            if missing:
+                raise ValueError(f"items {missing[:5]} were never read completely")
+            return self.seconds
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def check_item(plan: ReadPlan, k: int, buf: torch.Tensor) -> None:
+    got = checksum(buf)
+    if got != plan.checksums[k]:
+        raise IntegrityError(
+            f"{plan.model} v{plan.version}: item {k} ({buf.numel()} bytes) has checksum "
+            f"{got}, expected {plan.checksums[k]}: torn or stale bytes, refusing them")
+
+
 def verify(plan: ReadPlan, dest: list[torch.Tensor]) -> float:
     """Compare each item's checksum with the version's; return the seconds it took."""
     started = time.perf_counter()
-    for k, (buf, expected) in enumerate(zip(dest, plan.checksums, strict=True)):
-        got = checksum(buf)
-        if got != expected:
-            raise IntegrityError(
-                f"{plan.model} v{plan.version}: item {k} ({buf.numel()} bytes) has checksum "
-                f"{got}, expected {expected}: torn or stale bytes, refusing them"
-            )
+    if len(dest) != len(plan.checksums):
+        raise ValueError(f"{len(dest)} destination items for a plan of {len(plan.checksums)}")
+    for k, buf in enumerate(dest):
+        check_item(plan, k, buf)
     return time.perf_counter() - started

@@ -41,6 +41,7 @@ class WorkerSession:
         )
         self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
         self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
+        self._unannounced: set[tuple[str, int]] = set()  # held, coordinator was unreachable
         self._lock = threading.RLock()
         self.worker_id = ""
         self.heartbeat_interval = 1.0
@@ -66,6 +67,7 @@ class WorkerSession:
         with self._lock:
             log.warning("%s: coordinator does not know us; registering again", self.name)
             self._register()
+            self._unannounced.clear()
             for (model, version), (layout, hold) in list(self._holds.items()):
                 hold = hold.model_copy(update={"worker_id": self.worker_id,
                                                "endpoint": self.transport.endpoint()})
@@ -95,6 +97,7 @@ class WorkerSession:
             try:
                 self.call(Heartbeat(worker_id=self.worker_id),
                           timeout=max(2.0, 2 * self.heartbeat_interval))
+                self._announce_pending()
             except (CoordinatorUnavailable, CoordinatorError) as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             except Exception:  # never let the thread die silently
@@ -108,24 +111,62 @@ class WorkerSession:
                     endpoint=self.transport.endpoint(), manifest=layout.manifest,
                     checksums=checksums)
         with self._lock:
-            self.call(hold)
             self._holds[(model, version)] = (layout, hold)
+            try:
+                self.call(hold)
+            except CoordinatorUnavailable:
+                # The bytes are complete and verified: keep serving them, and announce them
+                # as soon as the coordinator answers again (the heartbeat loop retries).
+                log.warning("%s: coordinator unreachable; will announce %s v%d when it is "
+                            "back", self.name, model, version)
+                self._unannounced.add((model, version))
+            except BaseException:
+                self._holds.pop((model, version), None)
+                raise
+
+    def _announce_pending(self) -> None:
+        with self._lock:
+            for key in list(self._unannounced):
+                entry = self._holds.get(key)
+                if entry is not None:
+                    try:
+                        self.call(entry[1].model_copy(update={
+                            "endpoint": self.transport.endpoint()}))
+                    except CoordinatorError as exc:
+                        log.warning("%s: could not announce %s v%d: %s", self.name, *key, exc)
+                        if exc.code == "busy":
+                            continue
+                        self._holds.pop(key, None)
+                self._unannounced.discard(key)
 
     def remember(self, model: str, version: int, layout: BoundLayout, hold: Hold) -> None:
         with self._lock:
             self._holds[(model, version)] = (layout, hold)
 
-    def withdraw(self, model: str, version: int, timeout: float) -> None:
+    def withdraw(self, model: str, version: int, timeout: float, force: bool = False) -> None:
         """Stop serving `version` and wait until reads of it in flight have ended.
 
         Only then may the caller overwrite the bytes (the mutability contract). Raises
-        `TensorHubError` if reads are still in flight after `timeout` seconds.
+        `TensorHubError` ("busy") if reads are still in flight after `timeout` seconds, or
+        ("last_holder") if we still are the only holder of the model's newest version then
+        (the coordinator will not let it be lost; `force` overrides that).
         """
-        with self._lock:
-            self._holds.pop((model, version), None)
         deadline = time.monotonic() + timeout
         while True:
-            reply = self.call(Withdraw(worker_id=self.worker_id, model=model, version=version))
+            try:
+                reply = self.call(Withdraw(worker_id=self.worker_id, model=model,
+                                           version=version, force=force))
+            except CoordinatorError as exc:
+                if exc.code != "last_holder":
+                    raise
+                if time.monotonic() > deadline:
+                    raise TensorHubError(f"{exc} (waited {timeout:.1f}s)",
+                                         code="last_holder") from None
+                time.sleep(exc.retry_after or 0.2)
+                continue
+            with self._lock:
+                self._holds.pop((model, version), None)
+                self._unannounced.discard((model, version))
             if reply.active_reads == 0:
                 return
             if time.monotonic() > deadline:

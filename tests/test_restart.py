@@ -1,0 +1,107 @@
+"""The coordinator keeps only soft state: kill it, restart it, and nothing is lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tensorhub import Publisher, Replica
+from tensorhub.chaos import CoordinatorProcess, replica_process
+from tensorhub.core import puller
+from tensorhub.core.checksum import checksum
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import StatusRequest
+from tensorhub.demo import synthetic_state_dict
+
+
+@pytest.fixture
+def coordinator_proc():
+    proc = CoordinatorProcess().start()
+    yield proc
+    proc.stop()
+
+
+def holders_by_version(address: str) -> dict[int, set[str]]:
+    client = CoordinatorClient(address, timeout=5.0)
+    try:
+        reply = client.call(StatusRequest())
+    finally:
+        client.close()
+    out: dict[int, set[str]] = {}
+    for m in reply.models:
+        for v in m.versions:
+            out.setdefault(v.version, set()).update(
+                h.name for h in v.holders if not h.withdrawn)
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f}s: {what}")
+        time.sleep(0.1)
+
+
+def sums(state) -> dict[str, str]:
+    return {n: checksum(t) for n, t in state.items()}
+
+
+def test_after_a_restart_workers_re_register_and_the_next_version_reaches_all(
+        coordinator_proc, transport):
+    state = synthetic_state_dict(16, n_tiny=50, seed=3)
+    replicas = [replica_process(coordinator_proc.address, f"r{i}", transport) for i in range(2)]
+    pids = [r.pid for r in replicas]
+    try:
+        with Publisher(coordinator_proc.address, "policy", transport=transport) as pub:
+            assert pub.publish(state) == 1
+            for r in replicas:
+                assert r.next_json(timeout=120)["version"] == 1
+            coordinator_proc.kill()
+            coordinator_proc.start()
+            # Soft state comes back from the workers within a few heartbeats.
+            wait_until(lambda: holders_by_version(coordinator_proc.address).get(1, set())
+                       >= {"r0", "r1"}, 30, "replicas re-announce v1")
+            for t in state.values():
+                t.add_(1.0)
+            assert pub.publish(state) == 2  # version numbers never go back
+            for r in replicas:
+                event = r.next_json(timeout=120)
+                assert (event["event"], event["version"]) == ("pulled", 2)
+                assert event["checksums"] == sums(state)
+        assert [r.pid for r in replicas] == pids
+        assert all(r.proc.poll() is None for r in replicas)  # nobody restarted
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_after(
+        coordinator_proc, transport, monkeypatch):
+    state = synthetic_state_dict(64, n_tiny=50, seed=4)
+    with Publisher(coordinator_proc.address, "policy", transport=transport) as pub, \
+            Replica(coordinator_proc.address, "policy", transport=transport,
+                    name="reader") as reader:
+        pub.publish(state)
+        monkeypatch.setattr(puller, "BATCH_BYTES", 8 << 20)
+        real_read = reader.session.transport.read
+        reads = []
+        restarted = threading.Event()
+
+        def read_while_the_coordinator_dies(peer, ops, timeout):
+            reads.append(1)
+            if len(reads) == 2:
+                coordinator_proc.kill()
+                threading.Thread(target=lambda: (coordinator_proc.start(), restarted.set()),
+                                 daemon=True).start()
+            return real_read(peer, ops, timeout)
+
+        monkeypatch.setattr(reader.session.transport, "read", read_while_the_coordinator_dies)
+        assert reader.pull(timeout=120) == 1
+        assert restarted.wait(60)
+        assert sums(reader.tensors) == sums(state)
+        assert len(reads) > 2  # the coordinator died mid-pull, the reads went on
+        wait_until(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
+                   30, "the reader announces v1 to the restarted coordinator")

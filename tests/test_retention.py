@@ -1,0 +1,95 @@
+"""Retention: the newest version is never dropped by accident; a lost one fails clearly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tensorhub import Publisher, Replica
+from tensorhub.core.checksum import checksum
+from tensorhub.core.errors import CoordinatorError, TensorHubError
+from tensorhub.demo import synthetic_state_dict
+
+
+def holders(coordinator, version: int) -> set[str]:
+    vrec = coordinator.table.models["policy"].versions.get(version)
+    if vrec is None:
+        return set()
+    return {coordinator.table.workers[h].name
+            for layout in vrec.layouts.values() for h, rec in layout.holders.items()
+            if not rec.withdrawn}
+
+
+def sums(tensors) -> dict[str, str]:
+    return {n: checksum(t) for n, t in tensors.items()}
+
+
+@pytest.fixture
+def state():
+    return synthetic_state_dict(4, n_tiny=10, seed=5)
+
+
+def test_the_last_holder_of_the_newest_version_may_not_withdraw_it(coordinator, state):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="keeper") as keeper:
+        pub.publish(state)
+        keeper.pull()
+        pub.release()  # a replica holds v1: the trainer may let go of its copy
+        assert holders(coordinator, 1) == {"keeper"}
+        with pytest.raises(TensorHubError) as refused:
+            keeper.session.withdraw("policy", 1, timeout=0.5)
+        assert refused.value.code == "last_holder"
+        assert holders(coordinator, 1) == {"keeper"}
+        keeper.session.withdraw("policy", 1, timeout=0.5, force=True)
+        assert holders(coordinator, 1) == set()
+
+
+def test_release_waits_until_a_replica_holds_the_version(coordinator, state):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="keeper") as keeper:
+        pub.publish(state)
+        late_pull = threading.Timer(0.5, keeper.pull)
+        late_pull.start()
+        pub.release(timeout=30)
+        # The trainer let go only once the replica held v1: the version was never unheld.
+        assert holders(coordinator, 1) == {"keeper"}
+        late_pull.join()
+        assert sums(keeper.tensors) == sums(state)
+
+
+def test_closing_the_trainer_waits_until_a_replica_holds_the_newest_version(coordinator, state):
+    with Replica(coordinator.address, "policy", transport="zmq", name="keeper") as keeper:
+        pub = Publisher(coordinator.address, "policy", transport="zmq")
+        pub.publish(state)
+        late_pull = threading.Timer(0.5, keeper.pull)
+        late_pull.start()
+        pub.close()
+        late_pull.join()
+        assert holders(coordinator, 1) == {"keeper"}
+        assert sums(keeper.tensors) == sums(state)
+
+
+def test_release_with_no_replica_anywhere_does_not_wait_for_one(coordinator, state):
+    with Publisher(coordinator.address, "policy", transport="zmq", retain_timeout=600) as pub:
+        pub.publish(state)
+        pub.release()  # would block for 600 s if it waited
+        assert holders(coordinator, 1) == set()
+
+
+def test_a_version_nobody_holds_fails_by_name_and_the_reader_keeps_its_own(coordinator):
+    v1 = synthetic_state_dict(4, n_tiny=10, seed=1)
+    v2 = {name: t + 1 for name, t in v1.items()}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="reader") as reader:
+        pub.publish(v1)
+        assert reader.pull() == 1
+        pub.publish(v2)
+        pub.release(force=True)  # the trainer's copy of v2 was its only one
+        with pytest.raises(CoordinatorError) as lost:
+            reader.pull(timeout=10)
+        assert lost.value.code == "no_holder"
+        assert "v2" in str(lost.value)
+        assert reader.version == 1 and sums(reader.tensors) == sums(v1)
+        assert pub.publish(v2) == 3  # the trainer publishes the weights again
+        assert reader.pull() == 3 and sums(reader.tensors) == sums(v2)
