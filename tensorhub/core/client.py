@@ -14,6 +14,7 @@ import uuid
 
 import zmq
 
+from tensorhub.core import curve
 from tensorhub.core.data_types import Envelope, ErrorReply
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.wire import WireError, decode_reply, encode
@@ -33,10 +34,14 @@ def token_from_env() -> str | None:
 
 class CoordinatorClient:
     def __init__(self, address: str, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, curve_server_key: str | None = None):
+        """`curve_server_key`: the coordinator's CURVE public key (default: from the
+        environment, see `core/curve.py`); None there too: a plain connection."""
         self.address = address
         self.token = token if token is not None else token_from_env()
         self.timeout = timeout
+        self.curve_server_key = (curve_server_key if curve_server_key is not None
+                                 else curve.server_key_from_env())
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock = self._new_socket()
@@ -44,6 +49,8 @@ class CoordinatorClient:
     def _new_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve_server_key is not None:
+            curve.secure_client(sock, self.curve_server_key)
         sock.connect(self.address)
         return sock
 
@@ -59,9 +66,11 @@ class CoordinatorClient:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    hint = ("" if self.curve_server_key is not None else
+                            f" (if it uses CURVE, set {curve.SERVER_KEY_ENV} to its public key)")
                     raise CoordinatorUnavailable(
                         f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
-                        f"to {request.type!r}; is `tensorhub coordinator` running there?"
+                        f"to {request.type!r}; is `tensorhub coordinator` running there?{hint}"
                     )
                 frames = self._sock.recv_multipart()
                 if len(frames) == 2 and frames[0] == req_id:

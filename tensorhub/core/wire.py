@@ -11,9 +11,13 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from tensorhub.core.data_types import Announcement, Envelope, Reply
+from tensorhub.core.data_types import MAX_TENSORS, Announcement, Envelope, Reply
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# No list or map in any message may be longer than this; msgpack refuses longer ones before
+# building them (a 23 MB list of a million small maps otherwise costs the coordinator's
+# single thread ~4 s to build and validate, only to be refused by the schema).
+MAX_CONTAINER_LEN = MAX_TENSORS
 
 _envelope = TypeAdapter(Envelope)
 _reply = TypeAdapter(Reply)
@@ -32,7 +36,8 @@ def _unpack(data: bytes) -> Any:
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True,
+                               max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"not a msgpack message: {exc}") from None
 

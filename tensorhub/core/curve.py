@@ -1,0 +1,132 @@
+"""ZeroMQ CURVE on the control plane: the coordinator proves who it is, and no one can read
+or alter requests (tokens included) on the way.
+
+The shared token alone authenticates clients but travels in clear text over TCP: anyone on
+the path could copy it. With CURVE every client pins the coordinator's public key; its
+requests, replies and the version announcements are encrypted and authenticated with it,
+and a client that does not know the key never completes the handshake (its calls time out).
+Clients use a fresh keypair per socket: who may talk is still decided by the token.
+The data plane (NIXL, the zmq fallback transport) is not covered.
+
+Keys are 40-character Z85 text, as libzmq prints them. `tensorhub keygen` writes a pair:
+`NAME.key` (public: give it to every client) and `NAME.key_secret` (the coordinator's only,
+mode 0600).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import zmq
+from zmq.utils import z85
+
+from tensorhub.core.errors import TensorHubError
+
+SECRET_FILE_ENV = "TENSORHUB_CURVE_SECRET_FILE"  # coordinator: turns CURVE on
+SERVER_KEY_ENV = "TENSORHUB_CURVE_SERVER_KEY"  # clients: the coordinator's public key
+SERVER_KEY_FILE_ENV = "TENSORHUB_CURVE_SERVER_KEY_FILE"  # ... or a file holding it
+KEY_CHARS = 40
+
+
+class CurveKeyError(TensorHubError):
+    """A CURVE key is missing, malformed, or libzmq was built without CURVE."""
+
+    code = "bad_key"
+
+
+def available() -> bool:
+    return bool(zmq.has("curve"))
+
+
+def _require() -> None:
+    if not available():
+        raise CurveKeyError("this libzmq was built without CURVE (zmq.has('curve') is False)")
+
+
+def check_key(key: str, what: str = "key") -> str:
+    """The key, stripped, if it is 40 characters of Z85 (32 bytes); else a clear error."""
+    key = key.strip()
+    try:
+        ok = len(key) == KEY_CHARS and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CurveKeyError(f"{what} is not a CURVE key ({KEY_CHARS} Z85 characters): "
+                            f"{key[:12]!r}... ({len(key)} characters)")
+    return key
+
+
+def read_key(path: str | os.PathLike, what: str = "key file") -> str:
+    """A key from a file written by `tensorhub keygen` (lines starting with # are comments)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise CurveKeyError(f"cannot read {what} {path}: {exc}") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    return check_key(lines[0] if lines else "", f"{what} {path}")
+
+
+def generate_keypair() -> tuple[str, str]:
+    """(public, secret), both Z85 text."""
+    _require()
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def public_key_of(secret: str) -> str:
+    _require()
+    return zmq.curve_public(check_key(secret, "secret key").encode()).decode()
+
+
+def write_keypair(directory: str | os.PathLike, name: str = "coordinator",
+                  force: bool = False) -> tuple[Path, Path]:
+    """Write NAME.key and NAME.key_secret (0600) into `directory`; never overwrite a secret
+    unless `force` (clients pinned to its public key would all be locked out)."""
+    public, secret = generate_keypair()
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    public_path, secret_path = folder / f"{name}.key", folder / f"{name}.key_secret"
+    if secret_path.exists() and not force:
+        raise CurveKeyError(f"{secret_path} exists; pass --force to replace it (every client "
+                            f"must then get the new public key)")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(secret_path, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(f"# TensorHub coordinator CURVE secret key: keep private\n{secret}\n")
+    public_path.write_text(f"# TensorHub coordinator CURVE public key: give to clients\n"
+                           f"{public}\n")
+    return public_path, secret_path
+
+
+def server_secret_from_env() -> str | None:
+    """The coordinator's secret key from the file named by TENSORHUB_CURVE_SECRET_FILE."""
+    path = os.environ.get(SECRET_FILE_ENV)
+    return read_key(path, "CURVE secret key file") if path else None
+
+
+def server_key_from_env() -> str | None:
+    """The coordinator's public key for clients: TENSORHUB_CURVE_SERVER_KEY, or the file
+    TENSORHUB_CURVE_SERVER_KEY_FILE. None: plain (unencrypted) connections."""
+    key = os.environ.get(SERVER_KEY_ENV)
+    if key:
+        return check_key(key, SERVER_KEY_ENV)
+    path = os.environ.get(SERVER_KEY_FILE_ENV)
+    return read_key(path, "CURVE server key file") if path else None
+
+
+def secure_server(sock: zmq.Socket, secret: str) -> None:
+    """Make a (not yet bound) socket a CURVE server with the coordinator's secret key."""
+    _require()
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, check_key(secret, "secret key").encode())
+
+
+def secure_client(sock: zmq.Socket, server_key: str) -> None:
+    """Make a (not yet connected) socket a CURVE client of the server with `server_key`."""
+    _require()
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, check_key(server_key, "server key").encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
