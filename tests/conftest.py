@@ -12,7 +12,7 @@ from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 os.environ.setdefault("TENSORHUB_UCX_DEFAULTS", "1")
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
-TRANSPORTS = ["nixl", "zmq"]
+TRANSPORTS = ["nixl", "zmq", "cma", "auto"]
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ class EngineSettings(BaseModel):
         description="how generation pauses while weights are swapped: wait (in-flight "
                     "requests finish on the old version), abort, keep (freeze and resume)")
     name: str = Field(default="", description="worker name in `tensorhub status`")
-    transport: Literal["nixl", "zmq"] | None = None
+    transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
     join_timeout: float = Field(default=300.0, gt=0,
                                 description="start-up: longest wait for the newest version")
     update_timeout: float = Field(default=120.0, gt=0, description="longest pull")

@@ -32,7 +32,8 @@ class Peer:
 
 
 class Transport(ABC):
-    """One implementation per module: `nixl` (one-sided READ) and `zmq` (fallback)."""
+    """One implementation per module: `nixl` (one-sided READ), `zmq` (fallback), `cma`
+    (same-host process_vm_readv) and `auto` (cma for same-host peers, nixl for the rest)."""
 
     name: str
 

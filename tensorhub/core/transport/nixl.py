@@ -23,6 +23,9 @@ from tensorhub.core.memory import describe
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
 UCX_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+# GPU switch (untested here: no GPU): same-host VRAM reads by CUDA IPC (UCX `cuda_ipc`).
+CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
+UCX_TLS_CUDA_IPC = "tcp,cma,cuda_copy,cuda_ipc"
 # NIXL's Python API starts its progress thread with no delay between polls: an idle agent
 # then burns a whole core (measured: 3.0 CPU-s per 3 s), which on a 2-core engine host
 # halves everything else. A 100 us pause costs ~3% of a core. It must stay short: over
@@ -37,7 +40,8 @@ def apply_ucx_defaults() -> None:
     """Single-host defaults; set UCX_NET_DEVICES / UCX_TLS yourself for a real network."""
     if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") != "0":
         for key, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+            os.environ.setdefault(key, UCX_TLS_CUDA_IPC if CUDA_IPC and key == "UCX_TLS"
+                                  else value)
 
 
 class NixlTransport(Transport):
