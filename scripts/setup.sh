@@ -27,7 +27,7 @@ if [ ! -f "$venv/.tensorhub-ready" ]; then
   "$venv/bin/pip" install -q --upgrade pip >&2
   # Install line by line in file order: torch (CPU wheel) must land before packages that
   # would otherwise pull a CUDA build of it.
-  grep -vE '^\s*(#|$)' "$req" | while read -r line; do
+  sed -e 's/[[:space:]]*#.*$//' "$req" | grep -vE '^\s*$' | while read -r line; do
     "$venv/bin/pip" install -q $line >&2
   done
   if [ -f "$post" ]; then VENV="$venv" bash "$post" >&2; fi

@@ -15,11 +15,14 @@ DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"
 def _coordinator(args: argparse.Namespace) -> int:
     from tensorhub.coordinator.planner import PlannerConfig
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.core import curve
     from tensorhub.core.client import token_from_env
 
     token = token_from_env()
+    secret = (curve.read_key(args.curve_secret_file, "CURVE secret key file")
+              if args.curve_secret_file else curve.server_secret_from_env())
     config = CoordinatorConfig(
-        bind=args.bind, announce=args.announce, token=token,
+        bind=args.bind, announce=args.announce, token=token, curve_secret=secret,
         heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
         lease_ttl=args.lease_ttl,
         planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder),
@@ -27,14 +30,34 @@ def _coordinator(args: argparse.Namespace) -> int:
     if not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and token is None:
         logging.warning("binding %s beyond loopback without TENSORHUB_TOKEN: anyone who can "
                         "reach it can publish and read references", args.bind)
+    elif not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and not secret:
+        logging.warning("binding %s beyond loopback without CURVE: the token travels in clear "
+                        "text (see `tensorhub keygen`)", args.bind)
     coordinator = Coordinator(config)
     signal.signal(signal.SIGTERM, lambda *_: coordinator._stop.set())
     print(f"tensorhub coordinator: requests on {coordinator.address}, announcements on "
           f"{coordinator.announce_address}", flush=True)
+    if coordinator.curve_public_key:
+        print(f"CURVE on: clients need {curve.SERVER_KEY_ENV}='{coordinator.curve_public_key}'",
+              flush=True)
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    """Write a CURVE keypair for the coordinator and say how to use it."""
+    from tensorhub.core import curve
+
+    public_path, secret_path = curve.write_keypair(args.out, args.name, force=args.force)
+    public = curve.read_key(public_path)
+    print(f"wrote {public_path} (public) and {secret_path} (secret, mode 600)\n"
+          f"coordinator: tensorhub coordinator --curve-secret-file {secret_path}\n"
+          f"   (or {curve.SECRET_FILE_ENV}={secret_path})\n"
+          f"clients:     {curve.SERVER_KEY_ENV}='{public}'\n"
+          f"   (or {curve.SERVER_KEY_FILE_ENV}={public_path})")
     return 0
 
 
@@ -119,6 +142,22 @@ def _replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    """Fleet sizes through the real coordinator on a simulated clock and network."""
+    from pathlib import Path
+
+    from tensorhub.sim.fleet import SimConfig
+    from tensorhub.sim.sweep import plot, run_sweep
+
+    base = SimConfig(model_bytes=int(args.model_gib * 2**30),
+                     chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
+                     dcs=args.dcs, streams=args.streams)
+    rows = run_sweep(base, args.sizes)
+    if args.plot:
+        print(f"plot: {plot(rows, Path(args.plot))}")
+    return 0 if all(r.unfinished == 0 for r in rows) else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tensorhub.demo import run_demo
 
@@ -149,7 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest a read may keep a holder from overwriting (default 120)")
     p.add_argument("--max-readers-per-holder", type=int, default=2,
                    help="concurrent readers per holder; forms trees, not stars (default 2)")
+    p.add_argument("--curve-secret-file", default=None,
+                   help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "
+                   "this secret key (from `tensorhub keygen`; default: "
+                   "$TENSORHUB_CURVE_SECRET_FILE, else no CURVE)")
     p.set_defaults(func=_coordinator)
+
+    p = sub.add_parser("keygen", help="write a CURVE keypair for the coordinator",
+                       description="Write NAME.key (public: give it to every client as "
+                       "TENSORHUB_CURVE_SERVER_KEY) and NAME.key_secret (for the coordinator's "
+                       "--curve-secret-file only, mode 600).")
+    p.add_argument("--out", default=".", help="directory to write the two files into")
+    p.add_argument("--name", default="coordinator", help="file name stem (default coordinator)")
+    p.add_argument("--force", action="store_true", help="replace an existing secret key")
+    p.set_defaults(func=_keygen)
 
     p = sub.add_parser("status", help="models, versions, holders and recent pulls")
     p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
@@ -163,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
     p.add_argument("--model", default="policy")
     p.add_argument("--name", default="replica")
-    p.add_argument("--transport", choices=["nixl", "zmq"], default=None,
-                   help="default: $TENSORHUB_TRANSPORT or nixl")
+    p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
+                   help="default: $TENSORHUB_TRANSPORT or auto")
     p.add_argument("--versions", type=int, default=0, help="stop after N pulls (0: never)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this long")
     p.add_argument("--pull-timeout", type=float, default=60.0)
@@ -174,13 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
     p.set_defaults(func=_replica)
 
+    p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",
+                       description="Drive the real coordinator with simulated workers and "
+                       "links; print completion time / lower bound per fleet size, beside a "
+                       "star and a ring.")
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    p.add_argument("--model-gib", type=float, default=8.0)
+    p.add_argument("--chunk-mib", type=float, default=64.0)
+    p.add_argument("--nic-gbps", type=float, default=100.0)
+    p.add_argument("--dcs", type=int, default=1, help="datacenters (workers round robin)")
+    p.add_argument("--streams", type=int, default=2, help="chunks a reader reads at once")
+    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.set_defaults(func=_simulate)
+
     p = sub.add_parser("demo", help="coordinator + trainer + replicas on this machine",
                        description="Start a coordinator and replica processes, publish a few "
                        "versions from an in-process trainer, and show who pulled from whom.")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--size-mb", type=int, default=256, help="size of the fake model (MiB)")
-    p.add_argument("--transport", choices=["nixl", "zmq"], default="nixl")
+    p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default="nixl")
     p.add_argument("--port", type=int, default=5655)
     p.set_defaults(func=_demo)
     return parser

@@ -13,12 +13,14 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
-from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_ranges
+from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
 from tensorhub.coordinator.table import HolderRec, LayoutRec, ModelRec, Table, VersionRec, WorkerRec
+from tensorhub.core import curve
 from tensorhub.core.data_types import (
     Ack,
     Announcement,
@@ -33,12 +35,15 @@ from tensorhub.core.data_types import (
     MemoryDesc,
     ModelStatus,
     PlanRequest,
+    Progress,
     Publish,
     Published,
     ReadDone,
     ReadPlan,
     Register,
     Registered,
+    Retention,
+    RetentionRequest,
     Source,
     StatusReply,
     StatusRequest,
@@ -50,7 +55,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
-from tensorhub.core.wire import WireError, decode_envelope, encode
+from tensorhub.core.wire import MAX_MESSAGE_BYTES, WireError, decode_envelope, encode
 
 log = logging.getLogger("tensorhub.coordinator")
 
@@ -65,6 +70,7 @@ class CoordinatorConfig:
     lease_ttl: float = 120.0
     busy_retry: float = 0.05
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
 
 
 class Reject(Exception):
@@ -81,17 +87,26 @@ def announce_address_for(bind: str) -> str:
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig = CoordinatorConfig()):
+    def __init__(self, config: CoordinatorConfig = CoordinatorConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock`: the time source for liveness and leases (the simulator drives its own)."""
         self.config = config
-        self.table = Table()
+        self.clock = clock
+        self.table = Table(clock=clock)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
-        self._router.bind(config.bind)
-        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Larger messages are dropped by libzmq, which also drops the sender's connection.
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self.curve_public_key = None
+        if config.curve_secret is not None:
+            for sock in (self._router, self._pub):
+                curve.secure_server(sock, config.curve_secret)
+            self.curve_public_key = curve.public_key_of(config.curve_secret)
+        self._router.bind(config.bind)
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         announce = config.announce or (
             announce_address_for(self.address) if not self.address.endswith(":0") else None
         )
@@ -107,8 +122,9 @@ class Coordinator:
             Register: self._register, Heartbeat: self._heartbeat,
             Unregister: self._unregister, Publish: self._publish, Hold: self._hold,
             Withdraw: self._withdraw, PlanRequest: self._plan, ReadDone: self._read_done,
+            Progress: self._progress,
             GetManifest: self._manifest, StatusRequest: self._status,
-            HoldingsRequest: self._holdings,
+            HoldingsRequest: self._holdings, RetentionRequest: self._retention,
         }  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
@@ -187,7 +203,7 @@ class Coordinator:
             raise Reject("unknown_worker",
                          f"worker {worker_id} is not registered (coordinator restarted, "
                          f"or it timed out): register again")
-        worker.last_seen = time.monotonic()
+        worker.last_seen = self.clock()
         return worker
 
     def _model(self, model: str) -> ModelRec:
@@ -235,7 +251,7 @@ class Coordinator:
     def _register(self, req: Register) -> Registered:
         worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
         self.table.workers[worker_id] = WorkerRec(
-            worker_id, req.name, req.role, req.endpoint, dict(req.labels), time.monotonic()
+            worker_id, req.name, req.role, req.endpoint, dict(req.labels), self.clock()
         )
         log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
         return Registered(worker_id=worker_id,
@@ -255,14 +271,15 @@ class Coordinator:
         worker = self._worker(req.worker_id)
         if worker.role != "trainer":
             raise Reject("bad_request", "only a worker registered as trainer may publish")
-        mrec = self.table.models.setdefault(req.model, ModelRec())
-        if req.version <= mrec.latest:
+        latest = self.table.models[req.model].latest if req.model in self.table.models else 0
+        if req.version <= latest:
             raise Reject("stale_version",
-                         f"model {req.model!r} is at version {mrec.latest}; a new version "
+                         f"model {req.model!r} is at version {latest}; a new version "
                          f"must be greater (got {req.version})")
         lid, layout = self._new_layout(req.manifest, req.checksums)
         self._check_memory(layout, req.memory)
         self._update_endpoint(worker, req.endpoint)
+        mrec = self.table.models.setdefault(req.model, ModelRec())  # only once all checks pass
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, list(req.memory))
         mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
         mrec.latest = req.version
@@ -281,10 +298,10 @@ class Coordinator:
                 raise Reject("unknown_version",
                              f"model {req.model!r} has no version {req.version}")
             # Soft state: a holder re-registering after a coordinator restart brings it back.
+            # Records are built aside and stored only once every check below has passed.
             lid, layout = self._new_layout(req.manifest, req.checksums)
-            mrec = self.table.models.setdefault(req.model, ModelRec())
-            vrec = mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
-            mrec.latest = max(mrec.latest, req.version)
+            vrec = VersionRec(req.version, lid, {lid: layout})
+        new_layout = None
         layout = vrec.layouts.get(req.layout_id)
         if layout is None:
             if req.manifest is None:
@@ -294,12 +311,18 @@ class Coordinator:
             lid, layout = self._new_layout(req.manifest, req.checksums)
             if lid != req.layout_id:
                 raise Reject("layout_mismatch", "layout id does not match the manifest")
-            vrec.layouts[lid] = layout
+            new_layout = lid
         elif req.checksums is not None and list(req.checksums) != layout.checksums:
             raise Reject("layout_mismatch",
                          f"checksums differ from version {req.version}'s: not the same bytes")
         self._check_memory(layout, req.memory)
         self._update_endpoint(worker, req.endpoint)
+        if new_layout is not None:
+            vrec.layouts[new_layout] = layout
+        if req.version not in (mrec.versions if mrec else {}):
+            mrec = self.table.models.setdefault(req.model, ModelRec())
+            mrec.versions[req.version] = vrec
+            mrec.latest = max(mrec.latest, req.version)
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, list(req.memory))
         return Ack()
 
@@ -307,6 +330,16 @@ class Coordinator:
         self._worker(req.worker_id)
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
+        if vrec is not None and req.version == mrec.latest and not req.force:
+            origin = vrec.layouts.get(vrec.origin_layout)
+            me = origin.holders.get(req.worker_id) if origin else None
+            others = [h for h in origin.holders.values()
+                      if h.worker_id != req.worker_id and not h.withdrawn] if origin else []
+            if me is not None and not me.withdrawn and not others:
+                raise Reject("last_holder",
+                             f"{req.worker_id} is the last holder of {req.model!r} "
+                             f"v{req.version}, the newest version: wait until a replica "
+                             f"holds it, or publish a newer one first", retry_after=0.2)
         if vrec is not None:
             for layout in vrec.layouts.values():
                 holder = layout.holders.get(req.worker_id)
@@ -335,6 +368,8 @@ class Coordinator:
             raise Reject("layout_mismatch",
                          f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                          f"known layouts: {', '.join(vrec.layouts)}")
+        if req.chunked:
+            return self._plan_chunked(req, vrec.version, lid, layout)
         try:
             ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner,
                                  req.missing)
@@ -360,17 +395,70 @@ class Coordinator:
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
                         sources=sources, ranges=ranges)
 
+    def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
+                      layout: LayoutRec) -> ReadPlan:
+        """A plan per chunk, from complete and partial holders (see `plan_chunks`)."""
+        try:
+            chunked = plan_chunks(self.table, layout, lid, req.worker_id, self.config.planner,
+                                  req.missing)
+        except ValueError as exc:
+            raise Reject("bad_request", str(exc)) from None
+        except NoSource as exc:
+            if exc.busy:
+                raise Reject("busy", "no free holder has a chunk this reader is missing yet",
+                             retry_after=self.config.busy_retry) from None
+            raise Reject("no_holder",
+                         f"no live holder of {req.model!r} v{version} is left; "
+                         f"the trainer must publish it again", retry_after=1.0) from None
+        lease = self.table.new_lease(req.worker_id, req.model, version, lid,
+                                     set(chunked.memory), self.config.lease_ttl,
+                                     remote_into=chunked.remote_into, chunks=chunked.chunks)
+        sources = []
+        for sid, memory in chunked.memory.items():
+            w = self.table.workers[sid]
+            sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
+                                  memory=memory))
+        return ReadPlan(model=req.model, version=version, layout_id=lid,
+                        manifest=layout.manifest, checksums=layout.checksums,
+                        lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
+                        sources=sources, ranges=chunked.ranges, complete=chunked.complete)
+
+    def _progress(self, req: Progress) -> Ack:
+        """Record the reader as a partial holder of the chunks it has finished."""
+        worker = self._worker(req.worker_id)
+        _, vrec = self._resolve(req.model, req.version)
+        layout = vrec.layouts.get(req.layout_id)
+        if layout is None:
+            raise Reject("layout_mismatch",
+                         f"{req.model!r} v{vrec.version} has no layout {req.layout_id}")
+        self._check_memory(layout, req.memory)
+        count = len(layout.chunks(self.config.planner.chunk_bytes))
+        bad = [c for c in req.chunks if c >= count]
+        if bad:
+            raise Reject("bad_request", f"chunks {bad[:8]} do not exist (the layout has "
+                                        f"{count} chunks)")
+        if req.worker_id in layout.holders:
+            return Ack()  # already a complete holder (or withdrawing): nothing to add
+        self._update_endpoint(worker, req.endpoint)
+        layout.partial.add(req.worker_id, list(req.memory), req.chunks)
+        return Ack()
+
     def _read_done(self, req: ReadDone) -> Ack:
         reader = self._worker(req.worker_id)
-        lease = self.table.leases.pop(req.lease_id, None)
+        lease = self.table.leases.get(req.lease_id)
         if lease is None or lease.reader != req.worker_id:
-            return Ack()  # already expired or released: nothing to do
+            return Ack()  # expired, released, or not this worker's: nothing to do
+        del self.table.leases[req.lease_id]
         for sid in sorted(lease.sources):
             source = self.table.workers.get(sid)
             self.table.record(TransferRecord(
                 reader=reader.name, source=source.name if source else sid, model=lease.model,
                 version=lease.version, nbytes=req.nbytes, seconds=req.seconds, ok=req.ok,
                 error=req.error))
+        if not req.ok and not req.failed_holders:
+            # The reader gave up (not a source failure it will re-plan around): its partial
+            # buffers may be reused, so it serves none of them any more.
+            self.table.drop_partial(req.worker_id, lease.model, lease.version)
         for failed in req.failed_holders:
             if failed in lease.sources:
                 log.warning("%s reports holder %s failed: %s", req.worker_id, failed, req.error)
@@ -409,8 +497,20 @@ class Coordinator:
                         holdings[w.name].append(v)
         return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings)
 
+    def _retention(self, req: RetentionRequest) -> Retention:
+        mrec = self.table.models.get(req.model)
+        vrec = mrec.versions.get(req.version) if mrec else None
+        holders: set[str] = set()
+        for layout in vrec.layouts.values() if vrec else []:
+            holders.update(h.worker_id for h in layout.holders.values() if not h.withdrawn)
+        replicas = {w.worker_id for w in self.table.workers.values() if w.role == "replica"}
+        active = sum(1 for lease in self.table.leases.values()
+                     if lease.model == req.model and lease.version == req.version)
+        return Retention(replica_holders=len(holders & replicas), active_reads=active,
+                         replicas=len(replicas))
+
     def _status(self, req: StatusRequest) -> StatusReply:
-        now = time.monotonic()
+        now = self.clock()
         workers = [
             {"worker_id": w.worker_id, "name": w.name, "role": w.role,
              "transport": w.endpoint.transport, "seen_ago": round(now - w.last_seen, 3)}
@@ -451,7 +551,7 @@ class Coordinator:
         self.table.drop_holder(worker_id)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for w in list(self.table.workers.values()):
             if now - w.last_seen > self.config.worker_ttl:
                 self._forget_worker(w.worker_id, "stopped heartbeating")

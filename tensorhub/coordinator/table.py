@@ -9,8 +9,11 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
 from tensorhub.core.data_types import Endpoint, Item, Manifest, MemoryDesc, TransferRecord
 
 _seq = itertools.count()
@@ -35,11 +38,61 @@ class HolderRec:
 
 
 @dataclass
+class PartialRec:
+    """A reader still pulling a version: it serves the chunks it has finished."""
+
+    worker_id: str
+    memory: list[MemoryDesc]
+    chunks: set[int]
+
+
+class PartialHolders(dict[str, PartialRec]):
+    """Partial holders of one layout, indexed by chunk so the planner finds the holders of
+    chunk i without scanning everyone (a fleet of thousands pulls at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_chunk: dict[int, dict[str, None]] = {}  # insertion-ordered: deterministic
+
+    def add(self, worker_id: str, memory: list[MemoryDesc], chunks: list[int]) -> None:
+        rec = self.get(worker_id)
+        if rec is None:
+            rec = PartialRec(worker_id, memory, set())
+            super().__setitem__(worker_id, rec)
+        rec.memory = memory
+        for c in chunks:
+            if c not in rec.chunks:
+                rec.chunks.add(c)
+                self.by_chunk.setdefault(c, {})[worker_id] = None
+
+    def drop(self, worker_id: str) -> None:
+        rec = super().pop(worker_id, None)
+        if rec is not None:
+            for c in rec.chunks:
+                self.by_chunk[c].pop(worker_id, None)
+
+    def having(self, chunk: int) -> dict[str, None]:
+        return self.by_chunk.get(chunk, {})
+
+
+@dataclass
 class LayoutRec:
     manifest: Manifest
     items: list[Item]
     checksums: list[str]
-    holders: dict[str, HolderRec] = field(default_factory=dict)
+    holders: dict[str, HolderRec] = field(default_factory=dict)  # complete copies
+    partial: PartialHolders = field(default_factory=PartialHolders)
+    _chunks: tuple[int, list[Chunk], dict] | None = None
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+        if self._chunks is None or self._chunks[0] != chunk_bytes:
+            chunks = chunks_of(self.items, chunk_bytes)
+            self._chunks = (chunk_bytes, chunks, segments_by_item(chunks))
+        return self._chunks[1]
+
+    def segments_by_item(self, chunk_bytes: int = CHUNK_BYTES) -> dict:
+        self.chunks(chunk_bytes)
+        return self._chunks[2]
 
 
 @dataclass
@@ -66,26 +119,83 @@ class Lease:
     layout_id: str
     sources: set[str]
     expires: float
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    remote_into: str | None = None  # the reader's dc, when a source lies outside it
+    chunks: tuple[int, ...] = ()  # chunks planned under this lease (chunked plans)
+
+
+class Leases(dict[str, Lease]):
+    """Leases by id, with the counts the planner asks for on every plan kept up to date on
+    insert and removal (counting over all leases made planning O(fleet) per holder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_holder: Counter[str] = Counter()
+        self.by_holder_version: Counter[tuple[str, str, int]] = Counter()
+        self.remote_into: Counter[str] = Counter()
+        self.chunk_reads: Counter[tuple[str, int]] = Counter()  # (layout id, chunk)
+
+    def _count(self, lease: Lease, step: int) -> None:
+        for sid in lease.sources:
+            self.by_holder[sid] += step
+            self.by_holder_version[(sid, lease.model, lease.version)] += step
+        if lease.remote_into is not None:
+            self.remote_into[lease.remote_into] += step
+        for c in lease.chunks:
+            self.chunk_reads[(lease.layout_id, c)] += step
+
+    def __setitem__(self, key: str, lease: Lease) -> None:
+        old = self.get(key)
+        if old is not None:
+            self._count(old, -1)
+        super().__setitem__(key, lease)
+        self._count(lease, 1)
+
+    def __delitem__(self, key: str) -> None:
+        self._count(self[key], -1)
+        super().__delitem__(key)
+
+    _missing = object()
+
+    def pop(self, key, default=_missing):  # type: ignore[override]
+        if key in self:
+            lease = super().pop(key)
+            self._count(lease, -1)
+            return lease
+        if default is Leases._missing:
+            raise KeyError(key)
+        return default
+
+    def _unsupported(self, *args, **kwargs):
+        raise TypeError("Leases: use [k] = v, del, or pop (the counts must stay right)")
+
+    popitem = setdefault = update = clear = _unsupported  # type: ignore[assignment]
 
 
 @dataclass
 class Table:
     workers: dict[str, WorkerRec] = field(default_factory=dict)
     models: dict[str, ModelRec] = field(default_factory=dict)
-    leases: dict[str, Lease] = field(default_factory=dict)
+    leases: Leases = field(default_factory=Leases)
     transfers: list[TransferRecord] = field(default_factory=list)
     max_transfers: int = 10_000
+    clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
 
     def new_lease(self, reader: str, model: str, version: int, layout_id: str,
-                  sources: set[str], ttl: float) -> Lease:
+                  sources: set[str], ttl: float, remote_into: str | None = None,
+                  chunks: tuple[int, ...] = ()) -> Lease:
+        now = self.clock()
         lease = Lease(uuid.uuid4().hex, reader, model, version, layout_id, sources,
-                      time.monotonic() + ttl)
+                      now + ttl, now, remote_into, chunks)
         self.leases[lease.lease_id] = lease
         return lease
 
     def active_reads(self, holder: str, model: str | None = None,
                      version: int | None = None) -> int:
+        if model is None and version is None:
+            return self.leases.by_holder[holder]
+        if model is not None and version is not None:
+            return self.leases.by_holder_version[(holder, model, version)]
         return sum(
             1
             for lease in self.leases.values()
@@ -110,7 +220,14 @@ class Table:
                     continue
                 for lrec in vrec.layouts.values():
                     lrec.holders.pop(worker_id, None)
+                    lrec.partial.drop(worker_id)
         self.prune()
+
+    def drop_partial(self, worker_id: str, model: str, version: int) -> None:
+        """Forget that a reader serves the chunks it had of (model, version)."""
+        vrec = self.models[model].versions.get(version) if model in self.models else None
+        for lrec in vrec.layouts.values() if vrec else []:
+            lrec.partial.drop(worker_id)
 
     def prune(self) -> None:
         """Forget versions nobody holds any more, except each model's latest."""

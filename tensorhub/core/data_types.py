@@ -71,12 +71,17 @@ class MemoryDesc(Strict):
 
 
 class Endpoint(Strict):
-    """How peers reach a worker's memory: a NIXL agent, or the zmq fallback server."""
+    """How peers reach a worker's memory: a NIXL agent, the zmq fallback server, or (on the
+    same host) its process, read with cross-memory attach (`cma`; `auto` adds pid and host
+    to a NIXL endpoint so same-host peers take that path)."""
 
-    transport: Literal["nixl", "zmq"]
+    transport: Literal["nixl", "zmq", "cma"]
     agent_name: Name | None = None
     agent_metadata: bytes | None = Field(default=None, max_length=MAX_METADATA)
     address: str | None = Field(default=None, max_length=256)  # zmq fallback: tcp://host:port
+    pid: int | None = Field(default=None, ge=1, lt=2**31)  # same-host reads: holder process
+    pid_started: int | None = Field(default=None, ge=0)  # its start (ticks): no reused pid
+    host: str | None = Field(default=None, max_length=128)  # boot id / pid namespace
 
 
 # --------------------------------------------------------------------------- requests
@@ -129,10 +134,23 @@ class Hold(Strict):
 
 class Withdraw(Strict):
     """A holder stops serving a version (before overwriting it). Idempotent: call again to
-    learn how many reads of it are still in flight."""
+    learn how many reads of it are still in flight.
+
+    The coordinator refuses (code `last_holder`) to let the last holder of a model's newest
+    version go, so a version is never lost by accident; `force` is for a trainer about to
+    publish a newer one, or an operator who means it."""
 
     type: Literal["withdraw"] = "withdraw"
     worker_id: Name
+    model: Name
+    version: Version
+    force: bool = False
+
+
+class RetentionRequest(Strict):
+    """How safely kept is a version: who holds it, who is reading it, who could."""
+
+    type: Literal["retention"] = "retention"
     model: Name
     version: Version
 
@@ -153,6 +171,9 @@ class PlanRequest(Strict):
     layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
     # Re-planning after a failure: only these ranges are still missing (None: everything).
     missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
+    # Opt in to chunked plans (see `Progress`): sources chosen per chunk, partial holders
+    # included, and a plan may cover only part of what is missing (`ReadPlan.complete`).
+    chunked: bool = False
 
 
 class ReadDone(Strict):
@@ -187,9 +208,24 @@ class HoldingsRequest(Strict):
     names: list[Name] = Field(max_length=1024)
 
 
+class Progress(Strict):
+    """A reader has these chunks (see `core/chunks.py`) of a version in `memory` (its
+    registered destination regions, one per item): it serves them to other readers while it
+    pulls the rest (pipelined replication). Verified bytes are announced with `Hold`."""
+
+    type: Literal["progress"] = "progress"
+    worker_id: Name
+    model: Name
+    version: Version
+    layout_id: Name
+    memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)
+    chunks: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_TENSORS)
+    endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
+
+
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
-    | GetManifest | StatusRequest | HoldingsRequest,
+    | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress,
     Field(discriminator="type"),
 ]
 
@@ -206,7 +242,7 @@ class ErrorReply(Strict):
     type: Literal["error"] = "error"
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
-        "stale_version", "layout_mismatch", "no_holder", "busy", "internal",
+        "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None
@@ -234,6 +270,13 @@ class Published(Strict):
 class Withdrawn(Strict):
     type: Literal["withdrawn"] = "withdrawn"
     active_reads: int
+
+
+class Retention(Strict):
+    type: Literal["retention_reply"] = "retention_reply"
+    replica_holders: int  # replicas (not trainers) holding the version completely
+    active_reads: int  # reads of the version in flight
+    replicas: int  # replicas registered at all (could still come to hold it)
 
 
 class ReadRange(Strict):
@@ -269,6 +312,9 @@ class ReadPlan(Strict):
     lease_ttl: float
     sources: list[Source]
     ranges: list[ReadRange]
+    # False: only these ranges can be served now (chunked plans); read them, report
+    # `Progress`, and ask again with what is still `missing`.
+    complete: bool = True
 
 
 class ManifestReply(Strict):
@@ -335,6 +381,6 @@ class Announcement(Strict):
 
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply | HoldingsReply,
+    | StatusReply | HoldingsReply | Retention,
     Field(discriminator="type"),
 ]

@@ -1,0 +1,286 @@
+"""A fleet of simulated workers pulling one version through the REAL coordinator.
+
+Every decision (who reads which chunk from whom, who is busy, who failed) is made by
+`Coordinator` handlers running on the simulated clock; only the network and the workers'
+reading are simulated (`links.py`). A worker follows the chunked protocol exactly as a real
+replica would: plan -> read the planned chunks (two streams at once) -> `Progress` per chunk
+-> `ReadDone` -> plan again with what is still missing -> `Hold` when it has everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from tensorhub.coordinator.planner import PlannerConfig
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
+from tensorhub.core.chunks import CHUNK_BYTES, chunks_of, merge
+from tensorhub.core.data_types import (
+    Endpoint,
+    Envelope,
+    ErrorReply,
+    Heartbeat,
+    Hold,
+    Manifest,
+    MemoryDesc,
+    PlanRequest,
+    Progress,
+    Publish,
+    ReadDone,
+    ReadPlan,
+    Register,
+    TensorSpec,
+)
+from tensorhub.core.layout import layout_id, plan_items
+from tensorhub.core.wire import decode_reply, encode
+from tensorhub.sim.links import EventLoop, Network, Nic, Transfer
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int = 8
+    model_bytes: int = 8 << 30
+    tensor_bytes: int = 512 << 20  # the model is tensors of this size plus a compact region
+    chunk_bytes: int = CHUNK_BYTES
+    nic_gbps: float = 100.0  # every worker's NIC, each way
+    latency: float = 10e-6  # one-sided read start, inside a datacenter
+    wan_gbps: float = 100.0  # one stream between datacenters
+    wan_latency: float = 1e-3
+    rpc: float = 100e-6  # a coordinator round trip
+    dcs: int = 1  # workers are spread round robin over this many datacenters
+    per_node: int = 8  # workers per node (same-node peers come first)
+    streams: int = 2  # chunks a reader reads at once (striped over sources)
+    busy_retry_chunks: float = 0.5  # a busy reader asks again after this many chunk times
+    kill: tuple[int, ...] = ()  # workers killed mid-pull ...
+    kill_at: float = 0.5  # ... at this fraction of the lower bound
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    wire: bool = False  # encode/decode every message (slower; proves the wire path)
+    time_limit: float = 600.0  # simulated seconds
+
+    @property
+    def lower_bound(self) -> float:
+        """A reader cannot finish before its NIC has received every byte."""
+        return self.model_bytes * 8 / (self.nic_gbps * GB) + self.latency + self.rpc
+
+
+@dataclass
+class FleetResult:
+    config: SimConfig
+    finished: dict[str, float]  # worker -> completion time (simulated seconds)
+    killed: list[str]
+    unfinished: list[str]  # alive workers that never completed (should be none)
+    plans: int
+    busy: int
+
+    @property
+    def worst(self) -> float:
+        return max(self.finished.values()) if self.finished else math.inf
+
+    @property
+    def ratio(self) -> float:
+        """Worst completion over the lower bound."""
+        return self.worst / self.config.lower_bound
+
+    @property
+    def median_ratio(self) -> float:
+        times = sorted(self.finished.values())
+        return times[len(times) // 2] / self.config.lower_bound if times else math.inf
+
+
+def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:
+    """A model of uint8 tensors: 64 tiny ones (the compact region) and large ones."""
+    tensors = [TensorSpec(name=f"norm.{i}", dtype="uint8", shape=[4096], nbytes=4096)
+               for i in range(64)]
+    left, i = model_bytes - 64 * 4096, 0
+    while left > 0:
+        n = min(tensor_bytes, left)
+        tensors.append(TensorSpec(name=f"layer.{i}", dtype="uint8", shape=[n], nbytes=n))
+        left, i = left - n, i + 1
+    return Manifest(tensors=tensors, compact_threshold=1 << 20)
+
+
+class _Worker:
+    def __init__(self, sim: FleetSim, name: str, labels: dict[str, str]):
+        self.sim, self.name = sim, name
+        reply = sim.call(Register(name=name, role="replica", endpoint=sim.endpoint,
+                                  labels=labels))
+        self.id = reply.worker_id
+        self.done: set[int] = set()
+        self.pending: list[tuple[int, str, int]] = []  # (chunk, source, nbytes) to read
+        self.inflight = 0
+        self.reading: dict[str, int] = {}  # source -> my reads from it in flight
+        self.failed: set[str] = set()
+        self.plan: ReadPlan | None = None
+        self.alive = True
+        self.finished: float | None = None
+
+    # -- the protocol
+    def ask(self) -> None:
+        if not self.alive:
+            return
+        sim = self.sim
+        missing = None
+        if self.done:
+            missing = merge(s for c in sim.chunks if c.index not in self.done
+                            for s in c.segments)
+        reply = sim.call(PlanRequest(worker_id=self.id, model="m", version=1,
+                                     missing=missing, chunked=True))
+        sim.plans += 1
+        if isinstance(reply, ErrorReply):
+            if reply.code == "busy":
+                sim.busy += 1
+            sim.loop.at(sim.loop.now + (reply.retry_after or 1.0), self.ask)
+            return
+        self.plan = reply
+        self.failed = set()
+        self.pending = []
+        for r in reply.ranges:  # pieces of chunk segments, in chunk order
+            index = sim.chunk_at[(r.item, r.offset)]
+            if self.pending and self.pending[-1][0] == index:
+                self.pending[-1] = (index, r.source, self.pending[-1][2] + r.nbytes)
+            else:
+                self.pending.append((index, r.source, r.nbytes))
+        sim.loop.at(sim.loop.now + sim.config.rpc, self._fill)
+
+    def _fill(self) -> None:
+        while self.alive and self.pending and self.inflight < self.sim.config.streams:
+            # one stream per source at a time: striping spreads the load over the holders
+            k = next((k for k, p in enumerate(self.pending) if p[1] not in self.reading), None)
+            if k is None:
+                break
+            index, src, nbytes = self.pending.pop(k)
+            self.inflight += 1
+            self.reading[src] = self.reading.get(src, 0) + 1
+            self.sim.read(self, src, nbytes, index)
+        if self.alive and not self.pending and self.inflight == 0:
+            self._end_lease()
+
+    def _landed(self, t: Transfer) -> None:
+        self.inflight -= 1
+        self.reading[t.src] -= 1
+        if not self.reading[t.src]:
+            del self.reading[t.src]
+
+    def chunk_read(self, t: Transfer) -> None:
+        self._landed(t)
+        if not self.alive:
+            return
+        self.done.add(t.tag)
+        self.sim.call(Progress(worker_id=self.id, model="m", version=1,
+                               layout_id=self.sim.layout_id, memory=self.sim.memory,
+                               chunks=[t.tag]))
+        self._fill()
+
+    def chunk_failed(self, t: Transfer) -> None:
+        self._landed(t)
+        if not self.alive:
+            return
+        self.failed.add(t.src)
+        self.pending = [p for p in self.pending if p[1] != t.src]
+        self._fill()
+
+    def _end_lease(self) -> None:
+        sim = self.sim
+        ok = not self.failed
+        sim.call(ReadDone(worker_id=self.id, lease_id=self.plan.lease_id, ok=ok,
+                          failed_holders=sorted(self.failed),
+                          error=None if ok else "source died"))
+        if len(self.done) == len(sim.chunks):
+            sim.call(Hold(worker_id=self.id, model="m", version=1, layout_id=sim.layout_id,
+                          memory=sim.memory))
+            self.finished = sim.loop.now
+            return
+        sim.loop.at(sim.loop.now + sim.config.rpc, self.ask)
+
+
+class FleetSim:
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.loop = EventLoop()
+        self.net = Network(self.loop, config.wan_gbps * GB / 8)
+        chunk_time = config.chunk_bytes * 8 / (config.nic_gbps * GB)
+        self.coordinator = Coordinator(
+            CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
+                              worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=60.0,
+                              busy_retry=chunk_time * config.busy_retry_chunks,
+                              planner=PlannerConfig(**{**config.planner.__dict__,
+                                                       "chunk_bytes": config.chunk_bytes})),
+            clock=lambda: self.loop.now)
+        self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
+        manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
+        items = plan_items(manifest)
+        self.layout_id = layout_id(manifest)
+        self.chunks = chunks_of(items, config.chunk_bytes)
+        self.chunk_at = {(s.item, s.offset): c.index for c in self.chunks for s in c.segments}
+        base = itertools.count(1 << 30, 1 << 40)
+        self.memory = [MemoryDesc(addr=next(base), nbytes=it.nbytes) for it in items]
+        self.plans = self.busy = 0
+        self.names: dict[str, str] = {}  # worker id -> sim name (the NIC key)
+        nic = config.nic_gbps * GB / 8
+        trainer = self.call(Register(name="trainer", role="trainer", endpoint=self.endpoint,
+                                     labels={"dc": "dc0", "node": "trainer"}))
+        self.trainer = trainer.worker_id
+        self.net.add(self.trainer, Nic(nic, nic, "dc0", "trainer"))
+        self.call(Publish(worker_id=self.trainer, model="m", version=1, manifest=manifest,
+                          checksums=["x"] * len(items), memory=self.memory))
+        self.workers: list[_Worker] = []
+        for i in range(config.workers):
+            labels = {"dc": f"dc{i % config.dcs}", "node": f"n{i // config.dcs // config.per_node}"}
+            w = _Worker(self, f"w{i}", labels)
+            self.net.add(w.id, Nic(nic, nic, labels["dc"], labels["node"]))
+            self.workers.append(w)
+
+    def call(self, request):
+        """One request to the real coordinator, as the socket loop would hand it over."""
+        if self.config.wire:
+            return decode_reply(encode(self.coordinator.handle(encode(Envelope(request=request)))))
+        try:
+            return self.coordinator._handlers[type(request)](request)
+        except Reject as rej:
+            return rej.reply
+
+    def read(self, worker: _Worker, src: str, nbytes: int, index: int) -> None:
+        """A one-sided read: starts after the link latency, then moves at the fluid rate."""
+        far = self.net.nics[src].dc != self.net.nics[worker.id].dc
+        start = self.loop.now + (self.config.wan_latency if far else self.config.latency)
+        self.loop.at(start, lambda: self.net.start(src, worker.id, nbytes, worker.chunk_read,
+                                                   worker.chunk_failed, tag=index))
+
+    def _tick(self) -> None:
+        """Heartbeats of the living and the coordinator's expiry sweep, once a second."""
+        for w in self.workers:
+            if w.alive:
+                self.call(Heartbeat(worker_id=w.id))
+        self.call(Heartbeat(worker_id=self.trainer))
+        self.coordinator._expire()
+        if any(w.alive and w.finished is None for w in self.workers):
+            self.loop.at(self.loop.now + self.coordinator.config.heartbeat_interval, self._tick)
+
+    def _kill(self, w: _Worker) -> None:
+        w.alive = False
+        self.net.kill(w.id)
+
+    def run(self) -> FleetResult:
+        try:
+            for w in self.workers:
+                self.loop.at(0.0, w.ask)
+            for i in self.config.kill:
+                self.loop.at(self.config.kill_at * self.config.lower_bound,
+                             lambda w=self.workers[i]: self._kill(w))
+            self.loop.at(self.coordinator.config.heartbeat_interval, self._tick)
+            self.loop.run(until=self.config.time_limit)
+        finally:
+            self.coordinator.stop()
+        return FleetResult(
+            self.config,
+            finished={w.name: w.finished for w in self.workers if w.finished is not None},
+            killed=[w.name for w in self.workers if not w.alive],
+            unfinished=[w.name for w in self.workers if w.alive and w.finished is None],
+            plans=self.plans, busy=self.busy)
+
+
+def simulate(config: SimConfig) -> FleetResult:
+    return FleetSim(config).run()
