@@ -376,12 +376,8 @@ class Coordinator:
         except ValueError as exc:
             raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
-            if exc.busy:
-                raise Reject("busy", "every holder is serving its maximum of readers",
-                             retry_after=self.config.busy_retry) from None
-            raise Reject("no_holder",
-                         f"no live holder of {req.model!r} v{vrec.version} is left; "
-                         f"the trainer must publish it again", retry_after=1.0) from None
+            raise self._no_source(exc, req.model, vrec.version,
+                                  "every holder is serving its maximum of readers") from None
         source_ids = {r.source for r in ranges}
         lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
                                      self.config.lease_ttl)
@@ -395,6 +391,13 @@ class Coordinator:
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
                         sources=sources, ranges=ranges)
 
+    def _no_source(self, exc: NoSource, model: str, version: int, busy: str) -> Reject:
+        """`busy` (retry soon) when holders exist but are all serving; else `no_holder`."""
+        if exc.busy:
+            return Reject("busy", busy, retry_after=self.config.busy_retry)
+        return Reject("no_holder", f"no live holder of {model!r} v{version} is left; the "
+                      f"trainer must publish it again", retry_after=1.0)
+
     def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
                       layout: LayoutRec) -> ReadPlan:
         """A plan per chunk, from complete and partial holders (see `plan_chunks`)."""
@@ -404,12 +407,8 @@ class Coordinator:
         except ValueError as exc:
             raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
-            if exc.busy:
-                raise Reject("busy", "no free holder has a chunk this reader is missing yet",
-                             retry_after=self.config.busy_retry) from None
-            raise Reject("no_holder",
-                         f"no live holder of {req.model!r} v{version} is left; "
-                         f"the trainer must publish it again", retry_after=1.0) from None
+            raise self._no_source(exc, req.model, version,
+                                  "no free holder has a chunk this reader is missing yet") from None
         lease = self.table.new_lease(req.worker_id, req.model, version, lid,
                                      set(chunked.memory), self.config.lease_ttl,
                                      remote_into=chunked.remote_into, chunks=chunked.chunks)
