@@ -107,8 +107,10 @@ class Coordinator:
             self.curve_public_key = curve.public_key_of(config.curve_secret)
         self._router.bind(config.bind)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # A requested port 0 means "any free port": the announcement port is then random
+        # too (bound port + 1 may be taken by anyone).
         announce = config.announce or (
-            announce_address_for(self.address) if not self.address.endswith(":0") else None
+            announce_address_for(self.address) if not config.bind.endswith(":0") else None
         )
         if announce and not announce.endswith(":0"):
             self._pub.bind(announce)
