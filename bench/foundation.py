@@ -16,6 +16,8 @@ import base64
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -93,7 +95,11 @@ def bench_gib(report: Report, size_mb: int, repeat: int) -> None:
             report.add(label + " / memcpy", gbps / memcpy, "x", None, None)
 
 
-def _replica_pull(size_mb: int, repeat: int, transport: str, verify: bool) -> float:
+@contextmanager
+def publishing_holder(size_mb: int, transport: str,
+                      **replica_kw) -> Iterator[tuple[ChildProcess, Replica]]:
+    """A coordinator, a publisher process (a new version per SIGUSR1) and a warmed-up
+    replica of `size_mb` MiB pulling from it; everything stopped afterwards."""
     coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start()
     holder = ChildProcess([sys.executable, "-m", "bench.holder", "publish", "--size-mb",
                            str(size_mb), "--coordinator", coordinator.address,
@@ -102,19 +108,24 @@ def _replica_pull(size_mb: int, repeat: int, transport: str, verify: bool) -> fl
         holder.next_json(timeout=120)
         live = {f"w{i}": t for i, t in enumerate(big_tensors(size_mb))}
         with Replica(coordinator.address, "bench", live, transport=transport,
-                     verify=verify) as rep:
+                     **replica_kw) as rep:
             rep.pull(timeout=120)  # warm-up: connection set-up, first touch
-            times = []
-            for _ in range(repeat):
-                holder.proc.send_signal(signal.SIGUSR1)
-                version = holder.next_json(timeout=120)["version"]
-                started = time.perf_counter()
-                assert rep.pull(version=version, timeout=120) == version
-                times.append(time.perf_counter() - started)
-            return size_mb * 2**20 / 1e9 / sorted(times)[len(times) // 2]
+            yield holder, rep
     finally:
         holder.stop()
         coordinator.stop()
+
+
+def _replica_pull(size_mb: int, repeat: int, transport: str, verify: bool) -> float:
+    with publishing_holder(size_mb, transport, verify=verify) as (holder, rep):
+        times = []
+        for _ in range(repeat):
+            holder.proc.send_signal(signal.SIGUSR1)
+            version = holder.next_json(timeout=120)["version"]
+            started = time.perf_counter()
+            assert rep.pull(version=version, timeout=120) == version
+            times.append(time.perf_counter() - started)
+        return size_mb * 2**20 / 1e9 / sorted(times)[len(times) // 2]
 
 
 def bench_tiny(report: Report, count: int, repeat: int) -> None:

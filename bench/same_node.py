@@ -22,16 +22,14 @@ import time
 
 import torch
 
-from bench.foundation import RawReader
+from bench.foundation import RawReader, publishing_holder
 from bench.holder import big_tensors
 from bench.results import Report
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.data_types import Endpoint, MemoryDesc
 from tensorhub.core.transport import cma
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.nixl import apply_ucx_defaults
 from tensorhub.processes import ChildProcess
-from tensorhub.replica import Replica
 
 
 def _seconds(fn) -> float:
@@ -127,27 +125,16 @@ def bench_pull(report: Report, size_mb: int, repeat: int, transports: list[str])
     rounds = Rounds(size_mb * 2**20)
     memcpy = _memcpy(size_mb)
     for transport in transports:
-        coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start()
-        holder = ChildProcess([sys.executable, "-m", "bench.holder", "publish", "--size-mb",
-                               str(size_mb), "--coordinator", coordinator.address,
-                               "--transport", transport], name="publisher")
-        try:
-            holder.next_json(timeout=120)
-            live = {f"w{i}": t for i, t in enumerate(big_tensors(size_mb))}
-            with Replica(coordinator.address, "bench", live, transport=transport) as rep:
-                rep.pull(timeout=120)  # warm-up: connection set-up, first touch
-                for _ in range(repeat):
-                    for verify in (False, True):
-                        rep.verify = verify
-                        holder.proc.send_signal(signal.SIGUSR1)
-                        version = holder.next_json(timeout=120)["version"]
-                        rounds.add(f"{transport} memcpy {verify}", _seconds(memcpy))
-                        rounds.add(f"{transport} pull {verify}", _seconds(
-                            lambda v=version: rep.pull(version=v, timeout=120)))
-                        assert rep.version == version
-        finally:
-            holder.stop()
-            coordinator.stop()
+        with publishing_holder(size_mb, transport) as (holder, rep):
+            for _ in range(repeat):
+                for verify in (False, True):
+                    rep.verify = verify
+                    holder.proc.send_signal(signal.SIGUSR1)
+                    version = holder.next_json(timeout=120)["version"]
+                    rounds.add(f"{transport} memcpy {verify}", _seconds(memcpy))
+                    rounds.add(f"{transport} pull {verify}", _seconds(
+                        lambda v=version: rep.pull(version=v, timeout=120)))
+                    assert rep.version == version
     rounds.show()
     for transport in transports:
         for verify in (False, True):

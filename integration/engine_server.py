@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,12 +19,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tensorhub.processes import free_port  # noqa: F401 - re-exported for the tests and benches
 
 
 class EngineServer:

@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import random
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,16 +24,10 @@ import torch
 from tensorhub.core.checksum import checksum
 from tensorhub.core.errors import CoordinatorUnavailable
 from tensorhub.demo import synthetic_state_dict
-from tensorhub.processes import ChildProcess
+from tensorhub.processes import ChildProcess, free_port
 from tensorhub.publisher import Publisher
 
 log = logging.getLogger("tensorhub.chaos")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CoordinatorProcess:
