@@ -117,19 +117,75 @@ def test_a_plan_that_does_not_opt_in_is_whole_items_from_one_source(fleet_of):
 
 
 def test_chunks_are_striped_over_replicas_before_the_trainer(fleet_of):
-    fleet = fleet_of(rarest_first=False)
+    fleet = fleet_of(rarest_first=False, max_sources_per_plan=2)
     a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
     fleet.hold(a)
     fleet.hold(b)
     reader = fleet.join("r", dc="dc0")
     plan = fleet.plan(reader)
     assert plan.complete
-    assert source_by_item(plan) == {0: a, 1: b, 2: a, 3: b}
+    by_item = source_by_item(plan)  # which replica comes first rotates with the plan count
+    assert by_item[0] == by_item[1] and by_item[2] == by_item[3]
+    assert {by_item[0], by_item[2]} == {a, b}
     assert {s.worker_id for s in plan.sources} == {a, b}
 
 
-def test_a_partial_holder_serves_the_chunks_it_finished_before_the_trainer(fleet_of):
+def test_by_default_a_plan_is_one_holder_and_a_reader_stripes_with_two_leases(fleet_of):
     fleet = fleet_of(rarest_first=False)
+    a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
+    fleet.hold(a)
+    fleet.hold(b)
+    reader = fleet.join("r", dc="dc0")
+    first = fleet.plan(reader)
+    one = set(source_by_item(first).values())
+    assert one in ({a}, {b}) and not first.complete and set(source_by_item(first)) == {0, 1}
+    left = [ByteRange(item=k, offset=0, nbytes=ITEM) for k in range(4)
+            if k not in source_by_item(first)]
+    second = fleet.plan(reader, missing=left)  # the second stream: the other holder
+    assert set(source_by_item(second).values()) == {a, b} - one
+    assert set(source_by_item(second)) == {2, 3} and second.complete
+
+
+def test_idle_holders_come_before_busy_ones(fleet_of):
+    fleet = fleet_of(max_sources_per_plan=1)
+    busy, idle = fleet.join("busy", dc="dc0"), fleet.join("idle", dc="dc0")
+    fleet.progress(busy, [0, 1, 2])
+    fleet.progress(idle, [1, 2])
+    hog = fleet.join("hog", dc="dc0")
+    hogging = fleet.plan(hog, missing=[ByteRange(item=0, offset=0, nbytes=ITEM)])
+    assert set(source_by_item(hogging).values()) == {busy}  # the only holder of chunk 0
+    reader = fleet.join("r", dc="dc0")
+    plan = fleet.plan(reader)
+    # `busy` has more to offer, but `idle`'s upload is the one the fleet is wasting
+    assert set(source_by_item(plan).values()) == {idle}
+    assert list(source_by_item(plan)) == [1, 2]
+
+
+def test_an_empty_reader_waiting_goes_before_a_second_stream(fleet_of):
+    fleet = fleet_of(max_readers_per_holder=2, rarest_first=False)
+    a = fleet.join("a", dc="dc0")
+    fleet.hold(a)
+    ahead = fleet.join("ahead", dc="dc0")
+    first = fleet.plan(ahead)
+    assert set(source_by_item(first).values()) == {a}  # replicas before the trainer
+    e0, e1, e2, e3 = (fleet.join(f"e{i}", dc="dc0") for i in range(4))
+    assert set(source_by_item(fleet.plan(e0)).values()) == {a}  # a is full now
+    e1_plan = fleet.plan(e1)
+    e2_plan = fleet.plan(e2)
+    assert {r.source for p in (e1_plan, e2_plan) for r in p.ranges} == {fleet.trainer}
+    assert fleet.plan(e3).code == "busy"  # an empty reader, reading nothing, waits
+    fleet.done(e2, e2_plan)  # one trainer slot frees
+    rest = [ByteRange(item=k, offset=0, nbytes=ITEM) for k in range(4)
+            if k not in source_by_item(first)]
+    assert fleet.plan(ahead, missing=rest).code == "busy"  # kept for e3
+    assert set(source_by_item(fleet.plan(e3)).values()) == {fleet.trainer}
+    fleet.done(e1, e1_plan)
+    fleet.now += 1.0  # nobody empty waits any more: a second stream is fine
+    assert set(source_by_item(fleet.plan(ahead, missing=rest)).values()) == {fleet.trainer}
+
+
+def test_a_partial_holder_serves_the_chunks_it_finished_before_the_trainer(fleet_of):
+    fleet = fleet_of(rarest_first=False, max_sources_per_plan=2)
     ahead = fleet.join("ahead", dc="dc0")
     assert fleet.progress(ahead, [0, 1]).type == "ack"
     reader = fleet.join("r", dc="dc0")

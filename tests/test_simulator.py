@@ -38,3 +38,13 @@ def test_baselines_grow_with_the_fleet_as_their_formulas_say():
     assert star_time(big) / star_time(small) > 7.5
     assert ring_time(big) > ring_time(small) > small.lower_bound
     assert PlannerConfig().max_streams_per_remote_dc == 1
+
+
+def test_holders_multiply_and_stay_busy_so_the_fleet_ends_near_the_lower_bound():
+    # 64 chunks, 32 readers: the earlier chunk-first planner (a whole plan per lease, two
+    # sources) finished at 1.56x here; idle holders first + one lease per stream: ~1.31x
+    config = SimConfig(workers=32, model_bytes=256 << 20, tensor_bytes=32 << 20,
+                       chunk_bytes=4 << 20)
+    result = simulate(config)
+    assert result.unfinished == [] and len(result.finished) == 32
+    assert result.ratio < 1.4 and result.median_ratio < 1.35

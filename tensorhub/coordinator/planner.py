@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tensorhub.coordinator.table import LayoutRec, Table, WorkerRec
@@ -29,13 +28,20 @@ from tensorhub.core.data_types import ByteRange, MemoryDesc, ReadRange
 class PlannerConfig:
     max_readers_per_holder: int = 2
     max_streams_per_remote_dc: int = 1
-    max_sources_per_plan: int = 2  # striping: one reader's chunks come from this many holders
+    # One holder per chunked plan: its lease is one stream and ends (freeing the holder's
+    # slot) when that holder's chunks are read; a reader stripes by keeping one lease per
+    # stream open. Whole-item plans (`plan_ranges`) ignore this.
+    max_sources_per_plan: int = 1
     max_chunks_per_plan: int = 4  # a reader re-plans this often, so load spreads as it grows
     max_chunks_per_source: int = 2  # ... and a lone busy source cannot hold it back long
     chunk_bytes: int = CHUNK_BYTES
-    scan_limit: int = 64  # free holders of one chunk examined before taking the best seen
+    scan_limit: int = 16  # usable holders examined before taking the best seen
     scan_budget: int = 4096  # holders examined per plan in all: bounds a plan's cost
     rarest_first: bool = True  # offer the chunks fewest peers have first (more to trade)
+    # Readers with nothing yet come first: while one of a datacenter that reads nothing was
+    # refused within this many seconds, its readers that already read take a further stream
+    # only from an idle holder (so the fleet's holders multiply fast at the start).
+    starving_ttl: float = 0.1
 
 
 class NoSource(Exception):
@@ -93,7 +99,15 @@ def _distance(reader: WorkerRec, holder: WorkerRec) -> int:
 def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
                 config: PlannerConfig, missing: list[ByteRange] | None = None) -> ChunkPlan:
     """Ranges for `reader_id`: its missing bytes (everything, if None, less the chunks it
-    has reported) cut at chunk boundaries, each chunk from the best free holder of it."""
+    has reported) cut at chunk boundaries.
+
+    Holders first, chunks second (as BitTorrent picks peers, then pieces): among the
+    holders that are free and have something this reader lacks, the least loaded (an
+    idle holder's upload is capacity the fleet is wasting), nearest, trainer last, win;
+    each then gives its rarest chunks. Choosing chunks first (rarest, then a holder of
+    it) sent every reader to the few holders of the rarest chunks while the others'
+    uploads idled, and made the fleet a chain that grew by two readers per chunk time.
+    """
     reader = table.workers[reader_id]
     chunks = layout.chunks(config.chunk_bytes)
     if missing is None:
@@ -103,114 +117,102 @@ def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
         pieces = chunks_in(chunks, missing, layout.segments_by_item(config.chunk_bytes))
     if not pieces:
         return ChunkPlan([], {}, True, None)
-    cap = config.max_readers_per_holder
     my_dc = reader.labels.get("dc", "")
-    remote_room = config.max_streams_per_remote_dc - table.leases.remote_into[my_dc]
-    chosen: dict[str, int] = {}  # source -> chunks given to it in this plan
-    remote_chosen = False
-    known: dict[str, tuple[WorkerRec, int, int] | None] = {}  # id -> (worker, load, dist)
+    reading = table.leases.by_reader[reader_id]
+    starving = table.starving.setdefault(my_dc, {})
+    expired = table.clock() - config.starving_ttl
+    while starving and next(iter(starving.values())) < expired:
+        del starving[next(iter(starving))]
+    # An empty reader with no stream goes first: while one waits, a reader that already
+    # reads takes a further stream only from an idle holder, never a holder's last slot.
+    cap = 1 if reading and len(starving) > (reader_id in starving) \
+        else config.max_readers_per_holder
+    try:
+        plan = _plan_chunks(table, layout, layout_id, reader, config, pieces, my_dc, cap)
+    except NoSource as exc:
+        if exc.busy and not reading and not (reader_id in layout.partial
+                                             and layout.partial[reader_id].chunks):
+            starving.pop(reader_id, None)
+            starving[reader_id] = table.clock()
+        raise
+    starving.pop(reader_id, None)
+    return plan
 
-    def look(hid: str) -> tuple[WorkerRec, int, int] | None:
-        """The holder's worker, load and distance, or None if it cannot serve this reader."""
-        if hid in known:
-            return known[hid]
-        worker = table.workers.get(hid)
-        info = None
-        if worker is not None and hid != reader_id:
-            info = (worker, table.active_reads(hid), _distance(reader, worker))
-        known[hid] = info
-        return info
+
+def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: WorkerRec,
+                 config: PlannerConfig, pieces: list[tuple[int, ByteRange]],
+                 my_dc: str, cap: int) -> ChunkPlan:
+    reader_id = reader.worker_id
+    want: dict[int, list[ByteRange]] = {}
+    for index, piece in pieces:
+        want.setdefault(index, []).append(piece)
+    remote_room = config.max_streams_per_remote_dc - table.leases.remote_into[my_dc]
+    ids = layout.serving()
+    if not ids:
+        raise NoSource(busy=False)
+    holders, partial = layout.holders, layout.partial
+    pairs = table.leases.by_pair
 
     def usable_key(hid: str) -> tuple | None:
-        key = usable(hid)
-        return None if key is None else (*key, hid)
-
-    def usable(hid: str) -> tuple | None:
-        info = look(hid)
-        if info is None:
+        worker = table.workers.get(hid)
+        if worker is None or hid == reader_id or pairs[(reader_id, hid)]:
+            return None  # gone, myself, or one stream from it already (one per source)
+        rec = holders.get(hid)
+        if (rec is not None and rec.withdrawn) or (rec is None and hid not in partial):
+            return None  # withdrew or left since the list was made
+        load = table.active_reads(hid)
+        if load >= cap:
             return None
-        worker, load, dist = info
-        if chosen.get(hid, 0) >= config.max_chunks_per_source:
+        dist = _distance(reader, worker)
+        if dist == 2 and remote_room <= 0:
             return None
-        if hid not in chosen:
-            if load >= cap or len(chosen) >= config.max_sources_per_plan:
-                return None
-            if dist == 2 and (remote_chosen or remote_room <= 0):
-                return None  # one stream per plan into a remote dc, and few at once
-        # nearest, then anyone but the trainer, then spread over sources, then least loaded
-        return (dist, worker.role == "trainer", chosen.get(hid, 0), load, worker.seq)
+        if rec is None and partial[hid].chunks.isdisjoint(want):
+            return None  # nothing this reader lacks
+        return (dist == 2, worker.role == "trainer", load, dist)
 
-    complete_ids = [h.worker_id for h in layout.holders.values() if not h.withdrawn]
-    holders_known = bool(complete_ids) or bool(layout.partial)
-    # Complete holders have every chunk: only the few best can serve this plan. Examine a
-    # bounded window of them (rotating with the reader, so windows spread over the fleet).
-    start = reader.seq % len(complete_ids) if complete_ids else 0
-    window = itertools.islice(itertools.chain(complete_ids[start:], complete_ids[:start]),
-                              4 * config.scan_limit)
-    complete_ids = [k[-1] for k in heapq.nsmallest(
-        config.max_sources_per_plan + 1, filter(None, map(usable_key, window)))]
+    # A bounded scan from a rotating start: plans spread over the fleet, cost stays flat.
+    table.plans += 1
+    start = (reader.seq * 7919 + table.plans * 104729) % len(ids)
+    budget, seen, idle = config.scan_budget, [], 0
+    for order, hid in enumerate(itertools.chain(ids[start:], ids[:start])):
+        if budget <= 0 or len(seen) >= config.scan_limit or idle >= config.max_sources_per_plan:
+            break  # (enough idle same-node replicas seen: none can be better)
+        budget -= 1
+        key = usable_key(hid)
+        if key is not None:
+            seen.append((*key, order, hid))
+            idle += key == (False, False, 0, 0)
+    if not seen:
+        raise NoSource(busy=True)
+    reads = table.leases.chunk_reads
+    taken: set[int] = set()
     ranges: list[ReadRange] = []
-    source_of: dict[int, str | None] = {}  # chunk -> its source in this plan (None: later)
-    best_complete: tuple[int, tuple[str | None, tuple | None]] | None = None
-    budget = [config.scan_budget]  # holders examined per plan, all chunks together
-    skipped = False
-    if config.rarest_first:  # counting copies in flight, so two readers fetch two chunks
-        reads = table.leases.chunk_reads
-        pieces.sort(key=lambda p: (len(layout.partial.having(p[0])) + reads[(layout_id, p[0])],
-                                   p[0]))
-    for index, piece in pieces:
-        if index not in source_of:
-            if len(chosen) and sum(chosen.values()) >= config.max_chunks_per_plan:
-                skipped = True
-                break
-            version = sum(chosen.values())
-            full = len(chosen) >= config.max_sources_per_plan
-            if best_complete is None or best_complete[0] != version:
-                # rank the complete candidates again after each choice (striping key)
-                best_complete = (version, _best(complete_ids, usable, config.scan_limit,
-                                                budget))
-            having = layout.partial.having(index)
-            partial = (h for h in ([h for h in chosen if h in having] if full else having)
-                       if h not in layout.holders)  # a complete record (or withdrawal) wins
-            best = _best(partial, usable, config.scan_limit, budget, best_complete[1])[0]
-            source_of[index] = best
-            if best is None:
-                skipped = True
-                continue
-            if best not in chosen and look(best)[2] == 2:
-                remote_chosen = True
-            chosen[best] = chosen.get(best, 0) + 1
-        source = source_of[index]
-        if source is not None:
-            ranges.append(ReadRange(item=piece.item, offset=piece.offset, nbytes=piece.nbytes,
-                                    source=source))
+    memory: dict[str, list[MemoryDesc]] = {}
+    remote_chosen = False
+    for key in heapq.nsmallest(config.max_sources_per_plan, seen):
+        hid = key[-1]
+        room = min(config.max_chunks_per_source, config.max_chunks_per_plan - len(taken))
+        if room <= 0:
+            break
+        if key[0]:
+            if remote_chosen:
+                continue  # one stream per plan into a remote dc
+            remote_chosen = True
+        has = want if hid in holders else partial[hid].chunks
+        offer = [c for c in has if c in want and c not in taken]
+        if config.rarest_first:  # counting copies in flight: two readers fetch two chunks
+            offer.sort(key=lambda c: (len(layout.partial.having(c)) + reads[(layout_id, c)],
+                                      c))
+        else:
+            offer.sort()
+        take = sorted(offer[:room])
+        taken.update(take)
+        for c in take:
+            ranges.extend(ReadRange(item=p.item, offset=p.offset, nbytes=p.nbytes, source=hid)
+                          for p in want[c])
+        rec = layout.holders.get(hid)
+        memory[hid] = rec.memory if rec is not None else layout.partial[hid].memory
     if not ranges:
-        raise NoSource(busy=holders_known)
-    memory = {}
-    for sid in chosen:
-        rec = layout.holders.get(sid)
-        memory[sid] = rec.memory if rec is not None else layout.partial[sid].memory
-    return ChunkPlan(ranges, memory, not skipped, my_dc if remote_chosen else None,
-                     tuple(c for c, src in source_of.items() if src is not None))
-
-
-def _best(ids: Iterable[str], usable: Callable[[str], tuple | None], scan_limit: int,
-          budget: list[int], start: tuple[str | None, tuple | None] = (None, None),
-          ) -> tuple[str | None, tuple | None]:
-    """The usable holder with the smallest key (and its key), better than `start`, looking
-    at no more than `scan_limit` usable ones, and drawing on the plan's `budget`."""
-    best, best_key = start
-    usable_seen = 0
-    for hid in ids:
-        if budget[0] <= 0:
-            break
-        budget[0] -= 1
-        key = usable(hid)
-        if key is None:
-            continue
-        if best_key is None or key < best_key:
-            best, best_key = hid, key
-        usable_seen += 1
-        if usable_seen >= scan_limit:
-            break
-    return best, best_key
+        raise NoSource(busy=True)
+    return ChunkPlan(ranges, memory, len(taken) == len(want),
+                     my_dc if remote_chosen else None, tuple(sorted(taken)))

@@ -53,12 +53,14 @@ class PartialHolders(dict[str, PartialRec]):
     def __init__(self) -> None:
         super().__init__()
         self.by_chunk: dict[int, dict[str, None]] = {}  # insertion-ordered: deterministic
+        self.version = 0  # bumped when a worker is added or dropped (the planner caches)
 
     def add(self, worker_id: str, memory: list[MemoryDesc], chunks: list[int]) -> None:
         rec = self.get(worker_id)
         if rec is None:
             rec = PartialRec(worker_id, memory, set())
             super().__setitem__(worker_id, rec)
+            self.version += 1
         rec.memory = memory
         for c in chunks:
             if c not in rec.chunks:
@@ -68,6 +70,7 @@ class PartialHolders(dict[str, PartialRec]):
     def drop(self, worker_id: str) -> None:
         rec = super().pop(worker_id, None)
         if rec is not None:
+            self.version += 1
             for c in rec.chunks:
                 self.by_chunk[c].pop(worker_id, None)
 
@@ -83,6 +86,19 @@ class LayoutRec:
     holders: dict[str, HolderRec] = field(default_factory=dict)  # complete copies
     partial: PartialHolders = field(default_factory=PartialHolders)
     _chunks: tuple[int, list[Chunk], dict] | None = None
+    # the planner's list of holder ids (complete, then partial), kept while membership stays
+    _serving: tuple[tuple[int, int], list[str]] | None = None
+
+    def serving(self) -> list[str]:
+        """Complete (not withdrawn) then partial holders' ids, rebuilt only when the
+        partial set or the number of complete records changed: callers check each id again
+        (a holder that withdrew or left since is skipped), so a plan costs O(its scan)."""
+        key = (self.partial.version, len(self.holders))
+        if self._serving is None or self._serving[0] != key:
+            ids = [h.worker_id for h in self.holders.values() if not h.withdrawn]
+            ids += [p for p in self.partial if p not in self.holders]
+            self._serving = (key, ids)
+        return self._serving[1]
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
         if self._chunks is None or self._chunks[0] != chunk_bytes:
@@ -134,10 +150,19 @@ class Leases(dict[str, Lease]):
         self.by_holder_version: Counter[tuple[str, str, int]] = Counter()
         self.remote_into: Counter[str] = Counter()
         self.chunk_reads: Counter[tuple[str, int]] = Counter()  # (layout id, chunk)
+        self.by_pair: Counter[tuple[str, str]] = Counter()  # (reader, source)
+        self.by_reader: Counter[str] = Counter()
 
     def _count(self, lease: Lease, step: int) -> None:
+        self.by_reader[lease.reader] += step
+        if not self.by_reader[lease.reader]:
+            del self.by_reader[lease.reader]
         for sid in lease.sources:
             self.by_holder[sid] += step
+            pair = (lease.reader, sid)
+            self.by_pair[pair] += step
+            if not self.by_pair[pair]:
+                del self.by_pair[pair]  # readers x sources would otherwise pile up
             self.by_holder_version[(sid, lease.model, lease.version)] += step
         if lease.remote_into is not None:
             self.remote_into[lease.remote_into] += step
@@ -180,6 +205,10 @@ class Table:
     transfers: list[TransferRecord] = field(default_factory=list)
     max_transfers: int = 10_000
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
+    plans: int = 0  # chunked plans made: rotates where the planner starts looking
+    # dc -> {reader: when}: readers refused a chunked plan while reading nothing (their NIC
+    # idles); oldest first. While a dc has some, its busy readers get no second stream.
+    starving: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def new_lease(self, reader: str, model: str, version: int, layout_id: str,
                   sources: set[str], ttl: float, remote_into: str | None = None,

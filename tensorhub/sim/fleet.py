@@ -2,9 +2,19 @@
 
 Every decision (who reads which chunk from whom, who is busy, who failed) is made by
 `Coordinator` handlers running on the simulated clock; only the network and the workers'
-reading are simulated (`links.py`). A worker follows the chunked protocol exactly as a real
-replica would: plan -> read the planned chunks (two streams at once) -> `Progress` per chunk
--> `ReadDone` -> plan again with what is still missing -> `Hold` when it has everything.
+reading are simulated (`links.py`). A worker follows the chunked protocol as a real replica
+would, striping over holders by keeping one lease per stream:
+
+- it reads at most `streams` chunks at once, at most one from any source;
+- whenever a stream would idle (fewer than `streams` reads in flight and no chunk of an
+  open plan can start on it) it asks for a plan (one request at a time) with `missing` =
+  every chunk neither read nor in an open plan; the planner gives one holder per plan;
+- `Progress` per chunk read; `ReadDone` for a lease as soon as its own chunks are read
+  (not when the whole pull ends), which frees that holder's slot;
+- a `busy` reply: ask again after `retry_after`, streams still reading go on;
+- a failed read: its chunks are missing again; no new plan is asked while that lease is
+  open, and its `ReadDone` names the failed holder;
+- `Hold` when every chunk is read and every lease ended.
 """
 
 from __future__ import annotations
@@ -28,7 +38,6 @@ from tensorhub.core.data_types import (
     Progress,
     Publish,
     ReadDone,
-    ReadPlan,
     Register,
     TensorSpec,
 )
@@ -53,6 +62,7 @@ class SimConfig:
     dcs: int = 1  # workers are spread round robin over this many datacenters
     per_node: int = 8  # workers per node (same-node peers come first)
     streams: int = 2  # chunks a reader reads at once (striped over sources)
+    lookahead: int = 0  # chunks planned beyond its streams (>0 measured worse: holds slots)
     busy_retry_chunks: float = 0.5  # a busy reader asks again after this many chunk times
     kill: tuple[int, ...] = ()  # workers killed mid-pull ...
     kill_at: float = 0.5  # ... at this fraction of the lower bound
@@ -102,29 +112,69 @@ def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:
     return Manifest(tensors=tensors, compact_threshold=1 << 20)
 
 
+@dataclass
+class _Lease:
+    """One plan being read: its chunks not started yet, reads in flight, failed sources."""
+
+    lease_id: str
+    pending: list[tuple[int, str, int]]  # (chunk, source, nbytes) not started yet
+    inflight: int = 0
+    failed: set[str] = field(default_factory=set)
+
+
 class _Worker:
+    """A reader following the chunked protocol (see the module doc)."""
+
     def __init__(self, sim: FleetSim, name: str, labels: dict[str, str]):
         self.sim, self.name = sim, name
         reply = sim.call(Register(name=name, role="replica", endpoint=sim.endpoint,
                                   labels=labels))
         self.id = reply.worker_id
         self.done: set[int] = set()
-        self.pending: list[tuple[int, str, int]] = []  # (chunk, source, nbytes) to read
-        self.inflight = 0
+        self.planned: set[int] = set()  # chunks in some open lease, not done yet
+        self.leases: dict[str, _Lease] = {}
         self.reading: dict[str, int] = {}  # source -> my reads from it in flight
-        self.failed: set[str] = set()
-        self.plan: ReadPlan | None = None
+        self.asking = False  # a plan request (or its retry) is under way
         self.alive = True
         self.finished: float | None = None
 
+    @property
+    def inflight(self) -> int:
+        return sum(lease.inflight for lease in self.leases.values())
+
     # -- the protocol
+    def _want_plan(self) -> bool:
+        """Ask for another plan when a stream would otherwise idle: fewer than `streams`
+        reads in flight and no chunk of an open plan can start (the rest are from sources
+        already being read, one stream per source). One request at a time, and never while
+        a lease that saw a source fail is open (the coordinator learns of the death from
+        its `ReadDone`, and would plan the dead source again)."""
+        if self.asking or not self.alive or self.finished is not None:
+            return False
+        if len(self.done) + len(self.planned) >= len(self.sim.chunks):
+            return False
+        leases = self.leases.values()
+        if any(lease.failed for lease in leases):
+            return False
+        startable = sum(1 for lease in leases for p in lease.pending
+                        if p[1] not in self.reading)
+        return self.inflight + startable < self.sim.config.streams + self.sim.config.lookahead
+
+    def _maybe_ask(self) -> None:
+        if self._want_plan():
+            self.asking = True
+            self.sim.loop.at(self.sim.loop.now + self.sim.config.rpc / 2, self.ask)
+
     def ask(self) -> None:
+        """Send a PlanRequest (the reply arrives half a round trip later)."""
         if not self.alive:
+            self.asking = False
             return
         sim = self.sim
         missing = None
-        if self.done:
-            missing = merge(s for c in sim.chunks if c.index not in self.done
+        if self.done or self.planned:
+            missing = merge(s for c in sim.chunks
+                            if c.index not in self.done and c.index not in self.planned
                             for s in c.segments)
         reply = sim.call(PlanRequest(worker_id=self.id, model="m", version=1,
                                      missing=missing, chunked=True))
@@ -134,66 +184,83 @@ class _Worker:
                 sim.busy += 1
             sim.loop.at(sim.loop.now + (reply.retry_after or 1.0), self.ask)
             return
-        self.plan = reply
-        self.failed = set()
-        self.pending = []
-        for r in reply.ranges:  # pieces of chunk segments, in chunk order
+        pending: list[tuple[int, str, int]] = []
+        for r in reply.ranges:  # pieces of chunk segments
             index = sim.chunk_at[(r.item, r.offset)]
-            if self.pending and self.pending[-1][0] == index:
-                self.pending[-1] = (index, r.source, self.pending[-1][2] + r.nbytes)
+            if pending and pending[-1][0] == index:
+                pending[-1] = (index, r.source, pending[-1][2] + r.nbytes)
             else:
-                self.pending.append((index, r.source, r.nbytes))
-        sim.loop.at(sim.loop.now + sim.config.rpc, self._fill)
+                pending.append((index, r.source, r.nbytes))
+        lease = _Lease(reply.lease_id, pending)
+        sim.loop.at(sim.loop.now + sim.config.rpc / 2, lambda: self._got(lease))
+
+    def _got(self, lease: _Lease) -> None:
+        self.asking = False
+        if not self.alive:
+            return
+        self.leases[lease.lease_id] = lease
+        self.planned.update(p[0] for p in lease.pending)
+        self._fill()
 
     def _fill(self) -> None:
-        while self.alive and self.pending and self.inflight < self.sim.config.streams:
-            # one stream per source at a time: striping spreads the load over the holders
-            k = next((k for k, p in enumerate(self.pending) if p[1] not in self.reading), None)
-            if k is None:
-                break
-            index, src, nbytes = self.pending.pop(k)
-            self.inflight += 1
-            self.reading[src] = self.reading.get(src, 0) + 1
-            self.sim.read(self, src, nbytes, index)
-        if self.alive and not self.pending and self.inflight == 0:
-            self._end_lease()
+        streams = self.sim.config.streams
+        for lease in list(self.leases.values()):  # oldest plan first
+            while self.alive and lease.pending and self.inflight < streams:
+                # one stream per source at a time: striping spreads the load over holders
+                k = next((k for k, p in enumerate(lease.pending) if p[1] not in self.reading),
+                         None)
+                if k is None:
+                    break
+                index, src, nbytes = lease.pending.pop(k)
+                lease.inflight += 1
+                self.reading[src] = self.reading.get(src, 0) + 1
+                self.sim.read(self, src, nbytes, (lease.lease_id, index))
+            if self.alive and not lease.pending and lease.inflight == 0:
+                self._end_lease(lease)
+        if self.alive and self.finished is None:
+            self._maybe_ask()
 
-    def _landed(self, t: Transfer) -> None:
-        self.inflight -= 1
+    def _landed(self, t: Transfer) -> _Lease:
         self.reading[t.src] -= 1
         if not self.reading[t.src]:
             del self.reading[t.src]
+        lease = self.leases[t.tag[0]]
+        lease.inflight -= 1
+        return lease
 
     def chunk_read(self, t: Transfer) -> None:
         self._landed(t)
         if not self.alive:
             return
-        self.done.add(t.tag)
+        index = t.tag[1]
+        self.done.add(index)
+        self.planned.discard(index)
         self.sim.call(Progress(worker_id=self.id, model="m", version=1,
                                layout_id=self.sim.layout_id, memory=self.sim.memory,
-                               chunks=[t.tag]))
+                               chunks=[index]))
         self._fill()
 
     def chunk_failed(self, t: Transfer) -> None:
-        self._landed(t)
+        lease = self._landed(t)
         if not self.alive:
             return
-        self.failed.add(t.src)
-        self.pending = [p for p in self.pending if p[1] != t.src]
+        lease.failed.add(t.src)
+        self.planned.discard(t.tag[1])
+        self.planned.difference_update(p[0] for p in lease.pending if p[1] == t.src)
+        lease.pending = [p for p in lease.pending if p[1] != t.src]
         self._fill()
 
-    def _end_lease(self) -> None:
+    def _end_lease(self, lease: _Lease) -> None:
         sim = self.sim
-        ok = not self.failed
-        sim.call(ReadDone(worker_id=self.id, lease_id=self.plan.lease_id, ok=ok,
-                          failed_holders=sorted(self.failed),
+        del self.leases[lease.lease_id]
+        ok = not lease.failed
+        sim.call(ReadDone(worker_id=self.id, lease_id=lease.lease_id, ok=ok,
+                          failed_holders=sorted(lease.failed),
                           error=None if ok else "source died"))
-        if len(self.done) == len(sim.chunks):
+        if len(self.done) == len(sim.chunks) and not self.leases:
             sim.call(Hold(worker_id=self.id, model="m", version=1, layout_id=sim.layout_id,
                           memory=sim.memory))
             self.finished = sim.loop.now
-            return
-        sim.loop.at(sim.loop.now + sim.config.rpc, self.ask)
 
 
 class FleetSim:
@@ -206,8 +273,10 @@ class FleetSim:
             CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
                               worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=60.0,
                               busy_retry=chunk_time * config.busy_retry_chunks,
-                              planner=PlannerConfig(**{**config.planner.__dict__,
-                                                       "chunk_bytes": config.chunk_bytes})),
+                              planner=PlannerConfig(**{
+                                  **config.planner.__dict__, "chunk_bytes": config.chunk_bytes,
+                                  # as the coordinator's defaults: twice the busy retry
+                                  "starving_ttl": 2 * chunk_time * config.busy_retry_chunks})),
             clock=lambda: self.loop.now)
         self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
         manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
@@ -266,7 +335,7 @@ class FleetSim:
     def run(self) -> FleetResult:
         try:
             for w in self.workers:
-                self.loop.at(0.0, w.ask)
+                self.loop.at(0.0, w._maybe_ask)
             for i in self.config.kill:
                 self.loop.at(self.config.kill_at * self.config.lower_bound,
                              lambda w=self.workers[i]: self._kill(w))
