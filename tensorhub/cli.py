@@ -101,7 +101,8 @@ def _replica(args: argparse.Namespace) -> int:
     from tensorhub.replica import Replica
 
     deadline = time.monotonic() + args.timeout
-    replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport)
+    replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
+                      chunked=not args.whole_items)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pulled = 0
@@ -125,8 +126,8 @@ def _replica(args: argparse.Namespace) -> int:
             s = replica.last_pull
             if args.json:
                 event = {"event": "pulled", "name": args.name, "version": version,
-                         "sources": s.sources, "nbytes": s.nbytes, "seconds": s.seconds,
-                         "gbps": s.gbps}
+                         "sources": s.sources, "by_source": s.by_source, "nbytes": s.nbytes,
+                         "seconds": s.seconds, "gbps": s.gbps}
                 if args.checksums:
                     event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
                 print(json.dumps(event), flush=True)
@@ -224,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the last pull, keep serving until SIGTERM")
     p.add_argument("--json", action="store_true", help="one JSON line per pull")
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
+    p.add_argument("--whole-items", action="store_true",
+                   help="ask for whole-item plans from one holder (no pipelining: peers are "
+                        "used only once they hold the whole version); default: chunked plans, "
+                        "serving each finished chunk at once")
     p.set_defaults(func=_replica)
 
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",

@@ -9,6 +9,11 @@ withdraws its reference to the version it holds and waits for reads of it to end
 failed pull leaves it holding nothing (`version is None`). With `staging=True` it reads
 into a shadow copy while it keeps serving the old version, and a failed pull leaves it
 exactly on its previous version; the price is a second copy of the weights in memory.
+
+Chunked (default): the replica asks for chunk plans, reports each chunk it has finished
+(`Progress`) and serves it to other readers at once, while it pulls the next ones, and asks
+again until it has every chunk (pipelined replication: a fleet pulls a version in about the
+time one reader does). `chunked=False` asks for one whole-item plan per pull instead.
 """
 
 from __future__ import annotations
@@ -19,9 +24,18 @@ import time
 import torch
 
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.data_types import ByteRange, PlanRequest, ReadDone, ReadPlan
+from tensorhub.core.chunks import ChunkTracker, chunks_of
+from tensorhub.core.data_types import (
+    ByteRange,
+    PlanRequest,
+    Progress,
+    ReadDone,
+    ReadPlan,
+    ReadRange,
+)
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
-from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of, plan_items
+from tensorhub.core.memory import describe
 from tensorhub.core.puller import PullStats, Verifier, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
@@ -30,6 +44,7 @@ from tensorhub.publisher import NamedTensors, named_list
 log = logging.getLogger("tensorhub.replica")
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
+PROGRESS_TIMEOUT = 1.0  # a Progress report is an optimisation: never wait long for it
 
 
 class Replica:
@@ -48,6 +63,7 @@ class Replica:
         timeout: float = 10.0,
         labels: dict[str, str] | None = None,
         device: str = "cpu",
+        chunked: bool = True,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
@@ -55,6 +71,7 @@ class Replica:
         self.model = model
         self.staging = staging
         self.verify = verify
+        self.chunked = chunked
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout)
         self._device = device
@@ -94,7 +111,8 @@ class Replica:
             try:
                 return self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
-                    layout_id=self.layout.layout_id if self.layout else None, missing=missing))
+                    layout_id=self.layout.layout_id if self.layout else None, missing=missing,
+                    chunked=self.chunked))
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
@@ -112,8 +130,9 @@ class Replica:
         except TensorHubError as exc:  # the lease expires on its own
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
-    def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-              max_replans: int, verifier: Verifier | None = None) -> tuple[ReadPlan, PullStats]:
+    def _read_whole(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
+                    max_replans: int, verifier: Verifier | None = None,
+                    ) -> tuple[ReadPlan, PullStats]:
         """Read the plan; when a source fails, report it, and re-plan only the missing
         ranges of the same version from another holder."""
         done: set[tuple[int, int, int]] = set()
@@ -141,6 +160,57 @@ class Replica:
                 raise
             return plan, total
         raise AssertionError("unreachable")
+
+    def _read_chunked(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
+                      max_replans: int, verifier: Verifier | None = None,
+                      ) -> tuple[ReadPlan, PullStats]:
+        """Read chunk plans until every chunk is here; report each finished chunk so other
+        readers can pull it from us meanwhile. Every plan but the last ends its lease here;
+        the last one's lease is left to the caller, to end after `Hold`. A failed source is
+        reported and its chunks planned again elsewhere, up to `max_replans` failures."""
+        tracker = ChunkTracker(chunks_of(plan_items(plan.manifest)))
+        done: set[tuple[int, int, int]] = set()
+        total = PullStats(self.model, plan.version, [], 0, 0.0)
+        # A staging copy is not served: it is overwritten by the next pull with no withdrawal.
+        reporter = None if self.staging else _ProgressReporter(self.session, plan, dest)
+        failures = 0
+
+        def on_batch(ranges: list[ReadRange]) -> None:
+            finished = tracker.landed(ranges)
+            if reporter is not None and finished:
+                reporter.report(finished)
+
+        while True:
+            tracker.planned(plan.ranges)
+            before = total.nbytes, total.seconds
+            try:
+                read_plan(self.session.transport, plan, dest,
+                          timeout=max(0.001, deadline - time.monotonic()), done=done,
+                          stats=total, verifier=verifier, on_batch=on_batch)
+            except TransferError as exc:
+                self._end_lease(plan, ok=False, error=str(exc),
+                                failed=[exc.source] if exc.source else None)
+                failures += 1
+                if failures > max_replans or time.monotonic() > deadline:
+                    raise
+                unread = [r for r in split(plan) if r.key() not in done]
+                log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f MiB "
+                            "again", self.session.name, self.model, plan.version, exc,
+                            sum(r.nbytes for r in unread) / 2**20)
+            except BaseException as exc:
+                self._end_lease(plan, ok=False, error=str(exc))
+                raise
+            else:
+                if tracker.complete:
+                    return plan, total
+                unread = []
+                self._end_lease(plan, ok=True, stats=PullStats(
+                    self.model, plan.version, [], total.nbytes - before[0],
+                    total.seconds - before[1]))
+                if time.monotonic() > deadline:
+                    raise TransferError(f"{self.model} v{plan.version}: not complete after "
+                                        f"the pull timeout ({total.nbytes} bytes read)")
+            plan = self._plan(plan.version, deadline, tracker.missing(unread))
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:
@@ -174,7 +244,8 @@ class Replica:
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             verifier = Verifier(plan, dest) if self.verify else None
             try:
-                plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
+                read = self._read_chunked if self.chunked else self._read_whole
+                plan, stats = read(plan, dest, deadline, max_replans, verifier)
             except BaseException:
                 if verifier is not None:
                     verifier.close()
@@ -183,6 +254,8 @@ class Replica:
                 stats.verify_seconds = verifier.finish()
         except BaseException as exc:
             self._end_lease(plan, ok=False, error=str(exc))
+            if self.chunked and not self.staging:
+                self._stop_serving_partial(plan.version, deadline)
             raise
         try:
             if self.staging:
@@ -205,6 +278,18 @@ class Replica:
                  stats.seconds, stats.gbps)
         return plan.version
 
+    def _stop_serving_partial(self, version: int, deadline: float) -> None:
+        """After a failed pull: others may be reading the chunks we reported; stop offering
+        them and give those reads a moment to end before the buffers are written again (a
+        reader that still loses that race fails its checksum check: no torn version is
+        ever held or served)."""
+        try:
+            self.session.withdraw(self.model, version,
+                                  min(5.0, max(0.5, deadline - time.monotonic())))
+        except TensorHubError as exc:
+            log.warning("%s: could not withdraw the chunks of %s v%d it served: %s",
+                        self.session.name, self.model, version, exc)
+
     def wait_for_newer(self, timeout: float) -> int | None:
         """Block until the coordinator knows a version newer than ours; None at the timeout."""
         if self._watcher is None:
@@ -221,3 +306,32 @@ class Replica:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _ProgressReporter:
+    """Tells the coordinator which chunks of a version this reader has finished, so others
+    can read them from it at once. Best effort: if the coordinator does not answer, the
+    pull goes on without further reports (others then wait for our `Hold`)."""
+
+    def __init__(self, session: WorkerSession, plan: ReadPlan, dest: list[torch.Tensor]):
+        self.session = session
+        self.progress = Progress(worker_id=session.worker_id, model=plan.model,
+                                 version=plan.version, layout_id=plan.layout_id,
+                                 memory=[describe(b) for b in dest], chunks=[],
+                                 endpoint=session.transport.endpoint())
+        self.enabled = True
+
+    def report(self, chunks: list[int]) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.session.call(self.progress.model_copy(update={"chunks": chunks}),
+                              timeout=PROGRESS_TIMEOUT)
+        except TensorHubError as exc:
+            log.warning("%s: could not report progress of %s v%d (%s); not serving its "
+                        "chunks before it is complete", self.session.name, self.progress.model,
+                        self.progress.version, exc)
+            self.enabled = False
+            return
+        # The endpoint is sent once: it only changes when memory is registered.
+        self.progress = self.progress.model_copy(update={"endpoint": None})

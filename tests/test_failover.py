@@ -41,6 +41,9 @@ def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
                 total = sum(t.numel() * t.element_size() for t in state.values())
                 assert reader.last_pull.nbytes < total + (8 << 20)  # no range read twice
                 records = [t for t in coordinator.table.transfers if t.reader == "reader"]
-                assert [r.ok for r in records] == [False, True]
+                # the failed lease first, then the plans that read the rest (chunked plans
+                # cover a few chunks each, so there may be several)
+                assert [r.ok for r in records][:2] == [False, True]
+                assert all(r.ok for r in records[1:])
     finally:
         holder.stop()

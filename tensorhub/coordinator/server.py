@@ -343,6 +343,8 @@ class Coordinator:
                              f"v{req.version}, the newest version: wait until a replica "
                              f"holds it, or publish a newer one first", retry_after=0.2)
         if vrec is not None:
+            # No new reads of it from us, complete or partial; reads in flight may finish.
+            self.table.drop_partial(req.worker_id, req.model, req.version)
             for layout in vrec.layouts.values():
                 holder = layout.holders.get(req.worker_id)
                 if holder is not None:

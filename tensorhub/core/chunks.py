@@ -79,13 +79,6 @@ def chunks_in(chunks: Sequence[Chunk], ranges: Iterable[ByteRange],
     return pieces
 
 
-def completed_chunks(chunks: Sequence[Chunk], done: set[tuple[int, int, int]]) -> list[int]:
-    """Indices of the chunks all of whose segments are in `done` ((item, offset, nbytes)
-    keys, as the puller records them when plan ranges are whole chunk segments)."""
-    return [c.index for c in chunks
-            if all((s.item, s.offset, s.nbytes) in done for s in c.segments)]
-
-
 def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
     """Adjacent ranges of the same item joined: a short `missing` list for a re-plan."""
     out: list[ByteRange] = []
@@ -95,3 +88,49 @@ def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
             r = ByteRange(item=r.item, offset=last.offset, nbytes=last.nbytes + r.nbytes)
         out.append(r)
     return out
+
+
+class ChunkTracker:
+    """A chunked reader's bookkeeping: which chunks are complete (to report and serve), and
+    which bytes are still missing (to ask for), whatever the size of the reads that land.
+
+    `landed` counts each byte once (the puller never reads a range twice), so a chunk is
+    complete exactly when all its bytes have landed, in any number of pieces and plans."""
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        self.chunks = list(chunks)
+        self._by_item = segments_by_item(self.chunks)
+        self._left = {c.index: c.nbytes for c in self.chunks}
+        self._unread: list[ByteRange] = []  # planned but not landed, in the open plan
+        self._planned: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return not self._left
+
+    def planned(self, ranges: Iterable[ByteRange]) -> None:
+        """A plan now covers these ranges."""
+        pieces = chunks_in(self.chunks, ranges, self._by_item)
+        self._planned.update(index for index, _ in pieces)
+        self._unread = [p for _, p in pieces]
+
+    def landed(self, ranges: Iterable[ByteRange]) -> list[int]:
+        """These ranges have landed; return the chunks that are now complete."""
+        finished = []
+        for index, piece in chunks_in(self.chunks, ranges, self._by_item):
+            left = self._left.get(index)
+            if left is None:
+                continue
+            left -= piece.nbytes
+            if left <= 0:
+                del self._left[index]
+                finished.append(index)
+            else:
+                self._left[index] = left
+        return finished
+
+    def missing(self, unread: Iterable[ByteRange]) -> list[ByteRange]:
+        """What to ask for next: the open plan's `unread` ranges (after a failure) plus every
+        chunk no plan has covered yet."""
+        rest = [s for c in self.chunks if c.index not in self._planned for s in c.segments]
+        return merge([*unread, *rest])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -59,7 +60,8 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
               timeout: float, done: set[tuple[int, int, int]] | None = None,
               stats: PullStats | None = None, batch_bytes: int | None = None,
               stall_timeout: float | None = None,
-              verifier: Verifier | None = None) -> PullStats:
+              verifier: Verifier | None = None,
+              on_batch: Callable[[list[ReadRange]], None] | None = None) -> PullStats:
     """Read the ranges of `plan` into `dest` (one uint8 buffer per item), in batches of at
     most `batch_bytes`. Every range read is added to `done` (and ranges already in it are
     skipped), so after a `TransferError` (which names the failing source) the caller knows
@@ -67,7 +69,9 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     accumulates across such attempts. A batch taking longer than `stall_timeout` fails like
     a dead source, and the connection to that source is dropped so that none of its late
     bytes can land after the ranges were read again elsewhere. A `verifier` is told of every
-    range read, and checks each item as soon as it is complete, while later batches read."""
+    range read, and checks each item as soon as it is complete, while later batches read.
+    `on_batch` is called with the ranges of each batch once they have landed (a chunked
+    reader reports the chunks it finished there, and serves them from then on)."""
     if len(dest) != len(plan.checksums):
         raise ValueError(f"{len(dest)} destination items for a plan of {len(plan.checksums)}")
     done = set() if done is None else done
@@ -113,6 +117,8 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
             stats.sources.append(src.name)
         stats.by_source[src.name] = stats.by_source.get(src.name, 0) + nbytes
         stats.nbytes += nbytes
+        if on_batch is not None:
+            on_batch(ranges)
     return stats
 
 
