@@ -1,0 +1,73 @@
+"""Run every benchmark, one after another, each in its own process: `python -m bench`
+(or `bash scripts/bench.sh`, which sets up the core venv first).
+
+Each writes bench/results/<name>.{jsonl,md} with our figure beside its baseline measured in
+the same run. Engine benchmarks need their own venvs and are opt-in (`--engines`). They
+share the machine's cores, so nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (arguments, quick arguments)
+CORE = {
+    "foundation": ([], ["--size-mb", "256", "--repeat", "3"]),
+    "same_node": ([], ["--size-mb", "256", "--repeat", "3"]),
+    "fanout": ([], ["--size-mb", "256", "--versions", "2"]),
+    "plan_latency": ([], ["--workers", "512", "--rounds", "1"]),
+    "simulate": ([], ["--max", "256"]),
+}
+ENGINES = {
+    "vllm_update": ("vllm", [], ["--updates", "1"]),
+    "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
+}
+
+
+def _venv_python(kind: str) -> str:
+    venv = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), kind], check=True,
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return str(Path(venv) / "bin" / "python")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=[*CORE, *ENGINES],
+                        help="run just these benchmarks")
+    parser.add_argument("--engines", action="store_true",
+                        help="also the vLLM and SGLang update benchmarks (their venvs are "
+                             "created by scripts/setup.sh on first use; ~10 min each)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: checks that every benchmark runs (figures not "
+                             "comparable to the README's)")
+    args = parser.parse_args(argv)
+    wanted = args.only or [*CORE, *(ENGINES if args.engines else [])]
+    failed = []
+    for name in wanted:
+        if name in CORE:
+            python, (full, quick) = sys.executable, CORE[name]
+        else:
+            kind, full, quick = ENGINES[name]
+            python = _venv_python(kind)
+        cmd = [python, "-m", f"bench.{name}", *(quick if args.quick else full)]
+        print(f"\n=== bench.{name}: {' '.join(cmd[1:])}", flush=True)
+        started = time.monotonic()
+        rc = subprocess.call(cmd, cwd=ROOT)
+        print(f"=== bench.{name}: exit {rc} after {time.monotonic() - started:.0f} s",
+              flush=True)
+        if rc:
+            failed.append(name)
+    print(f"\nresults: {ROOT / 'bench' / 'results'}"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
