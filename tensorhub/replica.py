@@ -130,49 +130,20 @@ class Replica:
         except TensorHubError as exc:  # the lease expires on its own
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
-    def _read_whole(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-                    max_replans: int, verifier: Verifier | None = None,
-                    ) -> tuple[ReadPlan, PullStats]:
-        """Read the plan; when a source fails, report it, and re-plan only the missing
-        ranges of the same version from another holder."""
-        done: set[tuple[int, int, int]] = set()
-        total = PullStats(self.model, plan.version, [], 0, 0.0)
-        for attempt in range(max_replans + 1):
-            try:
-                read_plan(self.session.transport, plan, dest,
-                          timeout=max(0.001, deadline - time.monotonic()), done=done,
-                          stats=total, verifier=verifier)
-            except TransferError as exc:
-                # The failed source loses its references; the lease on the others ends too.
-                self._end_lease(plan, ok=False, error=str(exc),
-                                failed=[exc.source] if exc.source else None)
-                missing = [ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes)
-                           for r in split(plan) if r.key() not in done]
-                if attempt == max_replans:
-                    raise
-                log.warning("%s: reading %s v%d failed (%s); re-planning %d missing ranges "
-                            "(%.1f MiB)", self.session.name, self.model, plan.version, exc,
-                            len(missing), sum(r.nbytes for r in missing) / 2**20)
-                plan = self._plan(plan.version, deadline, missing)
-                continue
-            except BaseException as exc:
-                self._end_lease(plan, ok=False, error=str(exc))
-                raise
-            return plan, total
-        raise AssertionError("unreachable")
-
-    def _read_chunked(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-                      max_replans: int, verifier: Verifier | None = None,
-                      ) -> tuple[ReadPlan, PullStats]:
-        """Read chunk plans until every chunk is here; report each finished chunk so other
-        readers can pull it from us meanwhile. Every plan but the last ends its lease here;
-        the last one's lease is left to the caller, to end after `Hold`. A failed source is
-        reported and its chunks planned again elsewhere, up to `max_replans` failures."""
+    def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
+              max_replans: int, verifier: Verifier | None = None,
+              ) -> tuple[ReadPlan, PullStats]:
+        """Read plans until every chunk is here (a whole-item plan covers them all at once);
+        when chunked, report each finished chunk so other readers can pull it from us
+        meanwhile. Every plan but the last ends its lease here; the last one's lease is left
+        to the caller, to end after `Hold`. A failed source is reported and the bytes not yet
+        read are planned again elsewhere, up to `max_replans` failures."""
         tracker = ChunkTracker(chunks_of(plan_items(plan.manifest)))
         done: set[tuple[int, int, int]] = set()
         total = PullStats(self.model, plan.version, [], 0, 0.0)
         # A staging copy is not served: it is overwritten by the next pull with no withdrawal.
-        reporter = None if self.staging else _ProgressReporter(self.session, plan, dest)
+        reporter = _ProgressReporter(self.session, plan, dest) \
+            if self.chunked and not self.staging else None
         failures = 0
 
         def on_batch(ranges: list[ReadRange]) -> None:
@@ -244,8 +215,7 @@ class Replica:
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             verifier = Verifier(plan, dest) if self.verify else None
             try:
-                read = self._read_chunked if self.chunked else self._read_whole
-                plan, stats = read(plan, dest, deadline, max_replans, verifier)
+                plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
             except BaseException:
                 if verifier is not None:
                     verifier.close()

@@ -177,52 +177,52 @@ def test_a_holder_without_a_pid_is_refused_clearly(reader):
         reader.read(Peer("z", zmq_holder), [ReadOp(dest, MemoryDesc(addr=1, nbytes=8))], 10)
 
 
-def test_auto_reads_same_host_peers_by_cma_and_others_by_nixl(monkeypatch):
+@pytest.fixture
+def auto_pair():
+    """Two `auto` transports in this process: a holder of 4 KiB and a reader with a zeroed
+    buffer of the same size, both registered."""
     holder, reader = AutoTransport(), AutoTransport()
     try:
         src = torch.arange(4096, dtype=torch.uint8)
         dest = torch.zeros_like(src)
         holder.register([src])
         reader.register([dest])
-        ep = holder.endpoint()
-        assert ep.transport == "nixl" and ep.agent_metadata and ep.pid and ep.host
-        op = ReadOp(dest, MemoryDesc(addr=src.data_ptr(), nbytes=src.numel()))
-        paths = []
-        for path in ("_cma", "_nixl"):
-            inner = getattr(reader, path)
-            real = inner.read
-            monkeypatch.setattr(inner, "read", lambda *a, real=real, path=path:
-                                (paths.append(path), real(*a))[1])
-
-        reader.read(Peer("near", ep), [op], 10)
-        as_plain_nixl = ep.model_copy(update={"pid": None, "pid_started": None, "host": None})
-        reader.read(Peer("plain", as_plain_nixl), [op], 10)
-        elsewhere = ep.model_copy(update={"host": "another-boot-id/1"})
-        reader.read(Peer("far", elsewhere), [op], 10)
-        assert paths == ["_cma", "_nixl", "_nixl"]
-        assert torch.equal(dest, src)
+        yield holder, reader, src, dest
     finally:
         holder.close()
         reader.close()
 
 
-def test_auto_falls_back_to_nixl_for_a_holder_it_may_not_read(monkeypatch):
-    holder, reader = AutoTransport(), AutoTransport()
-    try:
-        src = torch.arange(4096, dtype=torch.uint8)
-        dest = torch.zeros_like(src)
-        holder.register([src])
-        reader.register([dest])
+def test_auto_reads_same_host_peers_by_cma_and_others_by_nixl(auto_pair, monkeypatch):
+    holder, reader, src, dest = auto_pair
+    ep = holder.endpoint()
+    assert ep.transport == "nixl" and ep.agent_metadata and ep.pid and ep.host
+    op = ReadOp(dest, MemoryDesc(addr=src.data_ptr(), nbytes=src.numel()))
+    paths = []
+    for path in ("_cma", "_nixl"):
+        inner = getattr(reader, path)
+        real = inner.read
+        monkeypatch.setattr(inner, "read", lambda *a, real=real, path=path:
+                            (paths.append(path), real(*a))[1])
 
-        def refuse(peer, ops, timeout):
-            raise CmaNotPermitted("not permitted", peer.worker_id)
+    reader.read(Peer("near", ep), [op], 10)
+    as_plain_nixl = ep.model_copy(update={"pid": None, "pid_started": None, "host": None})
+    reader.read(Peer("plain", as_plain_nixl), [op], 10)
+    elsewhere = ep.model_copy(update={"host": "another-boot-id/1"})
+    reader.read(Peer("far", elsewhere), [op], 10)
+    assert paths == ["_cma", "_nixl", "_nixl"]
+    assert torch.equal(dest, src)
 
-        monkeypatch.setattr(reader._cma, "read", refuse)
-        peer = Peer("guarded", holder.endpoint())
-        op = ReadOp(dest, MemoryDesc(addr=src.data_ptr(), nbytes=src.numel()))
-        reader.read(peer, [op], 10)
-        assert torch.equal(dest, src)
-        assert not reader.same_host(peer, [op])  # remembered: NIXL from now on
-    finally:
-        holder.close()
-        reader.close()
+
+def test_auto_falls_back_to_nixl_for_a_holder_it_may_not_read(auto_pair, monkeypatch):
+    holder, reader, src, dest = auto_pair
+
+    def refuse(peer, ops, timeout):
+        raise CmaNotPermitted("not permitted", peer.worker_id)
+
+    monkeypatch.setattr(reader._cma, "read", refuse)
+    peer = Peer("guarded", holder.endpoint())
+    op = ReadOp(dest, MemoryDesc(addr=src.data_ptr(), nbytes=src.numel()))
+    reader.read(peer, [op], 10)
+    assert torch.equal(dest, src)
+    assert not reader.same_host(peer, [op])  # remembered: NIXL from now on

@@ -78,14 +78,16 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     batch_bytes = batch_bytes or BATCH_BYTES
     sources = {s.worker_id: s for s in plan.sources}
     batches: list[tuple[str, list[ReadRange]]] = []
+    filled = 0  # bytes in the last batch
     for r in split(plan, batch_bytes):
         if r.key() in done:
             continue
-        if batches and batches[-1][0] == r.source and \
-                sum(x.nbytes for x in batches[-1][1]) + r.nbytes <= batch_bytes:
+        if batches and batches[-1][0] == r.source and filled + r.nbytes <= batch_bytes:
             batches[-1][1].append(r)
+            filled += r.nbytes
         else:
             batches.append((r.source, [r]))
+            filled = r.nbytes
     if stats is None:
         stats = PullStats(plan.model, plan.version, [], 0, 0.0)
     deadline = time.monotonic() + timeout
