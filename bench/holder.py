@@ -19,6 +19,7 @@ import threading
 import torch
 
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.shared_memory import regions_of, shared_empty
 
 
 def tiny_tensors(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -72,6 +73,16 @@ def _raw(args) -> None:
 
     apply_ucx_defaults()
     tensors = _tensors(args)
+    shared = None
+    if not args.tiny:  # in one shared buffer, as a publisher's snapshot: raw shm reads too
+        arena = shared_empty(sum(t.numel() * t.element_size() for t in tensors))
+        views, off = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            views.append(arena[off : off + n].view(t.dtype).view(t.shape).copy_(t))
+            off += n
+        tensors = views
+        shared = regions_of([arena])
     agent = make_agent("raw-holder")
     agent.register_memory(tensors)
     compact = None
@@ -84,6 +95,7 @@ def _raw(args) -> None:
         "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
         "descs": [[t.data_ptr(), t.numel() * t.element_size()] for t in tensors],
         "compact": None if compact is None else [compact.data_ptr(), compact.numel()],
+        "shared": [r.model_dump() for r in shared or []],
     }), flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 

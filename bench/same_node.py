@@ -1,10 +1,12 @@
 """Same-node pull (issue 6): 1 GiB between two processes on this machine, against memcpy.
 
-  raw:   one process copies 1 GiB of another's tensors by cross-memory attach
-         (process_vm_readv, 1 and 2 threads) and by a bare NIXL READ (UCX tcp,cma on
+  raw:   one process copies 1 GiB of another's tensors (kept in one shared-memory buffer)
+         by cross-memory attach (process_vm_readv, 1 and 2 threads), out of a read-only
+         mapping of that buffer (shm, 2 threads) and by a bare NIXL READ (UCX tcp,cma on
          loopback); memcpy (torch copy_ in one process, 2 threads) is the ceiling.
-  pull:  Replica.pull of 1 GiB from a publisher process over cma, auto and nixl, checksum
-         verification off and on, each pull right after a memcpy of the same size.
+  pull:  Replica.pull of 1 GiB from a publisher process over cma, auto (shm: the
+         publisher's snapshot is shared memory) and nixl, checksum verification off and
+         on, each pull right after a memcpy of the same size.
 The machine is shared and noisy: figures are taken in interleaved rounds, GB/s are medians
 over rounds, and "/ memcpy" ratios are medians of per-round ratios (load that comes and
 goes between rounds cancels out).
@@ -25,10 +27,11 @@ import torch
 from bench.foundation import RawReader, publishing_holder
 from bench.holder import big_tensors
 from bench.results import Report
-from tensorhub.core.data_types import Endpoint, MemoryDesc
-from tensorhub.core.transport import cma
+from tensorhub.core.data_types import Endpoint, MemoryDesc, SharedRegion
+from tensorhub.core.transport import cma, parallel_copy
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.nixl import apply_ucx_defaults
+from tensorhub.core.transport.shm import ShmReader, region_of
 from tensorhub.processes import ChildProcess
 
 
@@ -80,14 +83,22 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
         pairs = [(t.data_ptr(), t.numel() * t.element_size()) for t in local]
         remote = [tuple(d) for d in info["descs"]]
         reader = cma.CmaTransport()
-        # The raw holder is a bare NIXL process: its pid is all cma needs (same user).
-        peer = Peer("raw-holder", Endpoint(transport="cma", pid=holder.pid, host=reader.host))
+        # The raw holder is a bare NIXL process: its pid is all cma needs (same user); its
+        # tensors lie in one shared buffer, which the shm reader maps.
+        peer = Peer("raw-holder", Endpoint(
+            transport="cma", pid=holder.pid, pid_started=cma.process_start(holder.pid),
+            host=reader.host, shared=[SharedRegion(**r) for r in info["shared"]]))
         ops = [ReadOp(t.view(torch.uint8).reshape(-1), MemoryDesc(addr=a, nbytes=n))
                for t, (a, n) in zip(local, remote, strict=True)]
+        shm_reader = ShmReader()
+        shm_ops = [(op, region_of(peer, op)) for op in ops]
+
+        def shm_read():
+            shm_reader.read(peer, shm_ops, time.monotonic() + 120, 120)
 
         def cma_read(threads: int):
             def run():
-                cma.THREADS = threads
+                parallel_copy.THREADS = threads
                 reader.read(peer, ops, timeout=120)
             return run
 
@@ -96,6 +107,7 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
             "raw NIXL READ": lambda: nixl.read(pairs, remote),
             "raw cma, 1 thread": cma_read(1),
             "raw cma, 2 threads": cma_read(2),
+            "raw shm, 2 threads": shm_read,
         }
         rounds = Rounds(size_mb * 2**20)
         for fn in figures.values():  # warm-up: first touch, connection set-up
@@ -103,17 +115,18 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
         for _ in range(repeat):
             for name, fn in figures.items():
                 rounds.add(name, _seconds(fn))
-        cma.THREADS = 2
+        parallel_copy.THREADS = 2
         reader.close()
         rounds.show()
         report.add(f"memcpy {size_mb} MiB (torch copy_, one process)", rounds.gbps("memcpy"),
                    "GB/s")
-        for k in ("raw NIXL READ", "raw cma, 1 thread", "raw cma, 2 threads"):
+        for k in ("raw NIXL READ", "raw cma, 1 thread", "raw cma, 2 threads",
+                  "raw shm, 2 threads"):
             report.add(f"{k} {size_mb} MiB", rounds.gbps(k), "GB/s", "memcpy",
                        rounds.gbps("memcpy"))
             report.add(f"{k} / memcpy (median of per-round ratios)",
                        rounds.ratio(k, "memcpy"), "x")
-        for k in ("raw cma, 1 thread", "raw cma, 2 threads"):
+        for k in ("raw cma, 1 thread", "raw cma, 2 threads", "raw shm, 2 threads"):
             report.add(f"{k} / raw NIXL READ (median of per-round ratios)",
                        rounds.ratio(k, "raw NIXL READ"), "x")
     finally:

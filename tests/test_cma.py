@@ -13,7 +13,7 @@ import torch
 
 from tensorhub.core.data_types import Endpoint, MemoryDesc
 from tensorhub.core.errors import TransferError
-from tensorhub.core.transport import cma
+from tensorhub.core.transport import parallel_copy
 from tensorhub.core.transport.auto import AutoTransport
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.cma import CmaNotPermitted, CmaTransport
@@ -65,14 +65,14 @@ def test_a_reader_copies_another_process_memory_bit_exact(holder, reader):
 
 def test_many_small_ops_span_several_iovec_batches(holder, reader, monkeypatch):
     _, peer, info = holder
-    monkeypatch.setattr(cma, "CALL_BYTES", 1 << 20)  # several calls, shared by the threads
+    monkeypatch.setattr(parallel_copy, "CALL_BYTES", 1 << 20)  # several calls, two threads
     dest = torch.zeros(info["nbytes"], dtype=torch.uint8)
     piece = 1024  # 4096 ops: more than IOV_MAX per call
     ops = [ReadOp(dest[o:o + piece], MemoryDesc(addr=info["addr"] + o, nbytes=piece))
            for o in range(0, info["nbytes"], piece)]
-    calls = cma._calls([(op.local.data_ptr(), op.remote.addr, op.remote.nbytes) for op in ops],
-                       cma.CALL_BYTES)
-    assert max(len(c) for c in calls) <= cma.IOV_MAX
+    calls = parallel_copy.split_calls(
+        [(op.local.data_ptr(), op.remote.addr, op.remote.nbytes) for op in ops], 1 << 20)
+    assert max(len(c) for c in calls) <= parallel_copy.IOV_MAX
     assert max(sum(n for *_, n in c) for c in calls) <= 1 << 20
     reader.read(peer, ops, timeout=10)
     assert torch.equal(dest, EXPECTED)
@@ -131,8 +131,8 @@ def test_a_dead_holder_is_named_in_the_error(holder, reader):
 
 def test_a_dead_holder_mid_read_is_named_in_the_error(holder, reader, monkeypatch):
     proc, peer, info = holder
-    monkeypatch.setattr(cma, "THREADS", 1)
-    monkeypatch.setattr(cma, "CALL_BYTES", 1 << 20)
+    monkeypatch.setattr(parallel_copy, "THREADS", 1)
+    monkeypatch.setattr(parallel_copy, "CALL_BYTES", 1 << 20)
     real = reader._libc.process_vm_readv
     calls = []
 

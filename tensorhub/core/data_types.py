@@ -70,10 +70,23 @@ class MemoryDesc(Strict):
     mem: Literal["DRAM", "VRAM"] = "DRAM"
 
 
+class SharedRegion(Strict):
+    """A holder's buffer that lives in shared memory (a sealed memfd), so a reader on the
+    same host maps it and copies with memcpy (`auto`): the holder's virtual addresses
+    [addr, addr + nbytes) are bytes [0, nbytes) of the file open as `fd` in the holder's
+    process, whose inode is `inode` (a reused fd number is never mistaken for it)."""
+
+    fd: int = Field(ge=0, lt=2**31)
+    inode: int = Field(ge=0)
+    addr: int = Field(ge=0, lt=2**64)
+    nbytes: int = Field(ge=1, lt=2**48)
+
+
 class Endpoint(Strict):
     """How peers reach a worker's memory: a NIXL agent, the zmq fallback server, or (on the
     same host) its process, read with cross-memory attach (`cma`; `auto` adds pid and host
-    to a NIXL endpoint so same-host peers take that path)."""
+    to a NIXL endpoint so same-host peers take that path, and lists the holder's buffers in
+    shared memory, which same-host peers map and copy directly)."""
 
     transport: Literal["nixl", "zmq", "cma"]
     agent_name: Name | None = None
@@ -82,6 +95,7 @@ class Endpoint(Strict):
     pid: int | None = Field(default=None, ge=1, lt=2**31)  # same-host reads: holder process
     pid_started: int | None = Field(default=None, ge=0)  # its start (ticks): no reused pid
     host: str | None = Field(default=None, max_length=128)  # boot id / pid namespace
+    shared: list[SharedRegion] = Field(default_factory=list, max_length=64)
 
 
 # --------------------------------------------------------------------------- requests

@@ -20,6 +20,7 @@ from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Item, Manifest, MemoryDesc, TensorSpec
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.memory import as_bytes, describe, dtype_name, torch_dtype
+from tensorhub.core.shared_memory import shared_empty
 
 ALIGN = 64
 DEFAULT_COMPACT_THRESHOLD = 1 << 20  # 1 MiB
@@ -126,25 +127,35 @@ class BoundLayout:
 
     @classmethod
     def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu") -> BoundLayout:
-        """Fresh tensors for a manifest (a worker that joins with no weights of its own).
+        """Fresh tensors for a manifest (a publisher's snapshot; a worker that joins with no
+        weights of its own), all views of one zero-filled buffer.
 
         Small tensors are views into the compact region, so a read of that one region
-        lands every small tensor in place: no scatter copy at all."""
+        lands every small tensor in place: no scatter copy at all. On CPU the buffer is
+        shared memory (`core.shared_memory`), which same-host readers map and memcpy."""
         items = plan_items(manifest)
+        offsets, total = [], 0
+        for item in items:
+            offsets.append(total)
+            total += -(-item.nbytes // ALIGN) * ALIGN
+        if torch.device(device).type == "cpu":
+            arena = shared_empty(total)
+        else:
+            arena = torch.zeros(total, dtype=torch.uint8, device=device)
+        tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
         compact = None
-        if items and items[0].kind == "compact":
-            compact = torch.zeros(items[0].nbytes, dtype=torch.uint8, device=device)
-        views = dict(
-            (idx, compact[off : off + manifest.tensors[idx].nbytes])
-            for item in items if item.kind == "compact"
-            for idx, off in zip(item.tensors, item.offsets, strict=True)
-        )
-        tensors = []
-        for idx, s in enumerate(manifest.tensors):
-            if idx in views and s.nbytes > 0:
-                tensors.append(views[idx].view(torch_dtype(s.dtype)).view(s.shape))
-            else:
-                tensors.append(torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device))
+        for item, start in zip(items, offsets, strict=True):
+            region = arena[start : start + item.nbytes]
+            if item.kind == "compact":
+                compact = region
+            for idx, off in zip(item.tensors, item.offsets, strict=True):
+                s = manifest.tensors[idx]
+                if s.nbytes:
+                    view = region[off : off + s.nbytes].view(torch_dtype(s.dtype))
+                    tensors[idx] = view.view(s.shape)
+        for idx, s in enumerate(manifest.tensors):  # empty tensors own no bytes of the buffer
+            if tensors[idx] is None:
+                tensors[idx] = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device)
         return cls(manifest, tensors, compact=compact)
 
     def move_small_into_region(self) -> int:

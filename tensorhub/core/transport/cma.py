@@ -19,9 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,16 +27,8 @@ import torch
 from tensorhub.core.data_types import Endpoint
 from tensorhub.core.errors import TransferError
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
+from tensorhub.core.transport.parallel_copy import CopyPool, Segment
 
-IOV_MAX = 1024  # iovec entries per call (Linux UIO_MAXIOV)
-# Bytes per call at most: timeouts are checked between calls, and threads share a read by
-# calls. A read is cut into at least THREADS calls (of 1 MiB or more); larger calls cost
-# less per byte (measured on 1 GiB, 2 threads: 9.1 GB/s with 64 MiB calls, 8.1 with 4 MiB).
-CALL_BYTES = 64 << 20
-MIN_CALL_BYTES = 1 << 20
-# Calls run in this many threads at once (ctypes releases the GIL). Measured on this 2-core
-# machine with both cores free: one thread copies ~4.7 GB/s, two ~9.1 GB/s.
-THREADS = max(1, int(os.environ.get("TENSORHUB_CMA_THREADS", "2")))
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
@@ -108,8 +98,7 @@ class CmaTransport(Transport):
         self.host = host_identity()
         self.pid = os.getpid()
         self.pid_started = process_start(self.pid)
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._copies = CopyPool("tensorhub-cma")
         self._consented = False
 
     # ----------------------------------------------------------------- holder side
@@ -164,26 +153,11 @@ class CmaTransport(Transport):
                     f"{op.local.device})", peer.worker_id)
         pid = self._check_peer(peer)
         deadline = time.monotonic() + timeout
-        total = sum(op.remote.nbytes for op in ops)
-        call_bytes = min(CALL_BYTES, max(MIN_CALL_BYTES, -(-total // THREADS)))
-        calls = _calls([(op.local.data_ptr(), op.remote.addr, op.remote.nbytes) for op in ops],
-                       call_bytes)
-        if THREADS == 1 or len(calls) == 1:
-            for call in calls:
-                self._copy(pid, peer, call, deadline, timeout)
-            return
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="tensorhub-cma")
-            pool = self._pool
-        futures = [pool.submit(self._copy, pid, peer, call, deadline, timeout)
-                   for call in calls]
-        for f in futures:  # wait for all, so no copy still runs into memory after we return
-            f.exception()
-        for f in futures:
-            f.result()
+        self._copies.run([(op.local.data_ptr(), op.remote.addr, op.remote.nbytes)
+                          for op in ops],
+                         lambda call: self._copy(pid, peer, call, deadline, timeout))
 
-    def _copy(self, pid: int, peer: Peer, segments: list[tuple[int, int, int]],
+    def _copy(self, pid: int, peer: Peer, segments: list[Segment],
               deadline: float, timeout: float) -> None:
         """One call's worth of (local, remote, nbytes) segments, resuming after short reads
         (the kernel stops at the first page it cannot read and reports what it copied)."""
@@ -205,32 +179,10 @@ class CmaTransport(Transport):
             segments = _advance(segments, got)
 
     def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+        self._copies.close()
 
 
-def _calls(segments: list[tuple[int, int, int]],
-           call_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """Cut (local, remote, nbytes) segments into calls of at most `call_bytes` and IOV_MAX
-    entries, so that threads can share a large read and a deadline is checked often."""
-    calls: list[list[tuple[int, int, int]]] = [[]]
-    room = call_bytes
-    for lo, ro, size in segments:
-        off = 0
-        while off < size:
-            if room == 0 or len(calls[-1]) == IOV_MAX:
-                calls.append([])
-                room = call_bytes
-            n = min(size - off, room)
-            calls[-1].append((lo + off, ro + off, n))
-            room -= n
-            off += n
-    return [c for c in calls if c]
-
-
-def _advance(segments: list[tuple[int, int, int]], done: int) -> list[tuple[int, int, int]]:
+def _advance(segments: list[Segment], done: int) -> list[Segment]:
     """The segments still to read after the first `done` bytes arrived."""
     rest = []
     for lo, ro, size in segments:

@@ -1,0 +1,100 @@
+"""Host buffers in shared memory, so a reader on the same host can map them and memcpy.
+
+Cross-memory attach (`process_vm_readv`) copies out of another process at ~0.75 of memcpy
+here: the kernel walks and pins the holder's pages for every call. When the holder's bytes
+live in a memfd instead, a same-host reader opens that file through `/proc/<pid>/fd/<fd>`
+(the kernel allows it to processes that may ptrace the holder: same user, as for cma), maps
+it once read-only, and from then on a pull is a plain memcpy at memcpy speed.
+
+Only buffers TensorHub allocates itself live here: a publisher's snapshot and the tensors of
+a replica that joined with no weights of its own (`BoundLayout.allocate`). An engine's own
+parameters stay where the engine put them and are read by cma or NIXL.
+
+The file is sealed against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`), and a
+reader checks the seals before it maps: a mapped file that shrank would kill the reader with
+SIGBUS. The memory is freed when the last tensor viewing it is gone and every reader has
+unmapped it; nothing is left in /dev/shm if a process dies. Linux only; elsewhere, or with
+TENSORHUB_SHARED_MEMORY=0, buffers are ordinary memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import weakref
+
+import torch
+
+from tensorhub.core.data_types import SharedRegion
+
+log = logging.getLogger("tensorhub.shared_memory")
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+
+
+def enabled() -> bool:
+    """Shared memory for our own host buffers: on unless TENSORHUB_SHARED_MEMORY=0."""
+    return (os.environ.get("TENSORHUB_SHARED_MEMORY", "1") != "0"
+            and hasattr(os, "memfd_create") and SEALS != 0)
+
+
+_lock = threading.Lock()
+_regions: dict[int, SharedRegion] = {}  # by start address: our live shared buffers
+
+
+def _forget(addr: int, fd: int) -> None:
+    with _lock:
+        _regions.pop(addr, None)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def shared_empty(nbytes: int) -> torch.Tensor:
+    """A zero-filled uint8 CPU tensor of `nbytes` backed by a sealed memfd (see module doc),
+    or by ordinary memory when shared memory is off, unavailable or `nbytes` is 0."""
+    if nbytes <= 0 or not enabled():
+        return torch.zeros(max(nbytes, 0), dtype=torch.uint8)
+    try:
+        fd = os.memfd_create("tensorhub", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        log.info("no memfd (%s): buffers in ordinary memory", exc)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        inode = os.fstat(fd).st_ino
+    except OSError as exc:  # e.g. /dev/shm-like limits (memfd counts as shmem)
+        os.close(fd)
+        log.warning("cannot allocate %d bytes of shared memory (%s): using ordinary memory",
+                    nbytes, exc)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
+    region = SharedRegion(fd=fd, inode=inode, addr=tensor.data_ptr(), nbytes=nbytes)
+    with _lock:
+        _regions[region.addr] = region
+    weakref.finalize(mapping, _forget, region.addr, fd)  # the fd lives as long as the memory
+    return tensor
+
+
+def regions_of(buffers: list[torch.Tensor]) -> list[SharedRegion]:
+    """The shared regions that hold any of `buffers` (CPU tensors), each once."""
+    with _lock:
+        regions = list(_regions.values())
+    found: dict[int, SharedRegion] = {}
+    for b in buffers:
+        if b.device.type != "cpu":
+            continue
+        start = b.data_ptr()
+        end = start + b.numel() * b.element_size()
+        for r in regions:
+            if r.addr <= start and end <= r.addr + r.nbytes:
+                found[r.addr] = r
+                break
+    return list(found.values())
