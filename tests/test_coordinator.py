@@ -161,3 +161,19 @@ def test_holdings_name_the_versions_each_worker_holds(coordinator):
                                                         names=["eng-a", "eng-b"]))
         assert reply.latest == 4
         assert reply.holdings == {"eng-a": [4], "eng-b": []}
+
+
+def test_the_planners_holder_list_follows_a_swap_of_holders():
+    """One holder leaves and another joins: the count is the same, the list is not."""
+    from tensorhub.coordinator.table import HolderRec, LayoutRec
+    from tensorhub.core.data_types import Manifest
+
+    layout = LayoutRec(Manifest(tensors=[], compact_threshold=1), [], [])
+    layout.holders["trainer"] = HolderRec("trainer", [])
+    assert layout.serving() == ["trainer"]
+    layout.holders["first"] = HolderRec("first", [])
+    layout.holders.pop("trainer")
+    assert layout.serving() == ["first"]
+    del layout.holders["first"]
+    layout.holders["second"] = HolderRec("second", [])
+    assert layout.serving() == ["second"]

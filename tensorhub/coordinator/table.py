@@ -78,12 +78,34 @@ class PartialHolders(dict[str, PartialRec]):
         return self.by_chunk.get(chunk, {})
 
 
+class CompleteHolders(dict[str, HolderRec]):
+    """Complete holders of one layout; `version` is bumped by every change of membership, so
+    the planner's cached holder list is rebuilt when one holder leaves and another joins
+    (a count alone would not change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def __setitem__(self, worker_id: str, rec: HolderRec) -> None:
+        super().__setitem__(worker_id, rec)
+        self.version += 1
+
+    def __delitem__(self, worker_id: str) -> None:
+        super().__delitem__(worker_id)
+        self.version += 1
+
+    def pop(self, worker_id: str, *default):  # type: ignore[override]
+        self.version += 1
+        return super().pop(worker_id, *default)
+
+
 @dataclass
 class LayoutRec:
     manifest: Manifest
     items: list[Item]
     checksums: list[str]
-    holders: dict[str, HolderRec] = field(default_factory=dict)  # complete copies
+    holders: CompleteHolders = field(default_factory=CompleteHolders)  # complete copies
     partial: PartialHolders = field(default_factory=PartialHolders)
     _chunks: tuple[int, list[Chunk], dict] | None = None
     # the planner's list of holder ids (complete, then partial), kept while membership stays
@@ -91,9 +113,9 @@ class LayoutRec:
 
     def serving(self) -> list[str]:
         """Complete (not withdrawn) then partial holders' ids, rebuilt only when the
-        partial set or the number of complete records changed: callers check each id again
+        partial or the complete holders changed (membership): callers check each id again
         (a holder that withdrew or left since is skipped), so a plan costs O(its scan)."""
-        key = (self.partial.version, len(self.holders))
+        key = (self.partial.version, self.holders.version)
         if self._serving is None or self._serving[0] != key:
             ids = [h.worker_id for h in self.holders.values() if not h.withdrawn]
             ids += [p for p in self.partial if p not in self.holders]
