@@ -90,6 +90,21 @@ def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
     return out
 
 
+def subtract(ranges: Iterable[ByteRange], covered: Iterable[ByteRange]) -> list[ByteRange]:
+    """The parts of `ranges` that no range of `covered` overlaps."""
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for c in covered:
+        cuts.setdefault(c.item, []).append((c.offset, c.offset + c.nbytes))
+    out = []
+    for r in ranges:
+        pieces = [(r.offset, r.offset + r.nbytes)]
+        for lo, hi in cuts.get(r.item, []):
+            pieces = [p for a, b in pieces
+                      for p in ((a, min(b, lo)), (max(a, hi), b)) if p[0] < p[1]]
+        out.extend(ByteRange(item=r.item, offset=a, nbytes=b - a) for a, b in pieces)
+    return out
+
+
 class ChunkTracker:
     """A chunked reader's bookkeeping: which chunks are complete (to report and serve), and
     which bytes are still missing (to ask for), whatever the size of the reads that land.
@@ -101,8 +116,10 @@ class ChunkTracker:
         self.chunks = list(chunks)
         self._by_item = segments_by_item(self.chunks)
         self._left = {c.index: c.nbytes for c in self.chunks}
-        self._unread: list[ByteRange] = []  # planned but not landed, in the open plan
         self._planned: set[int] = set()
+        # Bytes a failed plan did not read that no later plan has covered yet (a plan may
+        # cover only part of what we ask for): asked for again until a plan covers them.
+        self._owed: list[ByteRange] = []
 
     @property
     def complete(self) -> bool:
@@ -110,9 +127,11 @@ class ChunkTracker:
 
     def planned(self, ranges: Iterable[ByteRange]) -> None:
         """A plan now covers these ranges."""
-        pieces = chunks_in(self.chunks, ranges, self._by_item)
-        self._planned.update(index for index, _ in pieces)
-        self._unread = [p for _, p in pieces]
+        ranges = list(ranges)
+        self._planned.update(index for index, _ in chunks_in(self.chunks, ranges,
+                                                             self._by_item))
+        if self._owed:
+            self._owed = subtract(self._owed, ranges)
 
     def landed(self, ranges: Iterable[ByteRange]) -> list[int]:
         """These ranges have landed; return the chunks that are now complete."""
@@ -130,7 +149,9 @@ class ChunkTracker:
         return finished
 
     def missing(self, unread: Iterable[ByteRange]) -> list[ByteRange]:
-        """What to ask for next: the open plan's `unread` ranges (after a failure) plus every
-        chunk no plan has covered yet."""
+        """What to ask for next: the open plan's `unread` ranges (after a failure) and those
+        of earlier failures that no plan has covered since, plus every chunk no plan has
+        covered yet."""
+        self._owed = merge([*self._owed, *unread])
         rest = [s for c in self.chunks if c.index not in self._planned for s in c.segments]
-        return merge([*unread, *rest])
+        return merge([*self._owed, *rest])
