@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -102,17 +103,18 @@ class Replica:
         return dict(self.layout.named_tensors()) if self.layout else {}
 
     # ------------------------------------------------------------------ pulling
-    def _plan(self, version, deadline: float,
-              missing: list[ByteRange] | None = None) -> ReadPlan:
-        """Ask for a plan; wait while holders are busy, and briefly (a few heartbeats, in
-        case holders are re-registering with a restarted coordinator) while none is left."""
+    def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
+              progress: Progress | None = None, done: ReadDone | None = None) -> ReadPlan:
+        """Ask for a plan (carrying the previous plan's last `progress` and its lease's end,
+        `done`); wait while holders are busy, and briefly (a few heartbeats, in case holders
+        are re-registering with a restarted coordinator) while none is left."""
         no_holder_until = time.monotonic() + NO_HOLDER_GRACE
         while True:
             try:
                 return self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
                     layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked))
+                    chunked=self.chunked, progress=progress, done=done))
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
@@ -120,13 +122,17 @@ class Replica:
                     raise
                 time.sleep(retry)
 
+    def _read_done(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
+                   error: str | None = None, failed: list[str] | None = None) -> ReadDone:
+        return ReadDone(worker_id=self.session.worker_id, lease_id=plan.lease_id, ok=ok,
+                        nbytes=stats.nbytes if stats else 0,
+                        seconds=stats.seconds if stats else 0.0, error=error,
+                        failed_holders=failed or [])
+
     def _end_lease(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
                    error: str | None = None, failed: list[str] | None = None) -> None:
         try:
-            self.session.call(ReadDone(
-                worker_id=self.session.worker_id, lease_id=plan.lease_id, ok=ok,
-                nbytes=stats.nbytes if stats else 0, seconds=stats.seconds if stats else 0.0,
-                error=error, failed_holders=failed or []))
+            self.session.call(self._read_done(plan, ok, stats, error, failed))
         except TensorHubError as exc:  # the lease expires on its own
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
@@ -145,43 +151,56 @@ class Replica:
         reporter = _ProgressReporter(self.session, plan, dest) \
             if self.chunked and not self.staging else None
         failures = 0
+        plan_left = 0  # bytes of the current plan not landed yet
 
         def on_batch(ranges: list[ReadRange]) -> None:
+            nonlocal plan_left
             finished = tracker.landed(ranges)
+            plan_left -= sum(r.nbytes for r in ranges)
             if reporter is not None and finished:
-                reporter.report(finished)
+                # The plan's last chunks travel with the next plan request instead.
+                reporter.report(finished, now=plan_left > 0)
 
-        while True:
-            tracker.planned(plan.ranges)
-            before = total.nbytes, total.seconds
-            try:
-                read_plan(self.session.transport, plan, dest,
-                          timeout=max(0.001, deadline - time.monotonic()), done=done,
-                          stats=total, verifier=verifier, on_batch=on_batch)
-            except TransferError as exc:
-                self._end_lease(plan, ok=False, error=str(exc),
-                                failed=[exc.source] if exc.source else None)
-                failures += 1
-                if failures > max_replans or time.monotonic() > deadline:
+        try:
+            while True:
+                tracker.planned(plan.ranges)
+                plan_left = sum(r.nbytes for r in split(plan) if r.key() not in done)
+                before = total.nbytes, total.seconds
+                carried: ReadDone | None = None
+                try:
+                    read_plan(self.session.transport, plan, dest,
+                              timeout=max(0.001, deadline - time.monotonic()), done=done,
+                              stats=total, verifier=verifier, on_batch=on_batch)
+                except TransferError as exc:
+                    self._end_lease(plan, ok=False, error=str(exc),
+                                    failed=[exc.source] if exc.source else None)
+                    failures += 1
+                    if failures > max_replans or time.monotonic() > deadline:
+                        raise
+                    unread = [r for r in split(plan) if r.key() not in done]
+                    log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f "
+                                "MiB again", self.session.name, self.model, plan.version, exc,
+                                sum(r.nbytes for r in unread) / 2**20)
+                except BaseException as exc:
+                    self._end_lease(plan, ok=False, error=str(exc))
                     raise
-                unread = [r for r in split(plan) if r.key() not in done]
-                log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f MiB "
-                            "again", self.session.name, self.model, plan.version, exc,
-                            sum(r.nbytes for r in unread) / 2**20)
-            except BaseException as exc:
-                self._end_lease(plan, ok=False, error=str(exc))
-                raise
-            else:
-                if tracker.complete:
-                    return plan, total
-                unread = []
-                self._end_lease(plan, ok=True, stats=PullStats(
-                    self.model, plan.version, [], total.nbytes - before[0],
-                    total.seconds - before[1]))
-                if time.monotonic() > deadline:
-                    raise TransferError(f"{self.model} v{plan.version}: not complete after "
-                                        f"the pull timeout ({total.nbytes} bytes read)")
-            plan = self._plan(plan.version, deadline, tracker.missing(unread))
+                else:
+                    if tracker.complete:
+                        return plan, total
+                    unread = []
+                    carried = self._read_done(plan, ok=True, stats=PullStats(
+                        self.model, plan.version, [], total.nbytes - before[0],
+                        total.seconds - before[1]))
+                    if time.monotonic() > deadline:
+                        self._end_lease(plan, ok=True)
+                        raise TransferError(f"{self.model} v{plan.version}: not complete "
+                                            f"after the pull timeout ({total.nbytes} bytes "
+                                            f"read)")
+                plan = self._plan(plan.version, deadline, tracker.missing(unread),
+                                  progress=reporter.take() if reporter else None, done=carried)
+        finally:
+            if reporter is not None:
+                reporter.close()
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:
@@ -280,8 +299,10 @@ class Replica:
 
 class _ProgressReporter:
     """Tells the coordinator which chunks of a version this reader has finished, so others
-    can read them from it at once. Best effort: if the coordinator does not answer, the
-    pull goes on without further reports (others then wait for our `Hold`)."""
+    can read them from it at once. Reports go out on a thread of their own while the next
+    batch is read; a plan's last chunks are instead carried by the next plan request
+    (`take`), which saves a round trip per plan. Best effort: if the coordinator does not
+    answer, the pull goes on without further reports (others then wait for our `Hold`)."""
 
     def __init__(self, session: WorkerSession, plan: ReadPlan, dest: list[torch.Tensor]):
         self.session = session
@@ -290,18 +311,45 @@ class _ProgressReporter:
                                  memory=[describe(b) for b in dest], chunks=[],
                                  endpoint=session.transport.endpoint())
         self.enabled = True
+        self._pending: list[int] = []
+        self._sending: Future | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorhub-progress")
 
-    def report(self, chunks: list[int]) -> None:
-        if not self.enabled:
+    def report(self, chunks: list[int], now: bool = True) -> None:
+        """Report `chunks` (with any held back) unless a report is still in flight; with
+        `now=False` hold them back for `take`."""
+        self._pending.extend(chunks)
+        if not now or not self.enabled or (self._sending and not self._sending.done()):
             return
-        try:
-            self.session.call(self.progress.model_copy(update={"chunks": chunks}),
-                              timeout=PROGRESS_TIMEOUT)
-        except TensorHubError as exc:
-            log.warning("%s: could not report progress of %s v%d (%s); not serving its "
-                        "chunks before it is complete", self.session.name, self.progress.model,
-                        self.progress.version, exc)
-            self.enabled = False
-            return
+        message = self._message()
+        if message is not None:
+            self._sending = self._pool.submit(self._send, message)
+
+    def take(self) -> Progress | None:
+        """The chunks not reported yet, as a Progress to carry with the next request (after
+        the report in flight, so the coordinator learns of chunks in order)."""
+        if self._sending is not None:
+            self._sending.result()
+            self._sending = None
+        return self._message() if self.enabled else None
+
+    def _message(self) -> Progress | None:
+        if not self._pending:
+            return None
+        message = self.progress.model_copy(update={"chunks": self._pending})
+        self._pending = []
         # The endpoint is sent once: it only changes when memory is registered.
         self.progress = self.progress.model_copy(update={"endpoint": None})
+        return message
+
+    def _send(self, message: Progress) -> None:
+        try:
+            self.session.call(message, timeout=PROGRESS_TIMEOUT)
+        except TensorHubError as exc:
+            log.warning("%s: could not report progress of %s v%d (%s); not serving its "
+                        "chunks before it is complete", self.session.name, message.model,
+                        message.version, exc)
+            self.enabled = False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -365,6 +365,7 @@ class Coordinator:
 
     def _plan(self, req: PlanRequest) -> ReadPlan:
         self._worker(req.worker_id)
+        self._apply_carried(req)
         _, vrec = self._resolve(req.model, req.version)
         lid = req.layout_id or vrec.origin_layout
         layout = vrec.layouts.get(lid)
@@ -394,6 +395,23 @@ class Coordinator:
                         manifest=layout.manifest, checksums=layout.checksums,
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
                         sources=sources, ranges=ranges)
+
+    def _apply_carried(self, req: PlanRequest) -> None:
+        """A reader's `Progress` and `ReadDone` for its previous plan, carried by its next
+        request (one round trip instead of three). They are the reader's own: another
+        worker's id is refused. A Progress the coordinator cannot use is dropped with a log
+        line, as a separate one would be ignored by the reader: it does not fail the plan."""
+        for carried in (req.progress, req.done):
+            if carried is not None and carried.worker_id != req.worker_id:
+                raise Reject("bad_request", f"a plan request of {req.worker_id} carries a "
+                                            f"{carried.type} of {carried.worker_id}")
+        if req.progress is not None:
+            try:
+                self._progress(req.progress)
+            except Reject as rej:
+                log.info("progress of %s not recorded: %s", req.worker_id, rej.reply.message)
+        if req.done is not None:
+            self._read_done(req.done)
 
     def _no_source(self, exc: NoSource, model: str, version: int, busy: str) -> Reject:
         """`busy` (retry soon) when holders exist but are all serving; else `no_holder`."""

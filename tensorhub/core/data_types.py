@@ -177,19 +177,6 @@ class ByteRange(Strict):
     nbytes: Annotated[int, Field(ge=0)]
 
 
-class PlanRequest(Strict):
-    type: Literal["plan"] = "plan"
-    worker_id: Name
-    model: Name
-    version: Version | Literal["latest"] = "latest"
-    layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
-    # Re-planning after a failure: only these ranges are still missing (None: everything).
-    missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
-    # Opt in to chunked plans (see `Progress`): sources chosen per chunk, partial holders
-    # included, and a plan may cover only part of what is missing (`ReadPlan.complete`).
-    chunked: bool = False
-
-
 class ReadDone(Strict):
     """A reader ends its lease: the holder's bytes may be overwritten once all leases end."""
 
@@ -235,6 +222,24 @@ class Progress(Strict):
     memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)
     chunks: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_TENSORS)
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
+
+
+class PlanRequest(Strict):
+    type: Literal["plan"] = "plan"
+    worker_id: Name
+    model: Name
+    version: Version | Literal["latest"] = "latest"
+    layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
+    # Re-planning after a failure: only these ranges are still missing (None: everything).
+    missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
+    # Opt in to chunked plans (see `Progress`): sources chosen per chunk, partial holders
+    # included, and a plan may cover only part of what is missing (`ReadPlan.complete`).
+    chunked: bool = False
+    # What the reader finished since its last call, carried here to save round trips: the
+    # chunks of its previous plan (a `Progress`) and the end of that plan's lease. Both are
+    # applied before planning, and are idempotent, so a retried request may carry them again.
+    progress: Progress | None = None
+    done: ReadDone | None = None
 
 
 Request = Annotated[
