@@ -14,6 +14,7 @@ from tensorhub.core.data_types import (
     Manifest,
     PlanRequest,
     Publish,
+    ReadDone,
     Register,
     StatusRequest,
     TensorSpec,
@@ -177,3 +178,21 @@ def test_the_planners_holder_list_follows_a_swap_of_holders():
     del layout.holders["first"]
     layout.holders["second"] = HolderRec("second", [])
     assert layout.serving() == ["second"]
+
+
+def test_a_plan_request_ends_the_previous_lease_it_carries_but_never_anothers(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(STATE)
+        client = CoordinatorClient(coordinator.address)
+        ids = [client.call(Register(name=n, role="replica", endpoint=Endpoint(
+            transport="zmq", address="tcp://127.0.0.1:1"))).worker_id for n in ("a", "b")]
+        plan = client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True))
+        assert plan.lease_id in coordinator.table.leases
+        theirs = ReadDone(worker_id=ids[0], lease_id=plan.lease_id, ok=True)
+        with pytest.raises(CoordinatorError, match="carries a read_done of") as err:
+            client.call(PlanRequest(worker_id=ids[1], model="policy", chunked=True,
+                                    done=theirs))
+        assert err.value.code == "bad_request"
+        assert plan.lease_id in coordinator.table.leases
+        client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True, done=theirs))
+        assert plan.lease_id not in coordinator.table.leases
