@@ -36,6 +36,7 @@ from tensorhub.core.transport.cma import process_start
 from tensorhub.core.transport.parallel_copy import CopyPool, Segment
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the whole mapping in at once
+PRUNE_EVERY = 1.0  # seconds between checks for mappings of holders that have exited
 
 
 class ShmNotPermitted(TransferError):
@@ -60,6 +61,7 @@ class ShmReader:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._copies = CopyPool("tensorhub-shm")
+        self._pruned = 0.0  # when mappings of exited holders were last let go
         # worker id -> (pid, pid started, fd, inode) -> a read-only view of the whole region
         self._maps: dict[str, dict[tuple[int, int | None, int, int], torch.Tensor]] = {}
 
@@ -100,14 +102,17 @@ class ShmReader:
         """Our mappings of the regions `peer` lists now, by region address; mappings of
         regions it no longer lists are dropped (unmapped once no copy uses them)."""
         wanted = {self._key(peer, r): r for r in peer.endpoint.shared}
+        now = time.monotonic()
         with self._lock:
             cached = self._maps.get(peer.worker_id, {})
             kept = {k: v for k, v in cached.items() if k in wanted}
             self._maps[peer.worker_id] = kept
-            # A mapping keeps a holder's memory alive: let go of holders that have exited.
-            for worker_id, maps in list(self._maps.items()):
-                if any(_exited(pid, started) for pid, started, *_ in maps):
-                    del self._maps[worker_id]
+            if now - self._pruned > PRUNE_EVERY:
+                # A mapping keeps a holder's memory alive: let go of holders that exited.
+                self._pruned = now
+                for worker_id, maps in list(self._maps.items()):
+                    if any(_exited(pid, started) for pid, started, *_ in maps):
+                        del self._maps[worker_id]
         return {wanted[k].addr: v for k, v in kept.items()}
 
     def _map(self, peer: Peer, region: SharedRegion) -> torch.Tensor:
