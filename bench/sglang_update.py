@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from bench.results import RESULTS, Report
-from integration.conftest import engine_python
 from integration.engine_server import free_port
+from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
 from integration.tiny_model import build_tiny_model, load_state_dict
 from tensorhub import Publisher

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from bench.results import Report
-from integration.conftest import engine_python
 from integration.engine_server import free_port
+from integration.engine_venvs import engine_python
 from integration.tiny_model import build_tiny_model, load_state_dict
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher

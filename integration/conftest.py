@@ -6,26 +6,13 @@ session-scoped and every process is stopped by PID at teardown.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from integration.engine_server import free_port
-from integration.tiny_model import build_tiny_model, load_state_dict, perturb_state_dict
+from integration.engine_venvs import engine_python
 from tensorhub.processes import ChildProcess
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def engine_python(target: str) -> str:
-    """The python of an engine venv, built by the project's setup script if needed."""
-    out = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), target],
-                         capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"scripts/setup.sh {target} failed:\n{out.stderr[-3000:]}")
-    return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
 
 
 @pytest.fixture(scope="session")
@@ -36,31 +23,6 @@ def vllm_python() -> str:
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
     return engine_python("sglang")
-
-
-class Versions:
-    """A tiny model on disk (version 1) and perturbed next versions, all float32."""
-
-    def __init__(self, root: Path, arch: str = "qwen2", tied: bool = False, count: int = 4):
-        self.dir = build_tiny_model(root / "model", arch=arch, tie_word_embeddings=tied)
-        self.states = [load_state_dict(self.dir)]
-        for k in range(1, count):
-            self.states.append(perturb_state_dict(self.states[-1], seed=k, scale=0.3))
-
-    def state(self, version: int) -> dict:
-        return self.states[version - 1]
-
-    def weightless_dir(self, root: Path) -> Path:
-        """The model directory without its weights: config and tokenizer only. An engine
-        started from it (`--load-format dummy`) can only serve what it pulls from peers."""
-        import shutil
-
-        out = root / "weightless"
-        out.mkdir(parents=True, exist_ok=True)
-        for f in self.dir.iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy2(f, out / f.name)
-        return out
 
 
 @pytest.fixture(scope="module")

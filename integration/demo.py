@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from integration.conftest import Versions, engine_python
 from integration.engine_server import free_port
+from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
+from integration.tiny_model import Versions
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient

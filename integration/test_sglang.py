@@ -16,10 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from integration.conftest import Versions
 from integration.sglang_server import SGLangServer
 from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_serving
-from integration.tiny_model import pick_stable_prompts
+from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub_plugins.sglang.naming import driver_status_path, status_path

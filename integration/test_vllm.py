@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from integration.conftest import Versions
-from integration.tiny_model import pick_stable_prompts
+from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient

@@ -320,3 +320,28 @@ if __name__ == "__main__":  # quick manual check: python integration/tiny_model.
     a = hf_greedy(d, prompts, 8)
     b = hf_greedy(d, prompts, 8, state_dict=perturb_state_dict(load_state_dict(d)))
     print(d, a, b, "differ:", a != b, sep="\n")
+
+
+class Versions:
+    """A tiny model on disk (version 1) and perturbed next versions, all float32."""
+
+    def __init__(self, root: Path, arch: str = "qwen2", tied: bool = False, count: int = 4):
+        self.dir = build_tiny_model(root / "model", arch=arch, tie_word_embeddings=tied)
+        self.states = [load_state_dict(self.dir)]
+        for k in range(1, count):
+            self.states.append(perturb_state_dict(self.states[-1], seed=k, scale=0.3))
+
+    def state(self, version: int) -> dict:
+        return self.states[version - 1]
+
+    def weightless_dir(self, root: Path) -> Path:
+        """The model directory without its weights: config and tokenizer only. An engine
+        started from it (`--load-format dummy`) can only serve what it pulls from peers."""
+        import shutil
+
+        out = root / "weightless"
+        out.mkdir(parents=True, exist_ok=True)
+        for f in self.dir.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(f, out / f.name)
+        return out
