@@ -338,8 +338,8 @@ class _ProgressReporter:
             return None
         message = self.progress.model_copy(update={"chunks": self._pending})
         self._pending = []
-        # The endpoint is sent once: it only changes when memory is registered.
-        self.progress = self.progress.model_copy(update={"endpoint": None})
+        # Memory and endpoint are sent once: they only change when memory is registered.
+        self.progress = self.progress.model_copy(update={"endpoint": None, "memory": None})
         return message
 
     def _send(self, message: Progress) -> None:

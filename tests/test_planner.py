@@ -117,7 +117,7 @@ def test_a_plan_that_does_not_opt_in_is_whole_items_from_one_source(fleet_of):
 
 
 def test_chunks_are_striped_over_replicas_before_the_trainer(fleet_of):
-    fleet = fleet_of(rarest_first=False, max_sources_per_plan=2)
+    fleet = fleet_of(rarest_first=False, max_sources_per_plan=2, max_chunks_from_idle_source=2)
     a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
     fleet.hold(a)
     fleet.hold(b)
@@ -131,7 +131,7 @@ def test_chunks_are_striped_over_replicas_before_the_trainer(fleet_of):
 
 
 def test_by_default_a_plan_is_one_holder_and_a_reader_stripes_with_two_leases(fleet_of):
-    fleet = fleet_of(rarest_first=False)
+    fleet = fleet_of(rarest_first=False, max_chunks_from_idle_source=2)
     a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
     fleet.hold(a)
     fleet.hold(b)
@@ -162,7 +162,8 @@ def test_idle_holders_come_before_busy_ones(fleet_of):
 
 
 def test_an_empty_reader_waiting_goes_before_a_second_stream(fleet_of):
-    fleet = fleet_of(max_readers_per_holder=2, rarest_first=False)
+    fleet = fleet_of(max_readers_per_holder=2, rarest_first=False,
+                     max_chunks_from_idle_source=2)
     a = fleet.join("a", dc="dc0")
     fleet.hold(a)
     ahead = fleet.join("ahead", dc="dc0")
@@ -283,7 +284,30 @@ def test_a_reader_with_every_chunk_gets_an_empty_complete_plan(fleet_of):
 
 def test_a_plan_takes_few_chunks_from_one_source_so_the_reader_soon_replans(fleet_of):
     fleet = fleet_of(rarest_first=False)  # max_chunks_per_source=2 by default
+    busy = fleet.join("busy", dc="dc0")
+    fleet.plan(busy)  # the trainer is serving someone now
     reader = fleet.join("r", dc="dc0")
     plan = fleet.plan(reader)
     assert source_by_item(plan) == {0: fleet.trainer, 1: fleet.trainer}
     assert not plan.complete  # when peers free up, the rest may come from them
+
+
+def test_an_idle_holder_gives_more_chunks_while_no_reader_waits_for_a_first(fleet_of):
+    fleet = fleet_of(rarest_first=False, max_chunks_from_idle_source=3)
+    reader = fleet.join("r", dc="dc0")
+    plan = fleet.plan(reader)  # the trainer has nobody else to serve: fewer round trips
+    assert source_by_item(plan) == {0: fleet.trainer, 1: fleet.trainer, 2: fleet.trainer}
+
+
+def test_a_readers_memory_comes_with_its_first_progress_report_only(fleet_of):
+    fleet = fleet_of(rarest_first=False)
+    reader = fleet.join("r", dc="dc0")
+    first = fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID,
+                                chunks=[0]))
+    assert first.code == "bad_request" and "must carry the reader's memory" in first.message
+    fleet.progress(reader, [0])
+    fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID, chunks=[1]))
+    other = fleet.join("o", dc="dc0")
+    plan = fleet.plan(other, missing=[ByteRange(item=1, offset=0, nbytes=ITEM)])
+    assert source_by_item(plan) == {1: reader}  # served from the memory reported first
+    assert {s.worker_id: s.memory for s in plan.sources}[reader] == MEMORY

@@ -452,7 +452,13 @@ class Coordinator:
         if layout is None:
             raise Reject("layout_mismatch",
                          f"{req.model!r} v{vrec.version} has no layout {req.layout_id}")
-        self._check_memory(layout, req.memory)
+        memory = req.memory
+        if memory is None:
+            if req.worker_id not in layout.partial:
+                raise Reject("bad_request", f"the first progress report of {req.model!r} "
+                                            f"v{vrec.version} must carry the reader's memory")
+            memory = layout.partial[req.worker_id].memory
+        self._check_memory(layout, memory)
         count = len(layout.chunks(self.config.planner.chunk_bytes))
         bad = [c for c in req.chunks if c >= count]
         if bad:
@@ -461,7 +467,7 @@ class Coordinator:
         if req.worker_id in layout.holders:
             return Ack()  # already a complete holder (or withdrawing): nothing to add
         self._update_endpoint(worker, req.endpoint)
-        layout.partial.add(req.worker_id, list(req.memory), req.chunks)
+        layout.partial.add(req.worker_id, list(memory), req.chunks)
         return Ack()
 
     def _read_done(self, req: ReadDone) -> Ack:

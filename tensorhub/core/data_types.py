@@ -219,7 +219,8 @@ class Progress(Strict):
     model: Name
     version: Version
     layout_id: Name
-    memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)
+    # Sent with a reader's first report of a version; None: as reported before.
+    memory: list[MemoryDesc] | None = Field(default=None, max_length=MAX_TENSORS)
     chunks: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_TENSORS)
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
 
