@@ -5,8 +5,9 @@
          mapping of that buffer (shm, 2 threads) and by a bare NIXL READ (UCX tcp,cma on
          loopback); memcpy (torch copy_ in one process, 2 threads) is the ceiling.
   pull:  Replica.pull of 1 GiB from a publisher process over cma, auto (shm: the
-         publisher's snapshot is shared memory) and nixl, checksum verification off and
-         on, each pull right after a memcpy of the same size.
+         publisher's snapshot is shared memory; chunked, and with whole-item plans) and
+         nixl, checksum verification off and on, each pull right after a memcpy of the
+         same size.
 The machine is shared and noisy: figures are taken in interleaved rounds, GB/s are medians
 over rounds, and "/ memcpy" ratios are medians of per-round ratios (load that comes and
 goes between rounds cancels out).
@@ -134,11 +135,13 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
 
 
 def bench_pull(report: Report, size_mb: int, repeat: int, transports: list[str]) -> None:
-    """Replica.pull per transport, each pull right after a memcpy of the same size."""
+    """Replica.pull per transport, each pull right after a memcpy of the same size.
+    "auto/whole" is `auto` with whole-item plans (`chunked=False`: one plan, no Progress)."""
     rounds = Rounds(size_mb * 2**20)
     memcpy = _memcpy(size_mb)
     for transport in transports:
-        with publishing_holder(size_mb, transport) as (holder, rep):
+        kind, _, whole = transport.partition("/")
+        with publishing_holder(size_mb, kind, chunked=not whole) as (holder, rep):
             for _ in range(repeat):
                 for verify in (False, True):
                     rep.verify = verify
@@ -151,7 +154,8 @@ def bench_pull(report: Report, size_mb: int, repeat: int, transports: list[str])
     rounds.show()
     for transport in transports:
         for verify in (False, True):
-            label = f"Replica.pull {size_mb} MiB over {transport}" + \
+            label = f"Replica.pull {size_mb} MiB over {transport.replace('/whole', '')}" + \
+                (", whole-item plans" if transport.endswith("/whole") else "") + \
                 ("" if verify else " (verify off)")
             pull, base = f"{transport} pull {verify}", f"{transport} memcpy {verify}"
             report.add(label, rounds.gbps(pull), "GB/s", "memcpy (same rounds)",
@@ -166,7 +170,8 @@ def main() -> None:
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--raw-only", action="store_true", help="skip the Replica.pull figures")
-    p.add_argument("--transports", nargs="+", default=["cma", "auto", "nixl"])
+    p.add_argument("--transports", nargs="+", default=["cma", "auto", "auto/whole", "nixl"],
+                   help="cma, auto, nixl; NAME/whole for whole-item plans")
     args = p.parse_args()
     apply_ucx_defaults()
     report = Report("same_node")
