@@ -104,17 +104,27 @@ class Replica:
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
-              progress: Progress | None = None, done: ReadDone | None = None) -> ReadPlan:
+              progress: Progress | None = None, done: ReadDone | None = None,
+              known: ReadPlan | None = None) -> ReadPlan:
         """Ask for a plan (carrying the previous plan's last `progress` and its lease's end,
-        `done`); wait while holders are busy, and briefly (a few heartbeats, in case holders
-        are re-registering with a restarted coordinator) while none is left."""
+        `done`; with `known`, an earlier plan of this pull, the manifest and checksums are
+        not sent again); wait while holders are busy, and briefly (a few heartbeats, in case
+        holders are re-registering with a restarted coordinator) while none is left."""
         no_holder_until = time.monotonic() + NO_HOLDER_GRACE
         while True:
             try:
-                return self.session.call(PlanRequest(
+                plan = self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
                     layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked, progress=progress, done=done))
+                    chunked=self.chunked, progress=progress, done=done,
+                    known_manifest=known is not None))
+                if plan.manifest is None or plan.checksums is None:
+                    if known is None or plan.layout_id != known.layout_id:
+                        raise CoordinatorError(f"a plan for {self.model} v{plan.version} came "
+                                               f"without its manifest", code="bad_reply")
+                    plan = plan.model_copy(update={"manifest": known.manifest,
+                                                   "checksums": known.checksums})
+                return plan
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
@@ -197,7 +207,8 @@ class Replica:
                                             f"after the pull timeout ({total.nbytes} bytes "
                                             f"read)")
                 plan = self._plan(plan.version, deadline, tracker.missing(unread),
-                                  progress=reporter.take() if reporter else None, done=carried)
+                                  progress=reporter.take() if reporter else None, done=carried,
+                                  known=plan)
         finally:
             if reporter is not None:
                 reporter.close()

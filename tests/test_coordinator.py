@@ -196,3 +196,23 @@ def test_a_plan_request_ends_the_previous_lease_it_carries_but_never_anothers(co
         assert plan.lease_id in coordinator.table.leases
         client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True, done=theirs))
         assert plan.lease_id not in coordinator.table.leases
+
+
+def test_a_later_plan_of_a_pull_leaves_out_the_manifest_the_reader_has(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        version = pub.publish(STATE)
+        client = CoordinatorClient(coordinator.address)
+        wid = client.call(Register(name="r", role="replica", endpoint=Endpoint(
+            transport="zmq", address="tcp://127.0.0.1:1"))).worker_id
+        first = client.call(PlanRequest(worker_id=wid, model="policy", chunked=True))
+        assert first.manifest is not None and first.checksums
+        later = client.call(PlanRequest(worker_id=wid, model="policy", version=version,
+                                        chunked=True, known_manifest=True,
+                                        done=ReadDone(worker_id=wid, lease_id=first.lease_id,
+                                                      ok=False)))
+        assert later.manifest is None and later.checksums is None
+        assert later.layout_id == first.layout_id and later.ranges == first.ranges
+        latest = client.call(PlanRequest(  # "latest" may have moved on: sent again
+            worker_id=wid, model="policy", chunked=True, known_manifest=True,
+            done=ReadDone(worker_id=wid, lease_id=later.lease_id, ok=False)))
+        assert latest.manifest == first.manifest

@@ -392,7 +392,7 @@ class Coordinator:
             sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
                                   memory=layout.holders[sid].memory))
         return ReadPlan(model=req.model, version=vrec.version, layout_id=lid,
-                        manifest=layout.manifest, checksums=layout.checksums,
+                        **self._manifest_fields(req, layout),
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
                         sources=sources, ranges=ranges)
 
@@ -412,6 +412,13 @@ class Coordinator:
                 log.info("progress of %s not recorded: %s", req.worker_id, rej.reply.message)
         if req.done is not None:
             self._read_done(req.done)
+
+    @staticmethod
+    def _manifest_fields(req: PlanRequest, layout: LayoutRec) -> dict:
+        """Manifest and checksums for a plan, unless the reader has them already."""
+        if req.known_manifest and req.version != "latest":
+            return {"manifest": None, "checksums": None}
+        return {"manifest": layout.manifest, "checksums": layout.checksums}
 
     def _no_source(self, exc: NoSource, model: str, version: int, busy: str) -> Reject:
         """`busy` (retry soon) when holders exist but are all serving; else `no_holder`."""
@@ -440,7 +447,7 @@ class Coordinator:
             sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
                                   memory=memory))
         return ReadPlan(model=req.model, version=version, layout_id=lid,
-                        manifest=layout.manifest, checksums=layout.checksums,
+                        **self._manifest_fields(req, layout),
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
                         sources=sources, ranges=chunked.ranges, complete=chunked.complete)
 

@@ -241,6 +241,10 @@ class PlanRequest(Strict):
     # applied before planning, and are idempotent, so a retried request may carry them again.
     progress: Progress | None = None
     done: ReadDone | None = None
+    # The reader has this version's manifest and checksums (from its first plan of this
+    # pull): the reply leaves them out (for a model of thousands of tensors they are most of
+    # a plan's bytes). Only with a numbered version.
+    known_manifest: bool = False
 
 
 Request = Annotated[
@@ -326,8 +330,9 @@ class ReadPlan(Strict):
     model: Name
     version: Version
     layout_id: Name
-    manifest: Manifest
-    checksums: list[str]
+    # None when the request said `known_manifest` (a later plan of the same pull).
+    manifest: Manifest | None
+    checksums: list[str] | None
     lease_id: Name
     lease_ttl: float
     sources: list[Source]
