@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--size-mb", type=int, default=256, help="size of the fake model (MiB)")
-    p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default="nixl")
+    p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
+                   help="default: $TENSORHUB_TRANSPORT or auto (shared memory / cma on this "
+                        "host)")
     p.add_argument("--port", type=int, default=5655)
     p.set_defaults(func=_demo)
     return parser

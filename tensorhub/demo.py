@@ -13,6 +13,7 @@ import torch
 
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
+from tensorhub.core.transport import default_transport
 from tensorhub.processes import ChildProcess
 from tensorhub.publisher import Publisher
 
@@ -51,13 +52,14 @@ def run_demo(args: argparse.Namespace) -> int:
         print(coordinator.next_line(timeout=30))
 
         state = synthetic_state_dict(args.size_mb)
-        publisher = Publisher(address, "policy", transport=args.transport)
+        transport = args.transport or default_transport()
+        publisher = Publisher(address, "policy", transport=transport)
         for i in range(args.replicas):
             replicas.append(ChildProcess.tensorhub(
                 "--log-level", "WARNING", "replica", "--coordinator", address,
-                "--name", f"replica-{i}", "--transport", args.transport, "--json",
+                "--name", f"replica-{i}", "--transport", transport, "--json",
                 "--linger", "--timeout", "300", name=f"replica-{i}"))
-        print(f"trainer: {len(state)} tensors, {args.size_mb} MiB, transport {args.transport}, "
+        print(f"trainer: {len(state)} tensors, {args.size_mb} MiB, transport {transport}, "
               f"{args.replicas} replicas")
         for v in range(1, args.versions + 1):
             if v > 1:
