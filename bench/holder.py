@@ -19,7 +19,7 @@ import threading
 import torch
 
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
-from tensorhub.core.shared_memory import regions_of, shared_empty
+from tensorhub.core.shared_memory import regions_of
 
 
 def tiny_tensors(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -75,14 +75,10 @@ def _raw(args) -> None:
     tensors = _tensors(args)
     shared = None
     if not args.tiny:  # in one shared buffer, as a publisher's snapshot: raw shm reads too
-        arena = shared_empty(sum(t.numel() * t.element_size() for t in tensors))
-        views, off = [], 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            views.append(arena[off : off + n].view(t.dtype).view(t.shape).copy_(t))
-            off += n
-        tensors = views
-        shared = regions_of([arena])
+        layout = BoundLayout.allocate(manifest_of(numbered(tensors)))
+        layout.copy_large_from(tensors)
+        tensors = layout.tensors
+        shared = regions_of(layout.item_bytes)
     agent = make_agent("raw-holder")
     agent.register_memory(tensors)
     compact = None

@@ -52,7 +52,7 @@ class AutoTransport(Transport):
         self._shm = ShmReader()
         self._lock = threading.Lock()
         self._refused: set[str] = set()  # peers whose memory the kernel would not let us read
-        self._shared: dict[int, list[SharedRegion]] = {}  # registered buffer -> its regions
+        self._shared: dict[int, SharedRegion] = {}  # registered buffer -> its shared region
 
     def register(self, buffers: list[torch.Tensor]) -> None:
         self._nixl.register(buffers)
@@ -60,7 +60,8 @@ class AutoTransport(Transport):
             self._cma.register(buffers)
             with self._lock:
                 for b in buffers:
-                    self._shared[b.data_ptr()] = regions_of([b])
+                    for region in regions_of([b]):
+                        self._shared[b.data_ptr()] = region
 
     def deregister(self, buffers: list[torch.Tensor]) -> None:
         self._nixl.deregister(buffers)
@@ -73,7 +74,7 @@ class AutoTransport(Transport):
         if self._cma is None:
             return ep
         with self._lock:
-            shared = {r.addr: r for regions in self._shared.values() for r in regions}
+            shared = {r.addr: r for r in self._shared.values()}
         return ep.model_copy(update={"pid": self._cma.pid, "pid_started": self._cma.pid_started,
                                      "host": self._cma.host,
                                      "shared": sorted(shared.values(), key=lambda r: r.addr)})

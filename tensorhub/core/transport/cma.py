@@ -84,6 +84,12 @@ def process_start(pid: int) -> int | None:
     return int(fields[19])
 
 
+def exited(pid: int, started: int | None) -> bool:
+    """Whether process `pid`, started at `started` (if known), is gone (or its pid reused)."""
+    now = process_start(pid)
+    return now is None or (started is not None and now != started)
+
+
 def allow_readers() -> None:
     """Let any process of our user read our memory even under Yama ptrace_scope=1."""
     try:
@@ -143,8 +149,7 @@ class CmaTransport(Transport):
                 f"holder {peer.worker_id} is on another host or pid namespace ({ep.host}, "
                 f"we are {self.host}): cma reads only reach processes on this host",
                 peer.worker_id)
-        started = process_start(ep.pid)
-        if started is None or (ep.pid_started is not None and started != ep.pid_started):
+        if exited(ep.pid, ep.pid_started):
             raise TransferError(f"holder {peer.worker_id} (pid {ep.pid}) has exited",
                                 peer.worker_id)
         return ep.pid

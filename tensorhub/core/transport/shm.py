@@ -32,7 +32,7 @@ from tensorhub.core.data_types import SharedRegion
 from tensorhub.core.errors import TransferError
 from tensorhub.core.shared_memory import SEALS
 from tensorhub.core.transport.base import Peer, ReadOp
-from tensorhub.core.transport.cma import process_start
+from tensorhub.core.transport.cma import exited
 from tensorhub.core.transport.parallel_copy import CopyPool, Segment
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the whole mapping in at once
@@ -73,7 +73,7 @@ class ShmReader:
             return
         ep = peer.endpoint
         assert ep.pid is not None
-        if _exited(ep.pid, ep.pid_started):
+        if exited(ep.pid, ep.pid_started):
             raise TransferError(f"holder {peer.worker_id} (pid {ep.pid}) has exited",
                                 peer.worker_id)
         views = self._views(peer)
@@ -111,7 +111,7 @@ class ShmReader:
                 # A mapping keeps a holder's memory alive: let go of holders that exited.
                 self._pruned = now
                 for worker_id, maps in list(self._maps.items()):
-                    if any(_exited(pid, started) for pid, started, *_ in maps):
+                    if any(exited(pid, started) for pid, started, *_ in maps):
                         del self._maps[worker_id]
         return {wanted[k].addr: v for k, v in kept.items()}
 
@@ -162,9 +162,3 @@ class ShmReader:
         self._copies.close()
         with self._lock:
             self._maps.clear()
-
-
-def _exited(pid: int, started: int | None) -> bool:
-    """Whether process `pid`, started at `started` (if known), is gone (or its pid reused)."""
-    now = process_start(pid)
-    return now is None or (started is not None and now != started)
