@@ -9,6 +9,7 @@ share the machine's cores, so nothing else should run meanwhile.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -45,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the vLLM and SGLang update benchmarks (their venvs are "
                              "created by scripts/setup.sh on first use; ~10 min each)")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes: checks that every benchmark runs (figures not "
-                             "comparable to the README's)")
+                        help="small sizes: checks that every benchmark runs (figures go to "
+                             "bench/results/quick/, apart from the README's)")
     args = parser.parse_args(argv)
     wanted = args.only or [*CORE, *(ENGINES if args.engines else [])]
+    results = ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    env = {**os.environ, "TENSORHUB_BENCH_RESULTS": str(results)}
     failed = []
     for name in wanted:
         if name in CORE:
@@ -59,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [python, "-m", f"bench.{name}", *(quick if args.quick else full)]
         print(f"\n=== bench.{name}: {' '.join(cmd[1:])}", flush=True)
         started = time.monotonic()
-        rc = subprocess.call(cmd, cwd=ROOT)
+        rc = subprocess.call(cmd, cwd=ROOT, env=env)
         print(f"=== bench.{name}: exit {rc} after {time.monotonic() - started:.0f} s",
               flush=True)
         if rc:
             failed.append(name)
-    print(f"\nresults: {ROOT / 'bench' / 'results'}"
+    print(f"\nresults: {results}"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

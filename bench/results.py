@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+# Where figures go; `python -m bench --quick` points this elsewhere so that a smoke run never
+# overwrites the figures the README quotes.
+RESULTS = Path(os.environ.get("TENSORHUB_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 def machine_notes() -> dict:
