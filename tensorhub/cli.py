@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import signal
@@ -40,6 +41,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     if coordinator.curve_public_key:
         print(f"CURVE on: clients need {curve.SERVER_KEY_ENV}='{coordinator.curve_public_key}'",
               flush=True)
+    # Everything alive now (modules, pydantic schemas: ~170k objects) lives as long as the
+    # process: moved out of the collector's sight, a full collection walks only the table
+    # (7.8 ms at 4096 workers instead of 78 ms, a pause every request in flight would wait).
+    gc.freeze()
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:

@@ -170,13 +170,13 @@ def test_the_planners_holder_list_follows_a_swap_of_holders():
     from tensorhub.core.data_types import Manifest
 
     layout = LayoutRec(Manifest(tensors=[], compact_threshold=1), [], [])
-    layout.holders["trainer"] = HolderRec("trainer", [])
+    layout.holders["trainer"] = HolderRec("trainer", ())
     assert layout.serving() == ["trainer"]
-    layout.holders["first"] = HolderRec("first", [])
+    layout.holders["first"] = HolderRec("first", ())
     layout.holders.pop("trainer")
     assert layout.serving() == ["first"]
     del layout.holders["first"]
-    layout.holders["second"] = HolderRec("second", [])
+    layout.holders["second"] = HolderRec("second", ())
     assert layout.serving() == ["second"]
 
 

@@ -13,10 +13,30 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pydantic import TypeAdapter
+
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
 from tensorhub.core.data_types import Endpoint, Item, Manifest, MemoryDesc, TransferRecord
 
 _seq = itertools.count()
+
+# A holder's memory regions as the table keeps them: one tuple of plain tuples. Tuples of
+# ints and strings are untracked by Python's garbage collector, whereas 4096 holders of a
+# 129-item layout as `MemoryDesc` models were 530k tracked objects that made each full
+# collection stop the coordinator for ~175 ms (its plan latency p99).
+StoredMemory = tuple[tuple[int, int, int, str], ...]
+_memory_list = TypeAdapter(list[MemoryDesc])
+
+
+def store_memory(memory: list[MemoryDesc]) -> StoredMemory:
+    return tuple((m.addr, m.nbytes, m.device, m.mem) for m in memory)
+
+
+def load_memory(stored: StoredMemory) -> list[MemoryDesc]:
+    """The regions as models for a reply (validating dicts in pydantic-core is 2.5x faster
+    than `model_construct` in Python: ~0.1 ms for 129 regions)."""
+    return _memory_list.validate_python(
+        [{"addr": a, "nbytes": n, "device": d, "mem": k} for a, n, d, k in stored])
 
 
 @dataclass
@@ -33,7 +53,7 @@ class WorkerRec:
 @dataclass
 class HolderRec:
     worker_id: str
-    memory: list[MemoryDesc]
+    memory: StoredMemory
     withdrawn: bool = False
 
 
@@ -42,7 +62,7 @@ class PartialRec:
     """A reader still pulling a version: it serves the chunks it has finished."""
 
     worker_id: str
-    memory: list[MemoryDesc]
+    memory: StoredMemory
     chunks: set[int]
 
 
@@ -55,7 +75,7 @@ class PartialHolders(dict[str, PartialRec]):
         self.by_chunk: dict[int, dict[str, None]] = {}  # insertion-ordered: deterministic
         self.version = 0  # bumped when a worker is added or dropped (the planner caches)
 
-    def add(self, worker_id: str, memory: list[MemoryDesc], chunks: list[int]) -> None:
+    def add(self, worker_id: str, memory: StoredMemory, chunks: list[int]) -> None:
         rec = self.get(worker_id)
         if rec is None:
             rec = PartialRec(worker_id, memory, set())
