@@ -22,7 +22,7 @@ CORE = {
     "foundation": ([], ["--size-mb", "256", "--repeat", "3"]),
     "same_node": ([], ["--size-mb", "256", "--repeat", "3"]),
     "fanout": ([], ["--size-mb", "256", "--versions", "2"]),
-    "plan_latency": ([], ["--workers", "512", "--rounds", "1"]),
+    "plan_latency": ([], ["--workers", "512", "--rates", "250", "--seconds", "3"]),
     "simulate": ([], ["--max", "256"]),
 }
 ENGINES = {

@@ -1,30 +1,40 @@
-"""The coordinator under load: 4096 workers registering, heartbeating and asking for plans
-against a real coordinator process over its ZeroMQ socket.
+"""The coordinator under load: 4096 workers heartbeating and asking for plans, against a
+real coordinator process (`tensorhub coordinator`) over its ZeroMQ socket.
 
-A few client processes (threads inside, one socket each) multiplex the worker ids. Every
-round each worker heartbeats, asks for a plan, ends its lease, and a share of them then hold
-the version, so the holder set grows to the whole fleet (the planner's worst case). Printed:
-p50/p99 plan latency (chunked and whole-item plans) beside heartbeat latency measured in the
-same run (the socket-and-codec floor), and the coordinator's CPU from /proc/<pid>/stat.
-`python -m bench.plan_latency [--workers 4096]`.
+Open loop, as a fleet behaves: every worker heartbeats once per interval (1 s, the default)
+and readers ask for plans at a set rate (Poisson arrivals), whatever the coordinator's
+speed; each plan's lease is then ended with its own `ReadDone` (a real replica carries it on
+its next request: this is more load, not less). Latency is measured from a request's
+*scheduled* send time to its reply, so a coordinator (or a load generator) that falls
+behind shows as latency rather than as a quietly lower rate. Half the fleet holds the
+version (the planner scans a large holder set); the other half reads. One load-generator
+process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
+
+Printed per offered rate: plan p50/p99 (chunked and whole-item) beside heartbeat latency
+(the socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
+Then the time inside `Coordinator.handle` per plan, free of scheduling on a shared machine.
+`python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000] [--seconds 10]`.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import heapq
+import itertools
 import os
 import random
-import statistics
 import subprocess
 import sys
-import threading
 import time
+
+import msgpack
+import zmq
 
 from bench.results import Report
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     Endpoint,
+    Envelope,
     Heartbeat,
     Hold,
     Manifest,
@@ -36,8 +46,8 @@ from tensorhub.core.data_types import (
     StatusRequest,
     TensorSpec,
 )
-from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.layout import layout_id, plan_items
+from tensorhub.core.wire import encode
 
 TENSOR = 64 << 20
 MANIFEST = Manifest(
@@ -49,6 +59,17 @@ MANIFEST = Manifest(
 ITEMS = plan_items(MANIFEST)
 MEMORY = [MemoryDesc(addr=(k + 1) << 36, nbytes=it.nbytes) for k, it in enumerate(ITEMS)]
 ENDPOINT = Endpoint(transport="zmq", address="tcp://127.0.0.1:1")
+SOCKETS = 16
+
+
+def _holds(w: int) -> bool:
+    """Half the fleet holds the version, half of every datacenter (`dc{w % 4}`): a reader
+    finds holders in its own datacenter (across them, one stream per datacenter at a time)."""
+    return (w // 4) % 2 == 0
+
+
+def _labels(w: int) -> dict[str, str]:
+    return {"dc": f"dc{w % 4}", "node": f"n{w // 8}"}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -57,56 +78,140 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _client(address: str, names: list[str], rounds: int, hold_share: float, threads: int,
-            out: mp.Queue, start: mp.Event) -> None:
-    """One client process: `threads` sockets, each driving a slice of the worker ids."""
-    lat: dict[str, list[float]] = {"heartbeat": [], "plan_chunked": [], "plan_whole": [],
-                                   "register": []}
-    lock = threading.Lock()
+def _payload(request) -> bytes:
+    return encode(Envelope(request=request))
 
-    def drive(mine: list[str]) -> None:
-        rng = random.Random(hash(tuple(mine)))
-        client = CoordinatorClient(address, timeout=30.0)
-        local: dict[str, list[float]] = {k: [] for k in lat}
 
-        def timed(kind, request):
-            t = time.perf_counter()
-            try:
-                return client.call(request)
-            except CoordinatorError:
-                return None
-            finally:
-                local[kind].append(time.perf_counter() - t)
+class _Fleet:
+    """Worker ids multiplexed over a few DEALER sockets; requests pipelined, replies matched
+    by request id. Replies are read with plain msgpack: only a lease id is needed, and
+    validating 4096 workers' replies in this one thread would make the generator, not the
+    coordinator, the bottleneck."""
 
-        ids = [timed("register", Register(name=n, role="replica", endpoint=ENDPOINT,
-                                          labels={"dc": f"dc{i % 4}", "node": f"n{i // 8}"})
-                     ).worker_id for i, n in enumerate(mine)]
-        start.wait(timeout=600)
-        held = set()
-        for r in range(rounds):
-            for k, wid in enumerate(ids):
-                timed("heartbeat", Heartbeat(worker_id=wid))
-                chunked = (k + r) % 2 == 0
-                plan = timed("plan_chunked" if chunked else "plan_whole",
-                             PlanRequest(worker_id=wid, model="m", version=1, chunked=chunked))
-                if plan is not None:
-                    client.call(ReadDone(worker_id=wid, lease_id=plan.lease_id, ok=True))
-                if wid not in held and rng.random() < hold_share:
-                    client.call(Hold(worker_id=wid, model="m", version=1,
-                                     layout_id=layout_id(MANIFEST), memory=MEMORY))
-                    held.add(wid)
-        client.close()
-        with lock:
-            for k, v in local.items():
-                lat[k].extend(v)
+    def __init__(self, address: str):
+        ctx = zmq.Context.instance()
+        self.socks = []
+        for _ in range(SOCKETS):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.socks.append(sock)
+        self.poller = zmq.Poller()
+        for sock in self.socks:
+            self.poller.register(sock, zmq.POLLIN)
+        self.pending: dict[bytes, tuple[str, float, int]] = {}
+        self.ids = itertools.count()
 
-    slices = [names[i::threads] for i in range(threads)]
-    ts = [threading.Thread(target=drive, args=(s,)) for s in slices]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=3600)
-    out.put(lat)
+    def send(self, worker: int, kind: str, payload: bytes, scheduled: float) -> None:
+        req_id = next(self.ids).to_bytes(8, "little")
+        self.pending[req_id] = (kind, scheduled, worker)
+        self.socks[worker % SOCKETS].send_multipart([req_id, payload])
+
+    def receive(self, timeout_ms: int):
+        """Yield (kind, latency, worker, reply dict) for every reply that arrived."""
+        for sock, _ in self.poller.poll(timeout_ms):
+            while True:
+                try:
+                    req_id, body = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                kind, scheduled, worker = self.pending.pop(req_id)
+                yield kind, time.perf_counter() - scheduled, worker, msgpack.unpackb(body)
+
+    def drain(self, deadline: float):
+        while self.pending and time.perf_counter() < deadline:
+            yield from self.receive(100)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(0)
+
+
+class _Load:
+    """The fleet's side: 4096 registered worker ids, half holding the version."""
+
+    def __init__(self, address: str, workers: int, heartbeat_interval: float):
+        self.fleet = _Fleet(address)
+        self.workers, self.interval = workers, heartbeat_interval
+        ids: list[str] = [""] * workers
+        for w in range(workers):
+            self.fleet.send(w, "register", _payload(Register(
+                name=f"w{w}", role="replica", endpoint=ENDPOINT, labels=_labels(w))),
+                time.perf_counter())
+        for _, _, w, reply in self.fleet.drain(time.perf_counter() + 120):
+            ids[w] = reply["worker_id"]
+        for w in filter(_holds, range(workers)):
+            self.fleet.send(w, "hold", _payload(Hold(
+                worker_id=ids[w], model="m", version=1, layout_id=layout_id(MANIFEST),
+                memory=MEMORY)), time.perf_counter())
+        list(self.fleet.drain(time.perf_counter() + 120))
+        self.ids = ids
+        self.readers = [w for w in range(workers) if not _holds(w)]
+        self.beats = [_payload(Heartbeat(worker_id=i)) for i in ids]
+        # A reader's first plan brings the manifest and checksums, its later ones leave them
+        # out (`known_manifest`), as a `Replica` pulling a version does.
+        self.plans = {(chunked, known): {
+            w: _payload(PlanRequest(worker_id=ids[w], model="m", version=1, chunked=chunked,
+                                    known_manifest=known)) for w in self.readers}
+            for chunked in (True, False) for known in (True, False)}
+        self.asked: set[int] = set()
+        self.rng = random.Random(0)
+
+    def offer(self, rate: float, seconds: float) -> dict:
+        """Heartbeats from every worker and `rate` plans/s for `seconds`; latencies by kind."""
+        lat: dict[str, list[float]] = {"heartbeat": [], "plan_chunked": [], "plan_whole": []}
+        errors = 0
+        t0 = time.perf_counter() + 0.1
+        end = t0 + seconds
+        seq = itertools.count()  # (time, tie-breaker, kind, worker)
+        events: list[tuple[float, int, str, int]] = [
+            (t0 + self.interval * w / self.workers, next(seq), "heartbeat", w)
+            for w in range(self.workers)]
+        t_plan, k = t0 + self.rng.expovariate(rate), 0
+        while t_plan < end:
+            events.append((t_plan, next(seq), "plan", self.readers[k % len(self.readers)]))
+            t_plan, k = t_plan + self.rng.expovariate(rate), k + 1
+        heapq.heapify(events)
+        fleet = self.fleet
+        while events:
+            now = time.perf_counter()
+            while events and events[0][0] <= now:
+                t, _, kind, w = heapq.heappop(events)
+                if kind == "heartbeat":
+                    fleet.send(w, kind, self.beats[w], t)
+                    if t + self.interval < end:
+                        heapq.heappush(events, (t + self.interval, next(seq), kind, w))
+                else:
+                    chunked = (w // 8) % 2 == 0  # half the readers chunked, half whole-item
+                    fleet.send(w, "plan_chunked" if chunked else "plan_whole",
+                               self.plans[chunked, w in self.asked][w], t)
+                    self.asked.add(w)
+            wait = events[0][0] - time.perf_counter() if events else 0.0
+            got, bad = self._collect(fleet.receive(int(wait * 1000)), lat) if wait > 0 \
+                else (0, 0)
+            if got == 0 and 0 < wait < 1e-3:
+                time.sleep(wait)  # poll waits whole milliseconds: do not spin below one
+            errors += bad
+        errors += self._collect(fleet.drain(time.perf_counter() + 30), lat)[1]
+        unanswered = len(fleet.pending)
+        fleet.pending.clear()
+        return {"lat": lat, "errors": errors, "unanswered": unanswered}
+
+    def _collect(self, replies, lat: dict[str, list[float]]) -> tuple[int, int]:
+        """Record latencies; end each plan's lease at once. Returns (replies, errors)."""
+        errors, got = 0, 0
+        for kind, latency, w, reply in replies:
+            got += 1
+            if kind == "done":
+                continue
+            lat[kind].append(latency)
+            if reply.get("type") == "error":
+                errors += 1
+            elif kind.startswith("plan"):
+                self.fleet.send(w, "done", _payload(ReadDone(
+                    worker_id=self.ids[w], lease_id=reply["lease_id"], ok=True)),
+                    time.perf_counter())
+        return got, errors
 
 
 def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
@@ -126,13 +231,12 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
         call(Publish(worker_id=t, model="m", version=1, manifest=MANIFEST,
                      checksums=["c"] * len(ITEMS), memory=MEMORY))
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
-                             labels={"dc": f"dc{i % 4}", "node": f"n{i // 8}"})).worker_id
-               for i in range(workers)]
-        for w in ids[::2]:
-            call(Hold(worker_id=w, model="m", version=1, layout_id=layout_id(MANIFEST),
+                             labels=_labels(i))).worker_id for i in range(workers)]
+        for i in filter(_holds, range(workers)):
+            call(Hold(worker_id=ids[i], model="m", version=1, layout_id=layout_id(MANIFEST),
                       memory=MEMORY))
         out: dict[str, list[float]] = {"plan_chunked": [], "plan_whole": []}
-        readers = ids[1::2]
+        readers = [ids[i] for i in range(workers) if not _holds(i)]
         for k in range(plans):
             w = readers[k % len(readers)]
             chunked = k % 2 == 0
@@ -156,73 +260,65 @@ def _pct(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=2, help="client processes")
-    parser.add_argument("--threads", type=int, default=4, help="sockets per client process")
-    parser.add_argument("--hold-share", type=float, default=0.5,
-                        help="chance per round that a worker then holds the version")
+    parser.add_argument("--rates", default="250,500,1000",
+                        help="offered plan requests per second, one run each (comma list)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each run")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0,
+                        help="seconds between a worker's heartbeats (the coordinator's default)")
     args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
     port = random.Random(os.getpid()).randrange(20000, 40000, 2)
     address = f"tcp://127.0.0.1:{port}"
     coord = subprocess.Popen(
         [sys.executable, "-m", "tensorhub.cli", "--log-level", "WARNING", "coordinator",
          "--bind", address, "--worker-ttl", "600", "--lease-ttl", "600"],
         stdout=subprocess.DEVNULL)
+    runs = []
     try:
         admin = CoordinatorClient(address, timeout=30.0)
         admin.call(StatusRequest())
         trainer = admin.call(Register(name="trainer", role="trainer", endpoint=ENDPOINT))
         admin.call(Publish(worker_id=trainer.worker_id, model="m", version=1,
                            manifest=MANIFEST, checksums=["c"] * len(ITEMS), memory=MEMORY))
-        ctx = mp.get_context("spawn")
-        out, start = ctx.Queue(), ctx.Event()
-        names = [f"w{i}" for i in range(args.workers)]
-        procs = [ctx.Process(target=_client,
-                             args=(address, names[i::args.clients], args.rounds,
-                                   args.hold_share, args.threads, out, start))
-                 for i in range(args.clients)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 600
-        while len(admin.call(StatusRequest()).workers) < args.workers + 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError("workers did not register in time")
-            time.sleep(0.5)
-        cpu0, wall0 = _cpu_seconds(coord.pid), time.perf_counter()
-        start.set()
-        results = [out.get(timeout=3600) for _ in procs]
-        cpu, wall = _cpu_seconds(coord.pid) - cpu0, time.perf_counter() - wall0
-        for p in procs:
-            p.join(timeout=60)
+        load = _Load(address, args.workers, args.heartbeat_interval)
+        for rate in rates:
+            cpu0, own0, wall0 = _cpu_seconds(coord.pid), time.process_time(), time.perf_counter()
+            run = load.offer(rate, args.seconds)
+            wall = time.perf_counter() - wall0
+            run["cpu"] = (_cpu_seconds(coord.pid) - cpu0) / wall
+            run["generator_cpu"] = (time.process_time() - own0) / wall
+            runs.append((rate, run))
+        load.fleet.close()
         status = admin.call(StatusRequest())
         holders = len(status.models[0].versions[0].holders) if status.models else 0
         admin.close()
     finally:
         coord.terminate()
         coord.wait(timeout=10)
-    lat = {k: [x for r in results for x in r[k]] for k in results[0]}
-    requests = sum(len(v) for k, v in lat.items() if k != "register") * 2  # + done / hold
     report = Report("plan_latency")
-    hb50, hb99 = _pct(lat["heartbeat"], 0.5), _pct(lat["heartbeat"], 0.99)
-    for kind in ("plan_chunked", "plan_whole"):
-        report.add(f"{args.workers} workers: {kind} p50", _pct(lat[kind], 0.5) * 1e3, "ms",
-                   "heartbeat p50", hb50 * 1e3, higher_is_better=False)
-        report.add(f"{args.workers} workers: {kind} p99", _pct(lat[kind], 0.99) * 1e3, "ms",
-                   "goal", 10.0, higher_is_better=False)
-    report.add(f"{args.workers} workers: heartbeat p99", hb99 * 1e3, "ms")
-    inside = service_times(args.workers)
+    n = args.workers
+    for rate, run in runs:
+        lat = run["lat"]
+        at = f"{n} workers, {rate:g} plans/s"
+        hb50 = _pct(lat["heartbeat"], 0.5)
+        for kind in ("plan_chunked", "plan_whole"):
+            report.add(f"{at}: {kind} p50", _pct(lat[kind], 0.5) * 1e3, "ms",
+                       "heartbeat p50", hb50 * 1e3, higher_is_better=False)
+            report.add(f"{at}: {kind} p99", _pct(lat[kind], 0.99) * 1e3, "ms",
+                       "goal", 10.0, higher_is_better=False)
+        report.add(f"{at}: heartbeat p99", _pct(lat["heartbeat"], 0.99) * 1e3, "ms")
+        report.add(f"{at}: coordinator CPU (one core = 100)", 100 * run["cpu"], "%")
+        report.add(f"{at}: load generator CPU (one core = 100)", 100 * run["generator_cpu"],
+                   "%")
+        report.add(f"{at}: error replies / unanswered", run["errors"] + run["unanswered"],
+                   "requests")
+    inside = service_times(n)
     for kind, xs in inside.items():
-        report.add(f"{args.workers} workers: {kind} p99 inside the coordinator",
+        report.add(f"{n} workers: {kind} p99 inside the coordinator",
                    _pct(xs, 0.99) * 1e3, "ms", "goal", 10.0, higher_is_better=False)
-        report.add(f"{args.workers} workers: {kind} p50 inside the coordinator",
+        report.add(f"{n} workers: {kind} p50 inside the coordinator",
                    _pct(xs, 0.5) * 1e3, "ms")
-    report.add("coordinator CPU (one core = 100)", 100 * cpu / wall, "%")
-    report.add("coordinator CPU per request", cpu / max(1, requests) * 1e6, "us")
     report.add("holders at the end", holders, "workers")
-    report.add("plans per second", (len(lat["plan_chunked"]) + len(lat["plan_whole"])) / wall,
-               "1/s")
-    print(f"median plan latency over all kinds: "
-          f"{statistics.median(lat['plan_chunked'] + lat['plan_whole']) * 1e3:.2f} ms")
     report.write()
 
 
