@@ -107,7 +107,7 @@ def _replica(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
-                      chunked=not args.whole_items)
+                      chunked=not args.whole_items, streams=args.streams)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pulled = 0
@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask for whole-item plans from one holder (no pipelining: peers are "
                         "used only once they hold the whole version); default: chunked plans, "
                         "serving each finished chunk at once")
+    p.add_argument("--streams", type=int, default=2,
+                   help="holders a chunked pull reads from at once, each its own plan "
+                        "(default 2; 1: one plan at a time)")
     p.set_defaults(func=_replica)
 
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",

@@ -19,13 +19,14 @@ time one reader does). `chunked=False` asks for one whole-item plan per pull ins
 from __future__ import annotations
 
 import logging
+import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.chunks import ChunkTracker, chunks_of
+from tensorhub.core.chunks import CHUNK_BYTES, ChunkTracker, chunks_of
 from tensorhub.core.data_types import (
     ByteRange,
     PlanRequest,
@@ -41,10 +42,16 @@ from tensorhub.core.puller import PullStats, Verifier, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
+from tensorhub.streams import PullStreams, merge_stats
 
 log = logging.getLogger("tensorhub.replica")
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
+# A busy reply's retry_after is scaled by 1 +- this (uniform): replicas refused together
+# (every reader asks at once when a version is announced) ask again out of step, so a
+# holder whose slot frees is taken at once, not at the next common tick (the simulated
+# fleet's start-up: 1.245 -> ~1.20 of the lower bound at N = 1024).
+BUSY_RETRY_JITTER = 0.5
 PROGRESS_TIMEOUT = 1.0  # a Progress report is an optimisation: never wait long for it
 
 
@@ -65,14 +72,19 @@ class Replica:
         labels: dict[str, str] | None = None,
         device: str = "cpu",
         chunked: bool = True,
+        streams: int = 2,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
-        joining with no weights of its own)."""
+        joining with no weights of its own). `streams`: holders a chunked pull reads from at
+        once (each its own plan and lease; 1: one plan at a time)."""
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, got {streams}")
         self.model = model
         self.staging = staging
         self.verify = verify
         self.chunked = chunked
+        self.streams = streams
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout)
         self._device = device
@@ -127,6 +139,8 @@ class Replica:
                 return plan
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
+                if retry is not None and exc.code == "busy":
+                    retry *= 1 + BUSY_RETRY_JITTER * random.uniform(-1.0, 1.0)
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
                 if retry is None or time.monotonic() + retry > limit:
                     raise
@@ -151,29 +165,39 @@ class Replica:
               ) -> tuple[ReadPlan, PullStats]:
         """Read plans until every chunk is here (a whole-item plan covers them all at once);
         when chunked, report each finished chunk so other readers can pull it from us
-        meanwhile. Every plan but the last ends its lease here; the last one's lease is left
-        to the caller, to end after `Hold`. A failed source is reported and the bytes not yet
-        read are planned again elsewhere, up to `max_replans` failures."""
-        tracker = ChunkTracker(chunks_of(plan_items(plan.manifest)))
+        meanwhile, and read from up to `streams` holders at once (`tensorhub/streams.py`).
+        Every plan but the last ends its lease here; the last one's lease is left to the
+        caller, to end after `Hold`. A failed source is reported and the bytes not yet read
+        are planned again elsewhere, up to `max_replans` failures."""
+        tracker = ChunkTracker(chunks_of(plan_items(plan.manifest),
+                                         chunk_bytes=plan.chunk_bytes or CHUNK_BYTES))
         done: set[tuple[int, int, int]] = set()
         total = PullStats(self.model, plan.version, [], 0, 0.0)
         # A staging copy is not served: it is overwritten by the next pull with no withdrawal.
         reporter = _ProgressReporter(self.session, plan, dest) \
             if self.chunked and not self.staging else None
+        shared = PullStreams(tracker, reporter, verifier, self.model, plan.version)
+        first = plan
+        started = time.perf_counter()
         failures = 0
         plan_left = 0  # bytes of the current plan not landed yet
 
         def on_batch(ranges: list[ReadRange]) -> None:
             nonlocal plan_left
-            finished = tracker.landed(ranges)
             plan_left -= sum(r.nbytes for r in ranges)
-            if reporter is not None and finished:
-                # The plan's last chunks travel with the next plan request instead.
-                reporter.report(finished, now=plan_left > 0)
+            # The plan's last chunks travel with the next plan request instead.
+            shared.landed(ranges, report_now=plan_left > 0)
 
+        def ask(missing: list[ByteRange]) -> ReadPlan:  # a further stream's plan: no waiting
+            return self._plan(first.version, time.monotonic(), missing, known=first)
+
+        shared.planned(plan.ranges)
+        if self.chunked and self.streams > 1 and not plan.complete:
+            shared.start(self.streams - 1, lambda: shared.run_stream(
+                self.session.transport, dest, deadline, ask, self._end_lease, max_replans),
+                self.session.name)
         try:
             while True:
-                tracker.planned(plan.ranges)
                 plan_left = sum(r.nbytes for r in split(plan) if r.key() not in done)
                 before = total.nbytes, total.seconds
                 carried: ReadDone | None = None
@@ -195,23 +219,49 @@ class Replica:
                     self._end_lease(plan, ok=False, error=str(exc))
                     raise
                 else:
-                    if tracker.complete:
-                        return plan, total
                     unread = []
                     carried = self._read_done(plan, ok=True, stats=PullStats(
                         self.model, plan.version, [], total.nbytes - before[0],
                         total.seconds - before[1]))
-                    if time.monotonic() > deadline:
-                        self._end_lease(plan, ok=True)
-                        raise TransferError(f"{self.model} v{plan.version}: not complete "
-                                            f"after the pull timeout ({total.nbytes} bytes "
-                                            f"read)")
-                plan = self._plan(plan.version, deadline, tracker.missing(unread),
-                                  progress=reporter.take() if reporter else None, done=carried,
-                                  known=plan)
+                    if shared.complete:
+                        return plan, self._merged(total, shared, started, deadline)
+                # One plan request at a time across streams (no chunk is planned twice);
+                # the lock is let go before anything waits for the further streams to end.
+                with shared.plan_lock:
+                    missing = shared.missing(unread)
+                    if not missing:  # the rest is in further streams' hands: wait for them
+                        missing = shared.wait_for_work(deadline)
+                    finished = shared.complete
+                    if not finished and missing and time.monotonic() <= deadline:
+                        with shared.lock:
+                            progress = reporter.take() if reporter else None
+                        plan = self._plan(plan.version, deadline, missing, progress=progress,
+                                          done=carried, known=plan)
+                        shared.planned(plan.ranges)
+                        continue
+                if finished:
+                    return plan, self._merged(total, shared, started, deadline)
+                if carried is not None:
+                    self._end_lease(plan, ok=True)
+                why = "after the pull timeout" if missing else \
+                    "with nothing left to plan (a chunk planned and never read)"
+                raise TransferError(f"{self.model} v{plan.version}: not complete {why} "
+                                    f"({total.nbytes} bytes read by the first stream)")
         finally:
+            shared.close(timeout=max(1.0, deadline - time.monotonic()))
             if reporter is not None:
                 reporter.close()
+
+    @staticmethod
+    def _merged(total: PullStats, shared: PullStreams, started: float,
+                deadline: float) -> PullStats:
+        """The first stream's stats plus the further streams' bytes, once they ended; when
+        those read anything, the pull's seconds are its wall time (streams overlap)."""
+        shared.close(timeout=max(1.0, deadline - time.monotonic()))
+        if shared.extra.nbytes:
+            merge_stats(total, shared.extra)
+            total.seconds = time.perf_counter() - started
+        return total
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:

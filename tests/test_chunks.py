@@ -35,3 +35,13 @@ def test_unread_bytes_a_later_plan_leaves_out_are_asked_for_again():
     assert tracker.missing([]) == []
     tracker.landed([_r(2, 0, 4 * MIB)])
     assert tracker.complete
+
+
+def test_what_a_failed_plan_left_unread_is_asked_for_as_plain_byte_ranges():
+    from tensorhub.core.data_types import ReadRange
+
+    tracker = _tracker()
+    tracker.planned([_r(k, 0, 4 * MIB) for k in range(3)])
+    lone = ReadRange(item=1, offset=MIB, nbytes=MIB, source="dead")  # not next to another
+    missing = tracker.missing([lone])
+    assert missing == [_r(1, MIB, MIB)] and type(missing[0]) is ByteRange

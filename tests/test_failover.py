@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tensorhub import Publisher, Replica
 from tensorhub.core import puller
 from tensorhub.core.checksum import checksum
@@ -9,8 +11,9 @@ from tensorhub.demo import synthetic_state_dict
 from tensorhub.processes import ChildProcess
 
 
+@pytest.mark.parametrize("streams", [1, 2])
 def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
-        coordinator, transport, monkeypatch):
+        coordinator, transport, streams, monkeypatch):
     state = synthetic_state_dict(256, n_tiny=100, seed=11)
     holder = ChildProcess.tensorhub(
         "--log-level", "WARNING", "replica", "--coordinator", coordinator.address,
@@ -21,7 +24,7 @@ def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
             pub.publish(state)
             assert holder.next_json(timeout=120)["event"] == "pulled"
             with Replica(coordinator.address, "policy", transport=transport,
-                         name="reader") as reader:
+                         name="reader", streams=streams) as reader:
                 monkeypatch.setattr(puller, "BATCH_BYTES", 8 << 20)
                 real_read = reader.session.transport.read
                 reads = []
@@ -29,15 +32,16 @@ def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
                 def read_then_kill(peer, ops, timeout):
                     reads.append(peer.worker_id)
                     if len(reads) == 3:
-                        holder.kill()  # SIGKILL, mid-pull: two batches are in
+                        holder.kill()  # SIGKILL, mid-pull: two batches (of any stream) are in
                     return real_read(peer, ops, min(timeout, 10.0))
 
                 monkeypatch.setattr(reader.session.transport, "read", read_then_kill)
                 assert reader.pull(timeout=120) == 1
                 assert {n: checksum(t) for n, t in reader.tensors.items()} == \
                        {n: checksum(t) for n, t in state.items()}
-                assert reader.last_pull.sources[0] == "doomed"
-                assert "trainer" in reader.last_pull.sources
+                # (a second stream reads from the trainer meanwhile: one per holder)
+                assert reader.last_pull.sources[0] == "doomed" or streams > 1
+                assert {"doomed", "trainer"} <= set(reader.last_pull.sources)
                 total = sum(t.numel() * t.element_size() for t in state.values())
                 assert reader.last_pull.nbytes < total + (8 << 20)  # no range read twice
                 records = [t for t in coordinator.table.transfers if t.reader == "reader"]
@@ -45,6 +49,7 @@ def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
                 # (chunked plans cover a few chunks each, so there are several)
                 failed = [i for i, r in enumerate(records) if not r.ok]
                 assert len(failed) == 1 and records[failed[0]].source.startswith("doomed")
-                assert all(r.ok for r in records[failed[0] + 1:]) and len(records) > failed[0] + 1
+                assert all(r.ok for r in records[failed[0] + 1:])
+                assert len(records) > failed[0] + 1 or streams > 1
     finally:
         holder.stop()

@@ -85,3 +85,30 @@ def test_an_in_place_replica_whose_pull_fails_holds_nothing(coordinator, transpo
         with pytest.raises(IntegrityError):
             rep.pull(timeout=30)
         assert rep.version is None
+
+
+def test_a_chunked_reader_stripes_over_two_holders_at_once(transport):
+    from tensorhub.coordinator.planner import PlannerConfig
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+
+    config = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.2,
+                               planner=PlannerConfig(chunk_bytes=256 << 10))  # ~32 chunks
+    coordinator = Coordinator(config).start()
+    state = synthetic_state_dict(8, n_tiny=20, seed=3)
+    try:
+        with Publisher(coordinator.address, "policy", transport=transport,
+                       name="trainer") as pub, \
+                Replica(coordinator.address, "policy", transport=transport,
+                        name="first") as first, \
+                Replica(coordinator.address, "policy", transport=transport, name="second",
+                        streams=2) as second:
+            version = pub.publish(state)
+            assert first.pull(timeout=30) == version
+            assert second.pull(timeout=30) == version
+            assert _equal(second.tensors, state)
+            # one stream from each holder; every byte read once, from one of them
+            assert set(second.last_pull.sources) == {"first", "trainer"}
+            assert sum(second.last_pull.by_source.values()) == \
+                sum(b.numel() for b in second.layout.item_bytes)
+    finally:
+        coordinator.stop()

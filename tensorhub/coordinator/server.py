@@ -466,7 +466,8 @@ class Coordinator:
         return ReadPlan(model=req.model, version=version, layout_id=lid,
                         **self._manifest_fields(req, layout),
                         lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
-                        sources=sources, ranges=chunked.ranges, complete=chunked.complete)
+                        sources=sources, ranges=chunked.ranges, complete=chunked.complete,
+                        chunk_bytes=self.config.planner.chunk_bytes)
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""

@@ -80,13 +80,16 @@ def chunks_in(chunks: Sequence[Chunk], ranges: Iterable[ByteRange],
 
 
 def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
-    """Adjacent ranges of the same item joined: a short `missing` list for a re-plan."""
+    """Adjacent ranges of the same item joined: a short `missing` list for a re-plan. Always
+    plain `ByteRange`s, also for a lone `ReadRange` of a failed plan (a `PlanRequest`'s
+    `missing` refuses other types)."""
     out: list[ByteRange] = []
     for r in sorted(ranges, key=lambda r: (r.item, r.offset)):
         if out and out[-1].item == r.item and out[-1].offset + out[-1].nbytes == r.offset:
             last = out.pop()
-            r = ByteRange(item=r.item, offset=last.offset, nbytes=last.nbytes + r.nbytes)
-        out.append(r)
+            out.append(ByteRange(item=r.item, offset=last.offset, nbytes=last.nbytes + r.nbytes))
+        else:
+            out.append(ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes))
     return out
 
 

@@ -340,6 +340,10 @@ class ReadPlan(Strict):
     # False: only these ranges can be served now (chunked plans); read them, report
     # `Progress`, and ask again with what is still `missing`.
     complete: bool = True
+    # Chunked plans: the coordinator's chunk size. A reader counts the chunks it reports in
+    # `Progress` in these (a coordinator run with another size than the default would
+    # otherwise be told of chunks that are not the ones it planned).
+    chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)] | None = None
 
 
 class ManifestReply(Strict):

@@ -157,17 +157,20 @@ class Verifier:
                 self.seconds += time.perf_counter() - started
 
     def add(self, item: int, nbytes: int) -> None:
-        """`nbytes` more of `item` have arrived (each byte reported once)."""
-        if self._left[item] > 0:
-            self._left[item] -= nbytes
-            if self._left[item] <= 0:
-                self._submit(item)
+        """`nbytes` more of `item` have arrived (each byte reported once; any thread)."""
+        with self._lock:
+            if self._left[item] > 0:
+                self._left[item] -= nbytes
+                if self._left[item] <= 0:
+                    self._submit(item)
 
     def finish(self) -> float:
         """Wait until every item is checked; raise `IntegrityError` on a mismatch, or
         `ValueError` if some item never arrived completely. Returns the checksum seconds."""
         try:
-            for f in self._futures:
+            with self._lock:
+                futures = list(self._futures)
+            for f in futures:
                 f.result()
             missing = [k for k, left in enumerate(self._left) if left > 0]
             if missing:
