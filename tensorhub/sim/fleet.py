@@ -11,7 +11,8 @@ would, striping over holders by keeping one lease per stream:
   every chunk neither read nor in an open plan; the planner gives one holder per plan;
 - `Progress` per chunk read; `ReadDone` for a lease as soon as its own chunks are read
   (not when the whole pull ends), which frees that holder's slot;
-- a `busy` reply: ask again after `retry_after`, streams still reading go on;
+- a `busy` reply: ask again after `retry_after` times 1 +- `retry_jitter` (uniform), streams
+  still reading go on;
 - a failed read: its chunks are missing again; no new plan is asked while that lease is
   open, and its `ReadDone` names the failed holder;
 - `Hold` when every chunk is read and every lease ended.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 
 from tensorhub.coordinator.planner import PlannerConfig
@@ -64,6 +66,11 @@ class SimConfig:
     streams: int = 2  # chunks a reader reads at once (striped over sources)
     lookahead: int = 0  # chunks planned beyond its streams (>0 measured worse: holds slots)
     busy_retry_chunks: float = 0.5  # a busy reader asks again after this many chunk times
+    # ... times 1 +- this (uniform), as a real replica's: retries in lockstep (every worker
+    # asked at t=0, so all asked again on the same 0.5 chunk-time grid) left a holder freed
+    # just after a tick idle until the next one, at every doubling of the start-up
+    retry_jitter: float = 0.5
+    seed: int = 0  # of the retry jitter
     kill: tuple[int, ...] = ()  # workers killed mid-pull ...
     kill_at: float = 0.5  # ... at this fraction of the lower bound
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -182,7 +189,10 @@ class _Worker:
         if isinstance(reply, ErrorReply):
             if reply.code == "busy":
                 sim.busy += 1
-            sim.loop.at(sim.loop.now + (reply.retry_after or 1.0), self.ask)
+            wait = reply.retry_after or 1.0
+            if sim.config.retry_jitter:
+                wait *= 1 + sim.config.retry_jitter * (2 * sim.rng.random() - 1)
+            sim.loop.at(sim.loop.now + wait, self.ask)
             return
         pending: list[tuple[int, str, int]] = []
         for r in reply.ranges:  # pieces of chunk segments
@@ -267,6 +277,7 @@ class FleetSim:
     def __init__(self, config: SimConfig):
         self.config = config
         self.loop = EventLoop()
+        self.rng = random.Random(config.seed)
         self.net = Network(self.loop, config.wan_gbps * GB / 8)
         chunk_time = config.chunk_bytes * 8 / (config.nic_gbps * GB)
         self.coordinator = Coordinator(
