@@ -60,3 +60,9 @@ def test_a_coordinator_process_stops_cleanly_on_sigterm():
     proc = ChildProcess.tensorhub("coordinator", "--bind", "tcp://127.0.0.1:5798")
     assert "requests on tcp://127.0.0.1:5798" in proc.next_line(timeout=30)
     assert proc.stop(timeout=10) == 0
+
+
+def test_a_coordinator_refuses_a_busy_retry_that_is_not_positive():
+    out = _tensorhub("coordinator", "--busy-retry", "0", timeout=30)
+    assert out.returncode == 2
+    assert "--busy-retry: must be a positive number of seconds" in out.stderr
