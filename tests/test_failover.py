@@ -27,13 +27,15 @@ def test_kill_9_of_the_source_mid_pull_completes_bit_exact_from_another_holder(
                          name="reader", streams=streams) as reader:
                 monkeypatch.setattr(puller, "BATCH_BYTES", 8 << 20)
                 real_read = reader.session.transport.read
-                reads = []
+                from_doomed = []  # reads from it that ended (one stream per holder: in turn)
 
                 def read_then_kill(peer, ops, timeout):
-                    reads.append(peer.worker_id)
-                    if len(reads) == 3:
-                        holder.kill()  # SIGKILL, mid-pull: two batches (of any stream) are in
-                    return real_read(peer, ops, min(timeout, 10.0))
+                    doomed = peer.worker_id.startswith("doomed")
+                    if doomed and len(from_doomed) == 2:
+                        holder.kill()  # SIGKILL, mid-pull: two of its batches are in
+                    real_read(peer, ops, min(timeout, 10.0))
+                    if doomed:
+                        from_doomed.append(peer.worker_id)
 
                 monkeypatch.setattr(reader.session.transport, "read", read_then_kill)
                 assert reader.pull(timeout=120) == 1
