@@ -230,6 +230,9 @@ class Replica:
                 with shared.plan_lock:
                     missing = shared.missing(unread)
                     if not missing:  # the rest is in further streams' hands: wait for them
+                        if reporter is not None:  # and serve the chunks held back meanwhile
+                            with shared.lock:
+                                reporter.report([], now=True)
                         missing = shared.wait_for_work(deadline)
                     finished = shared.complete
                     if not finished and missing and time.monotonic() <= deadline:
