@@ -219,8 +219,6 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
     `workers` registered and half of them holding: the coordinator's own share of the
     latency, free of client-side and scheduling delays on a shared machine."""
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-    from tensorhub.core.data_types import Envelope
-    from tensorhub.core.wire import encode
 
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
     try:

@@ -19,7 +19,6 @@ time one reader does). `chunked=False` asks for one whole-item plan per pull ins
 from __future__ import annotations
 
 import logging
-import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -27,6 +26,7 @@ import torch
 
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.chunks import CHUNK_BYTES, ChunkTracker, chunks_of
+from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
     ByteRange,
     PlanRequest,
@@ -47,11 +47,6 @@ from tensorhub.streams import PullStreams, merge_stats
 log = logging.getLogger("tensorhub.replica")
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
-# A busy reply's retry_after is scaled by 1 +- this (uniform): replicas refused together
-# (every reader asks at once when a version is announced) ask again out of step, so a
-# holder whose slot frees is taken at once, not at the next common tick (the simulated
-# fleet, worst / lower bound: 1.245 -> 1.22 at N = 1024, 1.28 -> 1.26 at N = 4096).
-BUSY_RETRY_JITTER = 0.5
 PROGRESS_TIMEOUT = 1.0  # a Progress report is an optimisation: never wait long for it
 
 
@@ -140,7 +135,7 @@ class Replica:
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
                 if retry is not None and exc.code == "busy":
-                    retry *= 1 + BUSY_RETRY_JITTER * random.uniform(-1.0, 1.0)
+                    retry = busy_wait(retry)
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
                 if retry is None or time.monotonic() + retry > limit:
                     raise
@@ -224,47 +219,39 @@ class Replica:
                         self.model, plan.version, [], total.nbytes - before[0],
                         total.seconds - before[1]))
                     if shared.complete:
-                        return plan, self._merged(total, shared, started, deadline)
+                        break
                 # One plan request at a time across streams (no chunk is planned twice);
                 # the lock is let go before anything waits for the further streams to end.
                 with shared.plan_lock:
                     missing = shared.missing(unread)
                     if not missing:  # the rest is in further streams' hands: wait for them
-                        if reporter is not None:  # and serve the chunks held back meanwhile
-                            with shared.lock:
-                                reporter.report([], now=True)
+                        shared.report_held_back()  # (serving our last chunks meanwhile)
                         missing = shared.wait_for_work(deadline)
                     finished = shared.complete
                     if not finished and missing and time.monotonic() <= deadline:
-                        with shared.lock:
-                            progress = reporter.take() if reporter else None
-                        plan = self._plan(plan.version, deadline, missing, progress=progress,
-                                          done=carried, known=plan)
+                        plan = self._plan(plan.version, deadline, missing,
+                                          progress=shared.take_progress(), done=carried,
+                                          known=plan)
                         shared.planned(plan.ranges)
                         continue
                 if finished:
-                    return plan, self._merged(total, shared, started, deadline)
+                    break
                 if carried is not None:
                     self._end_lease(plan, ok=True)
                 why = "after the pull timeout" if missing else \
                     "with nothing left to plan (a chunk planned and never read)"
                 raise TransferError(f"{self.model} v{plan.version}: not complete {why} "
                                     f"({total.nbytes} bytes read by the first stream)")
-        finally:
+        finally:  # no further stream may still write into `dest` once we return or fail
             shared.close(timeout=max(1.0, deadline - time.monotonic()))
             if reporter is not None:
                 reporter.close()
-
-    @staticmethod
-    def _merged(total: PullStats, shared: PullStreams, started: float,
-                deadline: float) -> PullStats:
-        """The first stream's stats plus the further streams' bytes, once they ended; when
-        those read anything, the pull's seconds are its wall time (streams overlap)."""
-        shared.close(timeout=max(1.0, deadline - time.monotonic()))
+        # The first stream's stats plus the further streams' bytes; when those read anything,
+        # the pull's seconds are its wall time (streams overlap).
         if shared.extra.nbytes:
             merge_stats(total, shared.extra)
             total.seconds = time.perf_counter() - started
-        return total
+        return plan, total
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:

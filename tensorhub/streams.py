@@ -17,7 +17,6 @@ bytes are owed again and must be planned by someone).
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from tensorhub.core.chunks import ChunkTracker
+from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import ByteRange, ReadPlan, ReadRange
 from tensorhub.core.errors import CoordinatorError, TensorHubError, TransferError
 from tensorhub.core.puller import PullStats, Verifier, read_plan, split
@@ -63,6 +63,18 @@ class PullStreams:
     def missing(self, unread: list[ByteRange]) -> list[ByteRange]:
         with self.lock:
             return self.tracker.missing(unread)
+
+    def take_progress(self):
+        """The chunks not reported yet, as a Progress for the first stream's next plan
+        request (None if none, or no reporter)."""
+        with self.lock:
+            return self.reporter.take() if self.reporter is not None else None
+
+    def report_held_back(self) -> None:
+        """Report now the chunks the first stream held back for its next plan request."""
+        with self.lock:
+            if self.reporter is not None:
+                self.reporter.report([], now=True)
 
     def planned(self, ranges: list[ReadRange]) -> None:
         with self.lock:
@@ -127,7 +139,7 @@ class PullStreams:
                         if exc.code != "busy":
                             log.info("a further stream stops: %s", exc)
                             return
-                        wait = (exc.retry_after or IDLE_WAIT) * random.uniform(0.5, 1.5)
+                        wait = busy_wait(exc.retry_after or IDLE_WAIT)
                     except TensorHubError as exc:
                         log.info("a further stream stops: %s", exc)
                         return

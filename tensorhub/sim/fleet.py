@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_of, merge
+from tensorhub.core.client import BUSY_RETRY_JITTER
 from tensorhub.core.data_types import (
     Endpoint,
     Envelope,
@@ -69,7 +70,7 @@ class SimConfig:
     # ... times 1 +- this (uniform), as a real replica's: retries in lockstep (every worker
     # asked at t=0, so all asked again on the same 0.5 chunk-time grid) left a holder freed
     # just after a tick idle until the next one, at every doubling of the start-up
-    retry_jitter: float = 0.5
+    retry_jitter: float = BUSY_RETRY_JITTER
     seed: int = 0  # of the retry jitter
     kill: tuple[int, ...] = ()  # workers killed mid-pull ...
     kill_at: float = 0.5  # ... at this fraction of the lower bound
