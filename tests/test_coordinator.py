@@ -216,3 +216,81 @@ def test_a_later_plan_of_a_pull_leaves_out_the_manifest_the_reader_has(coordinat
             worker_id=wid, model="policy", chunked=True, known_manifest=True,
             done=ReadDone(worker_id=wid, lease_id=later.lease_id, ok=False)))
         assert latest.manifest == first.manifest
+
+
+def test_a_plan_on_the_socket_is_the_plan_model_encoded():
+    """On the socket a plan is encoded straight from the table (no `MemoryDesc` models):
+    the bytes must be those of the `ReadPlan` that `handle` returns, from a complete holder
+    or a partial one, with the manifest or without."""
+    from tensorhub.coordinator.planner import PlannerConfig
+    from tensorhub.coordinator.server import _Plan
+    from tensorhub.core.data_types import MemoryDesc, Progress, SharedRegion
+    from tensorhub.core.layout import layout_id
+    from tensorhub.core.wire import decode_reply, encode
+
+    manifest = Manifest(tensors=[TensorSpec(name=f"t{i}", dtype="uint8", shape=[4096],
+                                            nbytes=4096) for i in range(3)],
+                        compact_threshold=1024)
+    lid = layout_id(manifest)
+    memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=4096, device=k, mem="VRAM")
+              for k in range(3)]
+    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
+                                      lease_ttl=30,  # an int: the reply's is a float
+                                      planner=PlannerConfig(chunk_bytes=4096)))
+    call = c._handlers
+
+    def join(name, role="replica"):
+        endpoint = Endpoint(transport="nixl", agent_name=name, agent_metadata=b"\0\xff",
+                            pid=42, host="h",
+                            shared=[SharedRegion(fd=5, inode=7, addr=1 << 40, nbytes=4096)])
+        return call[Register](Register(name=name, role=role, endpoint=endpoint,
+                                       labels={"dc": "a"})).worker_id
+
+    try:
+        trainer = join("trainer", "trainer")
+        call[Publish](Publish(worker_id=trainer, model="m", version=1, manifest=manifest,
+                              checksums=["a", "b", "c"], memory=memory))
+        partial, reader = join("partial"), join("reader")
+        call[Progress](Progress(worker_id=partial, model="m", version=1, layout_id=lid,
+                                memory=memory, chunks=[1]))
+        requests = [PlanRequest(worker_id=reader, model="m", version=1, chunked=chunked,
+                                known_manifest=known)
+                    for chunked in (True, False) for known in (False, True)]
+        sources = set()
+        for request in requests:
+            plan = c._plan_reply(request)
+            assert isinstance(plan, _Plan)
+            model = plan.reply()
+            assert plan.wire() == encode(model)
+            assert decode_reply(plan.wire()) == model
+            sources.update(s.worker_id for s in model.sources)
+            call[ReadDone](ReadDone(worker_id=reader, lease_id=model.lease_id, ok=True))
+        assert sources == {trainer, partial}  # a complete and a partial holder's regions
+    finally:
+        c.stop()
+
+
+def test_a_partial_holders_encoded_regions_follow_its_memory():
+    from tensorhub.coordinator.table import PartialHolders, pack_memory
+
+    holders = PartialHolders()
+    first, second = ((1, 8, 0, "DRAM"),), ((2, 8, 0, "VRAM"),)
+    holders.add("w", first, [0])
+    assert holders["w"].packed_memory() == pack_memory(first)
+    holders.add("w", second, [1])
+    assert holders["w"].packed_memory() == pack_memory(second)
+
+
+def test_the_transfer_history_reads_back_as_records_and_keeps_the_latest():
+    from tensorhub.coordinator.table import Table
+    from tensorhub.core.data_types import TransferRecord
+
+    table = Table(max_transfers=3)
+    records = [TransferRecord(reader="r", source=f"s{i}", model="m", version=1, nbytes=i,
+                              seconds=0.5, ok=i % 2 == 0, error=None if i % 2 == 0 else "x")
+               for i in range(5)]
+    for rec in records:
+        table.record(rec)
+    assert len(table.transfers) == 3
+    assert list(table.transfers) == records[2:]
+    assert table.transfers[-2:] == records[3:] and table.transfers[0] == records[2]

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgpack
 import zmq
 
 from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
@@ -23,6 +24,7 @@ from tensorhub.coordinator.table import (
     HolderRec,
     LayoutRec,
     ModelRec,
+    PartialRec,
     Table,
     VersionRec,
     WorkerRec,
@@ -49,6 +51,7 @@ from tensorhub.core.data_types import (
     Published,
     ReadDone,
     ReadPlan,
+    ReadRange,
     Register,
     Registered,
     Retention,
@@ -64,7 +67,15 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
-from tensorhub.core.wire import MAX_MESSAGE_BYTES, WireError, decode_envelope, encode
+from tensorhub.core.wire import (
+    MAX_MESSAGE_BYTES,
+    Packed,
+    WireError,
+    decode_envelope,
+    encode,
+    encode_array,
+    encode_map,
+)
 
 log = logging.getLogger("tensorhub.coordinator")
 # Seconds between walks of the table for workers that stopped heartbeating and expired
@@ -91,6 +102,62 @@ class Reject(Exception):
     def __init__(self, code: str, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.reply = ErrorReply(code=code, message=message, retry_after=retry_after)
+
+
+_SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+# Every Ack is the same: one model, encoded once (heartbeats alone are thousands a second).
+_ACK = Ack()
+_ACK_BYTES = encode(_ACK)
+_NO_MANIFEST = (Packed(msgpack.packb(None)),) * 2
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A read plan as the planner left it: made into a `ReadPlan` (`handle`, the handlers)
+    or, on the socket, straight into its msgpack bytes. There the sources' memory regions
+    never become models: validating 129 `MemoryDesc` per source, only to encode them at once,
+    was a third of a plan's CPU, and garbage the collector had to walk (both make the same
+    bytes: `tests/test_coordinator.py`)."""
+
+    model: str
+    version: int
+    layout_id: str
+    layout: LayoutRec
+    manifest: bool  # carry the manifest and checksums (the reader does not have them)
+    lease_id: str
+    lease_ttl: float
+    sources: list[tuple[WorkerRec, HolderRec | PartialRec]]  # with their memory regions
+    ranges: list[ReadRange]
+    chunk_bytes: int | None = None  # chunked plans only
+    complete: bool = True
+
+    def reply(self) -> ReadPlan:
+        chunked = {} if self.chunk_bytes is None else {"complete": self.complete,
+                                                        "chunk_bytes": self.chunk_bytes}
+        layout = self.layout
+        return ReadPlan(
+            model=self.model, version=self.version, layout_id=self.layout_id,
+            manifest=layout.manifest if self.manifest else None,
+            checksums=layout.checksums if self.manifest else None,
+            lease_id=self.lease_id, lease_ttl=self.lease_ttl,
+            sources=[Source(worker_id=w.worker_id, name=w.name, role=w.role,
+                            endpoint=w.endpoint, memory=load_memory(rec.memory))
+                     for w, rec in self.sources],
+            ranges=self.ranges, **chunked)
+
+    def wire(self) -> bytes:
+        manifest, checksums = self.layout.packed_manifest() if self.manifest else _NO_MANIFEST
+        return encode_map({
+            "type": "read_plan", "model": self.model, "version": self.version,
+            "layout_id": self.layout_id, "manifest": manifest, "checksums": checksums,
+            "lease_id": self.lease_id, "lease_ttl": self.lease_ttl,
+            "sources": encode_array([
+                encode_map({"worker_id": w.worker_id, "name": w.name, "role": w.role,
+                            "endpoint": w.endpoint, "memory": Packed(rec.packed_memory())})
+                for w, rec in self.sources]),
+            "ranges": [r.__dict__ for r in self.ranges],  # (what `encode` packs, sooner)
+            "complete": self.complete, "chunk_bytes": self.chunk_bytes,
+        })
 
 
 def announce_address_for(bind: str) -> str:
@@ -140,6 +207,9 @@ class Coordinator:
             GetManifest: self._manifest, StatusRequest: self._status,
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
         }  # fmt: skip
+        # What `_answer` calls: the same, except that a plan is left to be made into a
+        # model (`handle`) or into bytes (the socket) by the caller.
+        self._answers = {**self._handlers, PlanRequest: self._plan_reply}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -159,17 +229,18 @@ class Coordinator:
     def serve_forever(self) -> None:
         log.info("coordinator serving on %s, announcing on %s", self.address,
                  self.announce_address)
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        # A receive waits at most this long, so the loop sees `stop` and expiry in time: no
+        # poller, and no `zmq.Again` raised (~3 us) each time the queue runs dry.
+        router = self._router
+        router.setsockopt(zmq.RCVTIMEO, 100)
         next_expiry = 0.0
         while not self._stop.is_set():
-            if poller.poll(100):
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle_frames(frames)
+            try:
+                frames = router.recv_multipart()
+            except zmq.Again:
+                pass
+            else:
+                self._handle_frames(frames)
             # Expiry walks every worker and lease: at most every EXPIRY_PERIOD, not after
             # every request (at 4096 workers heartbeating, that walk was most of the CPU).
             if time.monotonic() >= next_expiry:
@@ -186,11 +257,14 @@ class Coordinator:
                     message="expected frames [request id, msgpack envelope]"))
             return
         ident, req_id, payload = frames
-        reply = self.handle(payload)
-        self._send(ident, req_id, reply)
+        self._send(ident, req_id, self._answer(payload, _Plan.wire))
 
     def handle(self, payload: bytes):
         """Decode, authenticate and answer one request (any failure becomes an ErrorReply)."""
+        return self._answer(payload, _Plan.reply)
+
+    def _answer(self, payload: bytes, make_plan: Callable[[_Plan], object]):
+        """`handle`, with a plan made by `make_plan`: a model, or (the socket) its bytes."""
         try:
             envelope = decode_envelope(payload)
         except WireError as exc:
@@ -202,7 +276,8 @@ class Coordinator:
                               message="wrong or missing token (set TENSORHUB_TOKEN)")
         request = envelope.request
         try:
-            return self._handlers[type(request)](request)
+            reply = self._answers[type(request)](request)
+            return make_plan(reply) if type(reply) is _Plan else reply
         except Reject as rej:
             return rej.reply
         except Exception as exc:  # a bug must not take the coordinator down
@@ -210,8 +285,14 @@ class Coordinator:
             return ErrorReply(code="internal", message=f"internal error: {exc}")
 
     def _send(self, ident: bytes, req_id: bytes, reply) -> None:
-        try:
-            self._router.send_multipart([ident, req_id, encode(reply)], zmq.NOBLOCK)
+        """`reply`: a model, or its bytes (a plan)."""
+        if type(reply) is not bytes:
+            reply = _ACK_BYTES if reply is _ACK else encode(reply)
+        router = self._router
+        try:  # three sends: `send_multipart` checks and wraps frames at twice the cost
+            router.send(ident, _SEND_MORE)
+            router.send(req_id, _SEND_MORE)
+            router.send(reply, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -280,11 +361,11 @@ class Coordinator:
 
     def _heartbeat(self, req: Heartbeat) -> Ack:
         self._worker(req.worker_id)
-        return Ack()
+        return _ACK
 
     def _unregister(self, req: Unregister) -> Ack:
         self._forget_worker(req.worker_id, "unregistered")
-        return Ack()
+        return _ACK
 
     def _publish(self, req: Publish) -> Published:
         worker = self._worker(req.worker_id)
@@ -343,7 +424,7 @@ class Coordinator:
             mrec.versions[req.version] = vrec
             mrec.latest = max(mrec.latest, req.version)
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
-        return Ack()
+        return _ACK
 
     def _withdraw(self, req: Withdraw) -> Withdrawn:
         self._worker(req.worker_id)
@@ -381,6 +462,9 @@ class Coordinator:
         return mrec, vrec
 
     def _plan(self, req: PlanRequest) -> ReadPlan:
+        return self._plan_reply(req).reply()
+
+    def _plan_reply(self, req: PlanRequest) -> _Plan:
         self._worker(req.worker_id)
         self._apply_carried(req)
         _, vrec = self._resolve(req.model, req.version)
@@ -403,15 +487,11 @@ class Coordinator:
         source_ids = {r.source for r in ranges}
         lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
                                      self.config.lease_ttl)
-        sources = []
-        for sid in source_ids:
-            w = self.table.workers[sid]
-            sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
-                                  memory=load_memory(layout.holders[sid].memory)))
-        return ReadPlan(model=req.model, version=vrec.version, layout_id=lid,
-                        **self._manifest_fields(req, layout),
-                        lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
-                        sources=sources, ranges=ranges)
+        workers = self.table.workers
+        return _Plan(req.model, vrec.version, lid, layout, self._with_manifest(req),
+                     lease.lease_id, float(self.config.lease_ttl),
+                     [(workers[sid], layout.holders[sid]) for sid in source_ids],
+                     ranges)
 
     def _apply_carried(self, req: PlanRequest) -> None:
         """A reader's `Progress` and `ReadDone` for its previous plan, carried by its next
@@ -431,11 +511,9 @@ class Coordinator:
             self._read_done(req.done)
 
     @staticmethod
-    def _manifest_fields(req: PlanRequest, layout: LayoutRec) -> dict:
-        """Manifest and checksums for a plan, unless the reader has them already."""
-        if req.known_manifest and req.version != "latest":
-            return {"manifest": None, "checksums": None}
-        return {"manifest": layout.manifest, "checksums": layout.checksums}
+    def _with_manifest(req: PlanRequest) -> bool:
+        """Whether a plan carries the manifest and checksums: unless the reader has them."""
+        return not (req.known_manifest and req.version != "latest")
 
     def _no_source(self, exc: NoSource, model: str, version: int, busy: str) -> Reject:
         """`busy` (retry soon) when holders exist but are all serving; else `no_holder`."""
@@ -445,7 +523,7 @@ class Coordinator:
                       f"trainer must publish it again", retry_after=1.0)
 
     def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
-                      layout: LayoutRec) -> ReadPlan:
+                      layout: LayoutRec) -> _Plan:
         """A plan per chunk, from complete and partial holders (see `plan_chunks`)."""
         try:
             chunked = plan_chunks(self.table, layout, lid, req.worker_id, self.config.planner,
@@ -458,16 +536,23 @@ class Coordinator:
         lease = self.table.new_lease(req.worker_id, req.model, version, lid,
                                      set(chunked.memory), self.config.lease_ttl,
                                      remote_into=chunked.remote_into, chunks=chunked.chunks)
-        sources = []
-        for sid, memory in chunked.memory.items():
-            w = self.table.workers[sid]
-            sources.append(Source(worker_id=sid, name=w.name, role=w.role, endpoint=w.endpoint,
-                                  memory=load_memory(memory)))
-        return ReadPlan(model=req.model, version=version, layout_id=lid,
-                        **self._manifest_fields(req, layout),
-                        lease_id=lease.lease_id, lease_ttl=self.config.lease_ttl,
-                        sources=sources, ranges=chunked.ranges, complete=chunked.complete,
-                        chunk_bytes=self.config.planner.chunk_bytes)
+        workers = self.table.workers
+        return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
+                     float(self.config.lease_ttl),
+                     [(workers[sid], self._holding(layout, sid, memory))
+                      for sid, memory in chunked.memory.items()],
+                     chunked.ranges, self.config.planner.chunk_bytes, chunked.complete)
+
+    @staticmethod
+    def _holding(layout: LayoutRec, sid: str, memory) -> HolderRec | PartialRec:
+        """The record of `sid`'s copy whose regions the planner gave (which keeps them
+        encoded for plans): complete, else partial."""
+        rec = layout.holders.get(sid)
+        if rec is None or rec.memory is not memory:
+            rec = layout.partial.get(sid)
+        if rec is None or rec.memory is not memory:
+            return HolderRec(sid, memory)  # (not the planner's way: never kept)
+        return rec
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
@@ -491,16 +576,16 @@ class Coordinator:
             raise Reject("bad_request", f"chunks {bad[:8]} do not exist (the layout has "
                                         f"{count} chunks)")
         if req.worker_id in layout.holders:
-            return Ack()  # already a complete holder (or withdrawing): nothing to add
+            return _ACK  # already a complete holder (or withdrawing): nothing to add
         self._update_endpoint(worker, req.endpoint)
         layout.partial.add(req.worker_id, memory, req.chunks)
-        return Ack()
+        return _ACK
 
     def _read_done(self, req: ReadDone) -> Ack:
         reader = self._worker(req.worker_id)
         lease = self.table.leases.get(req.lease_id)
         if lease is None or lease.reader != req.worker_id:
-            return Ack()  # expired, released, or not this worker's: nothing to do
+            return _ACK  # expired, released, or not this worker's: nothing to do
         del self.table.leases[req.lease_id]
         for sid in sorted(lease.sources):
             source = self.table.workers.get(sid)
@@ -517,7 +602,7 @@ class Coordinator:
                 log.warning("%s reports holder %s failed: %s", req.worker_id, failed, req.error)
                 self.table.drop_holder(failed, lease.model, lease.version)
         self._finish_withdrawals(lease.sources, lease.model, lease.version)
-        return Ack()
+        return _ACK
 
     def _finish_withdrawals(self, holders, model: str, version: int) -> None:
         mrec = self.table.models.get(model)
@@ -605,10 +690,9 @@ class Coordinator:
         self.table.drop_holder(worker_id)
 
     def _expire(self) -> None:
-        now = self.clock()
-        for w in list(self.table.workers.values()):
-            if now - w.last_seen > self.config.worker_ttl:
-                self._forget_worker(w.worker_id, "stopped heartbeating")
+        now, ttl = self.clock(), self.config.worker_ttl
+        for w in [w for w in self.table.workers.values() if now - w.last_seen > ttl]:
+            self._forget_worker(w.worker_id, "stopped heartbeating")
         for lease in [x for x in self.table.leases.values() if x.expires < now]:
             log.warning("read lease of %s on %s v%d expired", lease.reader, lease.model,
                         lease.version)

@@ -7,16 +7,19 @@ a coordinator restart. No weights are stored, only references to holders' memory
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgpack
 from pydantic import TypeAdapter
 
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
 from tensorhub.core.data_types import Endpoint, Item, Manifest, MemoryDesc, TransferRecord
+from tensorhub.core.wire import Packed, encode
 
 _seq = itertools.count()
 
@@ -32,6 +35,13 @@ def store_memory(memory: list[MemoryDesc]) -> StoredMemory:
     return tuple((m.addr, m.nbytes, m.device, m.mem) for m in memory)
 
 
+def pack_memory(stored: StoredMemory) -> bytes:
+    """The regions as a plan's source carries them on the wire: a msgpack list of
+    `MemoryDesc` maps (the bytes `encode` makes of `load_memory(stored)`)."""
+    return msgpack.packb([{"addr": a, "nbytes": n, "device": d, "mem": k}
+                          for a, n, d, k in stored], use_bin_type=True)
+
+
 def load_memory(stored: StoredMemory) -> list[MemoryDesc]:
     """The regions as models for a reply (validating dicts in pydantic-core is 2.5x faster
     than `model_construct` in Python: ~0.1 ms for 129 regions)."""
@@ -39,7 +49,9 @@ def load_memory(stored: StoredMemory) -> list[MemoryDesc]:
         [{"addr": a, "nbytes": n, "device": d, "mem": k} for a, n, d, k in stored])
 
 
-@dataclass
+# Records kept per worker, holder or read are slotted: no instance dict each (a 4096-worker
+# table is walked by every full garbage collection, one pause for every request in flight).
+@dataclass(slots=True)
 class WorkerRec:
     worker_id: str
     name: str
@@ -50,20 +62,36 @@ class WorkerRec:
     seq: int = field(default_factory=lambda: next(_seq))
 
 
-@dataclass
-class HolderRec:
+class _PackedMemory:
+    """A copy's `memory` as plans carry it, encoded at the first plan from it (bytes, which
+    the collector does not track; ~45 us a plan otherwise, for 129 regions)."""
+
+    __slots__ = ()
+    memory: StoredMemory
+    packed: bytes | None
+
+    def packed_memory(self) -> bytes:
+        if self.packed is None:
+            self.packed = pack_memory(self.memory)
+        return self.packed
+
+
+@dataclass(slots=True)
+class HolderRec(_PackedMemory):
     worker_id: str
     memory: StoredMemory
     withdrawn: bool = False
+    packed: bytes | None = field(default=None, repr=False, compare=False)
 
 
-@dataclass
-class PartialRec:
+@dataclass(slots=True)
+class PartialRec(_PackedMemory):
     """A reader still pulling a version: it serves the chunks it has finished."""
 
     worker_id: str
     memory: StoredMemory
     chunks: set[int]
+    packed: bytes | None = field(default=None, repr=False, compare=False)
 
 
 class PartialHolders(dict[str, PartialRec]):
@@ -81,7 +109,8 @@ class PartialHolders(dict[str, PartialRec]):
             rec = PartialRec(worker_id, memory, set())
             super().__setitem__(worker_id, rec)
             self.version += 1
-        rec.memory = memory
+        if rec.memory is not memory:
+            rec.memory, rec.packed = memory, None
         for c in chunks:
             if c not in rec.chunks:
                 rec.chunks.add(c)
@@ -130,6 +159,15 @@ class LayoutRec:
     _chunks: tuple[int, list[Chunk], dict] | None = None
     # the planner's list of holder ids (complete, then partial), kept while membership stays
     _serving: tuple[tuple[int, int], list[str]] | None = None
+    _packed: tuple[Packed, Packed] | None = None  # manifest and checksums, msgpack-encoded
+
+    def packed_manifest(self) -> tuple[Packed, Packed]:
+        """The manifest and checksums as plans carry them, encoded once (both immutable):
+        a model of thousands of tensors made encoding them most of a first plan's cost."""
+        if self._packed is None:
+            self._packed = (Packed(encode(self.manifest)),
+                            Packed(msgpack.packb(self.checksums, use_bin_type=True)))
+        return self._packed
 
     def serving(self) -> list[str]:
         """Complete (not withdrawn) then partial holders' ids, rebuilt only when the
@@ -166,7 +204,7 @@ class ModelRec:
     versions: dict[int, VersionRec] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     """A reader's right to read (model, version, layout) from `sources` until it ends."""
 
@@ -239,12 +277,47 @@ class Leases(dict[str, Lease]):
     popitem = setdefault = update = clear = _unsupported  # type: ignore[assignment]
 
 
+_TRANSFER_FIELDS = tuple(TransferRecord.model_fields)
+_transfer_row = operator.attrgetter(*_TRANSFER_FIELDS)  # a record's fields as a tuple
+
+
+class Transfers:
+    """The latest transfers, oldest first, read as `TransferRecord`s but kept as plain
+    tuples: tuples of strings and numbers are untracked by the garbage collector, whereas
+    10,000 records as models were 20k objects that every full collection walked."""
+
+    def __init__(self) -> None:
+        self._rows: deque[tuple] = deque()
+
+    @staticmethod
+    def _model(row: tuple) -> TransferRecord:
+        return TransferRecord(**dict(zip(_TRANSFER_FIELDS, row, strict=True)))
+
+    def append(self, rec: TransferRecord) -> None:
+        self._rows.append(_transfer_row(rec))
+
+    def keep_last(self, count: int) -> None:
+        while len(self._rows) > count:
+            self._rows.popleft()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._model(row) for row in list(self._rows)[index]]
+        return self._model(self._rows[index])
+
+    def __iter__(self) -> Iterator[TransferRecord]:
+        return (self._model(row) for row in self._rows)
+
+
 @dataclass
 class Table:
     workers: dict[str, WorkerRec] = field(default_factory=dict)
     models: dict[str, ModelRec] = field(default_factory=dict)
     leases: Leases = field(default_factory=Leases)
-    transfers: list[TransferRecord] = field(default_factory=list)
+    transfers: Transfers = field(default_factory=Transfers)
     max_transfers: int = 10_000
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
     plans: int = 0  # chunked plans made: rotates where the planner starts looking
@@ -277,8 +350,7 @@ class Table:
 
     def record(self, rec: TransferRecord) -> None:
         self.transfers.append(rec)
-        if len(self.transfers) > self.max_transfers:
-            del self.transfers[: len(self.transfers) - self.max_transfers]
+        self.transfers.keep_last(self.max_transfers)
 
     def drop_holder(self, worker_id: str, model: str | None = None,
                     version: int | None = None) -> None:

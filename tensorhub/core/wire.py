@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, RootModel, TypeAdapter, ValidationError
 
 from tensorhub.core.data_types import MAX_TENSORS, Announcement, Envelope, Reply
 
@@ -28,8 +28,75 @@ class WireError(ValueError):
     """A message that cannot be decoded into the expected model."""
 
 
+def _plain(cls: type[BaseModel]) -> bool:
+    """Whether a model's dump is its fields as they are (`__dict__`): no serializer, no
+    computed, excluded or extra fields, not a root model. The protocol's models all are."""
+    return (not issubclass(cls, RootModel) and cls.model_config.get("extra") != "allow"
+            and not cls.model_computed_fields
+            and not any(f.exclude for f in cls.model_fields.values())
+            and "'serialization'" not in repr(cls.__pydantic_core_schema__))
+
+
+_model_types: dict[type, bool] = {}  # model class -> plain (isinstance on models is slow)
+
+
+def _fields(obj: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: a model becomes its fields."""
+    plain = _model_types.get(type(obj))
+    if plain is None:
+        if not isinstance(obj, BaseModel):
+            raise TypeError(f"cannot encode a {type(obj).__name__} on the wire")
+        plain = _model_types[type(obj)] = _plain(type(obj))
+    return obj.__dict__ if plain else obj.model_dump(mode="python")
+
+
 def encode(model: BaseModel) -> bytes:
-    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)
+    """The model as a msgpack map, nested models as maps: the bytes of
+    `packb(model.model_dump(mode="python"))` (`tests/test_wire.py` pins it).
+
+    A plain model's fields go to msgpack as they are (its `__dict__`, validated values):
+    dumping them to dicts first only built a second tree of the same values (for a read plan
+    of 129 items, ~260 dicts: half the cost of encoding it, and garbage to collect).
+    """
+    return msgpack.packb(model, use_bin_type=True, default=_fields)
+
+
+class Packed:
+    """A value msgpack-encoded beforehand, which `encode_map` splices in as it is."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+def encode_map(fields: dict[str, Any]) -> bytes:
+    """A msgpack map of `fields` in their order: the bytes `encode` makes of a model with
+    these fields, except that a `Packed` value goes in as it was encoded before (a layout's
+    manifest, encoded once, not in every plan that carries it). At most 15 fields."""
+    if len(fields) > 15:
+        raise ValueError("encode_map makes fixmaps only (at most 15 fields)")
+    out, run = [bytes((0x80 | len(fields),))], {}
+    for key, value in fields.items():
+        if type(value) is Packed:
+            if run:  # the fields before it, less their fixmap header (one byte)
+                out.append(msgpack.packb(run, use_bin_type=True, default=_fields)[1:])
+                run = {}
+            out.append(msgpack.packb(key))
+            out.append(value.data)
+        else:
+            run[key] = value
+    if run:
+        out.append(msgpack.packb(run, use_bin_type=True, default=_fields)[1:])
+    return b"".join(out)
+
+
+def encode_array(items: list[bytes]) -> Packed:
+    """A msgpack array of values each encoded already (by `encode_map`, say)."""
+    n = len(items)
+    head = bytes((0x90 | n,)) if n < 16 else (
+        b"\xdc" + n.to_bytes(2, "big") if n < 2**16 else b"\xdd" + n.to_bytes(4, "big"))
+    return Packed(head + b"".join(items))
 
 
 def _unpack(data: bytes) -> Any:
