@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
         report.add(f"N={r.workers} worst / lower bound (vs ring)", r.tensorhub / lb, "x",
                    "ring", r.ring / lb, higher_is_better=False)
         report.add(f"N={r.workers} median / lower bound", r.tensorhub_median / lb, "x")
+        report.add(f"N={r.workers} worst / lower bound (vs optimum)", r.tensorhub / lb, "x",
+                   "optimum", r.optimum / lb, higher_is_better=False)
     report.write()
     print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
 

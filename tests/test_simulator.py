@@ -6,7 +6,7 @@ import math
 
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.sim.fleet import SimConfig, simulate
-from tensorhub.sim.sweep import ring_time, star_time
+from tensorhub.sim.sweep import optimum_time, ring_time, star_time
 
 SMALL = dict(model_bytes=64 << 20, tensor_bytes=16 << 20, chunk_bytes=4 << 20)
 
@@ -48,3 +48,12 @@ def test_holders_multiply_and_stay_busy_so_the_fleet_ends_near_the_lower_bound()
     result = simulate(config)
     assert result.unfinished == [] and len(result.finished) == 32
     assert result.ratio < 1.4 and result.median_ratio < 1.35
+
+
+def test_the_optimum_adds_log2_chunk_times_and_no_simulated_fleet_beats_it():
+    chunk = 4 << 20
+    one, seven = SimConfig(workers=1, **SMALL), SimConfig(workers=7, **SMALL)
+    chunk_time = chunk * 8 / (one.nic_gbps * 1e9)
+    assert math.isclose(optimum_time(one), one.lower_bound)
+    assert math.isclose(optimum_time(seven) - seven.lower_bound, 2 * chunk_time)
+    assert simulate(seven).worst >= optimum_time(seven)
