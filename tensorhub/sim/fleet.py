@@ -246,8 +246,10 @@ class _Worker:
         index = t.tag[1]
         self.done.add(index)
         self.planned.discard(index)
+        # memory with the first report only, as a real replica (the coordinator keeps it)
         self.sim.call(Progress(worker_id=self.id, model="m", version=1,
-                               layout_id=self.sim.layout_id, memory=self.sim.memory,
+                               layout_id=self.sim.layout_id,
+                               memory=None if len(self.done) > 1 else self.sim.memory,
                                chunks=[index]))
         self._fill()
 

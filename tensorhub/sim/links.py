@@ -21,8 +21,10 @@ class Nic:
     dc: str = ""
     node: str = ""
     alive: bool = True
-    sending: set[Transfer] = field(default_factory=set)
-    receiving: set[Transfer] = field(default_factory=set)
+    # insertion-ordered (dicts, not sets of objects hashed by address): events scheduled
+    # while walking them tie-break in a fixed order, so a run repeats exactly
+    sending: dict[Transfer, None] = field(default_factory=dict)
+    receiving: dict[Transfer, None] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -74,8 +76,8 @@ class Network:
         if not self.nics[src].alive or not self.nics[dst].alive:
             self.loop.at(self.loop.now, lambda: on_fail(t))
             return
-        self.nics[src].sending.add(t)
-        self.nics[dst].receiving.add(t)
+        self.nics[src].sending[t] = None
+        self.nics[dst].receiving[t] = None
         self._retime(src, dst)
 
     def kill(self, name: str) -> None:
@@ -85,7 +87,7 @@ class Network:
         stopped = list(nic.sending) + list(nic.receiving)
         for t in stopped:
             self._remove(t)
-        self._retime(*{t.dst if t.src == name else t.src for t in stopped})
+        self._retime(*dict.fromkeys(t.dst if t.src == name else t.src for t in stopped))
         for t in stopped:
             if t.src == name:
                 t.on_fail(t)
@@ -97,7 +99,7 @@ class Network:
 
     def _retime(self, *names: str) -> None:
         now = self.loop.now
-        touched = set()
+        touched: dict[Transfer, None] = {}
         for n in names:
             touched.update(self.nics[n].sending)
             touched.update(self.nics[n].receiving)
@@ -119,5 +121,5 @@ class Network:
 
     def _remove(self, t: Transfer) -> None:
         t.active = False
-        self.nics[t.src].sending.discard(t)
-        self.nics[t.dst].receiving.discard(t)
+        self.nics[t.src].sending.pop(t, None)
+        self.nics[t.dst].receiving.pop(t, None)
