@@ -73,7 +73,9 @@ def chunks_in(chunks: Sequence[Chunk], ranges: Iterable[ByteRange],
             raise ValueError(f"range {r.item}:{r.offset}+{r.nbytes} is outside the layout")
         for index, s in segs:
             lo, hi = max(r.offset, s.offset), min(end, s.offset + s.nbytes)
-            if lo < hi:
+            if lo == s.offset and hi == s.offset + s.nbytes:
+                pieces.append((index, s))  # a whole segment (the usual case): no new model
+            elif lo < hi:
                 pieces.append((index, ByteRange(item=r.item, offset=lo, nbytes=hi - lo)))
     pieces.sort(key=lambda p: (p[0], p[1].item, p[1].offset))
     return pieces
@@ -83,14 +85,13 @@ def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
     """Adjacent ranges of the same item joined: a short `missing` list for a re-plan. Always
     plain `ByteRange`s, also for a lone `ReadRange` of a failed plan (a `PlanRequest`'s
     `missing` refuses other types)."""
-    out: list[ByteRange] = []
+    runs: list[list[int]] = []  # [item, offset, nbytes]: models made once, at the end
     for r in sorted(ranges, key=lambda r: (r.item, r.offset)):
-        if out and out[-1].item == r.item and out[-1].offset + out[-1].nbytes == r.offset:
-            last = out.pop()
-            out.append(ByteRange(item=r.item, offset=last.offset, nbytes=last.nbytes + r.nbytes))
+        if runs and runs[-1][0] == r.item and runs[-1][1] + runs[-1][2] == r.offset:
+            runs[-1][2] += r.nbytes
         else:
-            out.append(ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes))
-    return out
+            runs.append([r.item, r.offset, r.nbytes])
+    return [ByteRange(item=i, offset=o, nbytes=n) for i, o, n in runs]
 
 
 def subtract(ranges: Iterable[ByteRange], covered: Iterable[ByteRange]) -> list[ByteRange]:
