@@ -84,22 +84,26 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     n = [r.workers for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(n, [r.tensorhub / r.lower_bound for r in rows], "o-", label="TensorHub (worst)")
-    ax.plot(n, [r.tensorhub_median / r.lower_bound for r in rows], "o--",
-            label="TensorHub (median)")
-    ax.plot(n, [r.optimum / r.lower_bound for r in rows], "k:",
-            label="optimum (binomial pipeline, same chunks)")
-    ax.plot(n, [r.ring / r.lower_bound for r in rows], "s-", label="ring (chain pipeline)")
-    ax.plot(n, [r.star / r.lower_bound for r in rows], "^-", label="star (all from trainer)")
-    ax.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
-    ax.set_xscale("log", base=2)
+    # left: every curve (log scale, the star and ring run away); right: the same close up
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for a in (ax, zoom):
+        a.plot(n, [r.tensorhub / r.lower_bound for r in rows], "o-", label="TensorHub (worst)")
+        a.plot(n, [r.tensorhub_median / r.lower_bound for r in rows], "o--",
+               label="TensorHub (median)")
+        a.plot(n, [r.optimum / r.lower_bound for r in rows], "k:",
+               label="optimum (binomial pipeline, same chunks)")
+        a.plot(n, [r.ring / r.lower_bound for r in rows], "s-", label="ring (chain pipeline)")
+        a.plot(n, [r.star / r.lower_bound for r in rows], "^-", label="star (all from trainer)")
+        a.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
+        a.set_xscale("log", base=2)
+        a.set_xlabel("replicas (N)")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xlabel("replicas (N)")
     ax.set_ylabel("completion time / lower bound")
     ax.set_title("Simulated fan-out of one version (real planner)")
     ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    zoom.set_ylim(0.98, 1.32)
+    zoom.set_title("close up: 1.0 - 1.3 x the lower bound")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
