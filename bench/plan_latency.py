@@ -13,7 +13,7 @@ process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
 Printed per offered rate: plan p50/p99 (chunked and whole-item) beside heartbeat latency
 (the socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
 Then the time inside `Coordinator.handle` per plan, free of scheduling on a shared machine.
-`python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000] [--seconds 10]`.
+`python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000,2000] [--seconds 10]`.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def _pct(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, default=4096)
-    parser.add_argument("--rates", default="250,500,1000",
+    parser.add_argument("--rates", default="250,500,1000,2000",
                         help="offered plan requests per second, one run each (comma list)")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each run")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
