@@ -300,6 +300,22 @@ def test_an_idle_holder_gives_more_chunks_while_no_reader_waits_for_a_first(flee
     assert source_by_item(plan) == {0: fleet.trainer, 1: fleet.trainer, 2: fleet.trainer}
 
 
+def test_a_reader_already_reading_gets_one_chunk_even_from_an_idle_lone_holder(fleet_of):
+    # its first stream holds a lease on `a`; a long lease from the trainer for the second
+    # stream would leave the first nothing to plan when it comes back: no striping
+    fleet = fleet_of(rarest_first=False, max_chunks_from_idle_source=3)
+    a = fleet.join("a", dc="dc0")
+    fleet.hold(a)
+    reader = fleet.join("r", dc="dc0")
+    first = fleet.plan(reader)
+    assert set(source_by_item(first).values()) == {a}
+    left = [ByteRange(item=k, offset=0, nbytes=ITEM) for k in range(4)
+            if k not in source_by_item(first)]
+    second = fleet.plan(reader, missing=left)
+    assert set(source_by_item(second).values()) == {fleet.trainer}
+    assert len(source_by_item(second)) == 1
+
+
 def test_a_readers_memory_comes_with_its_first_progress_report_only(fleet_of):
     fleet = fleet_of(rarest_first=False)
     reader = fleet.join("r", dc="dc0")

@@ -146,8 +146,11 @@ def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
     someone_starving = len(starving) > (reader_id in starving)
     cap = 1 if reading and someone_starving else config.max_readers_per_holder
     try:
+        # (A reader already reading on another stream gets one chunk even so: a long
+        # lease here would leave its other stream nothing to plan, so no striping.)
         plan = _plan_chunks(table, layout, layout_id, reader, config, pieces, my_dc, cap,
-                            idle_room=(config.max_chunks_per_source if someone_starving
+                            idle_room=(config.max_chunks_per_source
+                                       if someone_starving or reading
                                        else config.max_chunks_from_idle_source))
     except NoSource as exc:
         if exc.busy and not reading and not (reader_id in layout.partial
