@@ -109,6 +109,12 @@ def test_plans_for_an_unknown_model_or_version_say_what_exists(coordinator):
                 client.call(PlanRequest(worker_id=rep.session.worker_id, model="nope"))
 
 
+def test_a_workers_session_sends_requests_that_name_no_worker_as_they_are(coordinator):
+    with Replica(coordinator.address, "policy", STATE, transport="zmq") as rep:
+        status = rep.session.call(StatusRequest())  # (it used to gain a worker_id: refused)
+        assert rep.session.worker_id in {w["worker_id"] for w in status.workers}
+
+
 def test_requests_from_an_unknown_worker_are_told_to_register(coordinator):
     client = CoordinatorClient(coordinator.address)
     with pytest.raises(CoordinatorError, match="register again") as err:

@@ -86,6 +86,14 @@ def test_encoding_packs_a_models_fields_as_its_dump_would(model):
     assert encode(model) == msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)
 
 
+def test_a_copy_with_a_key_that_is_no_field_encodes_as_its_dump_would():
+    """`model_copy(update=...)` does not validate: a stray key must not reach the wire,
+    where the peer's strict model refuses it (as a dump drops it, so does `encode`)."""
+    copied = StatusRequest().model_copy(update={"worker_id": "w-1"})
+    assert encode(copied) == msgpack.packb({"type": "status"}, use_bin_type=True)
+    assert decode_envelope(encode(Envelope(request=copied))).request == StatusRequest()
+
+
 def test_every_protocol_model_is_packed_from_its_fields():
     """The fast path applies to all of them (a serializer added to one would fall back)."""
     import inspect

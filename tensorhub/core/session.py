@@ -80,17 +80,21 @@ class WorkerSession:
                     if exc.code != "busy":
                         self._holds.pop((model, version), None)
 
+    def _as_me(self, request):
+        """`request` sent as this worker (requests that name no worker go as they are)."""
+        if "worker_id" not in type(request).model_fields:
+            return request
+        return request.model_copy(update={"worker_id": self.worker_id})
+
     def call(self, request, timeout: float | None = None):
         """Call the coordinator as this worker; recover once if it has forgotten us."""
         try:
-            return self.client.call(request.model_copy(update={"worker_id": self.worker_id}),
-                                    timeout)
+            return self.client.call(self._as_me(request), timeout)
         except CoordinatorError as exc:
             if exc.code != "unknown_worker":
                 raise
         self._recover()
-        return self.client.call(request.model_copy(update={"worker_id": self.worker_id}),
-                                timeout)
+        return self.client.call(self._as_me(request), timeout)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):

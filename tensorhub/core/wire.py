@@ -37,17 +37,27 @@ def _plain(cls: type[BaseModel]) -> bool:
             and "'serialization'" not in repr(cls.__pydantic_core_schema__))
 
 
-_model_types: dict[type, bool] = {}  # model class -> plain (isinstance on models is slow)
+# model class -> its field names if plain, else None (isinstance on models is slow)
+_model_types: dict[type, tuple[str, ...] | None] = {}
 
 
 def _fields(obj: Any) -> Any:
     """msgpack's hook for what it cannot pack itself: a model becomes its fields."""
-    plain = _model_types.get(type(obj))
-    if plain is None:
+    cls = type(obj)
+    try:
+        names = _model_types[cls]
+    except KeyError:
         if not isinstance(obj, BaseModel):
-            raise TypeError(f"cannot encode a {type(obj).__name__} on the wire")
-        plain = _model_types[type(obj)] = _plain(type(obj))
-    return obj.__dict__ if plain else obj.model_dump(mode="python")
+            raise TypeError(f"cannot encode a {cls.__name__} on the wire") from None
+        names = _model_types[cls] = tuple(cls.model_fields) if _plain(cls) else None
+    if names is None:
+        return obj.model_dump(mode="python")
+    values = obj.__dict__
+    if len(values) == len(names):
+        return values
+    # `model_copy(update=...)` can leave a key that is no field in `__dict__`: a dump drops
+    # it, and so does this (the peer's strict model would refuse it)
+    return {k: values[k] for k in names}
 
 
 def encode(model: BaseModel) -> bytes:
