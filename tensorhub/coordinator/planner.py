@@ -19,7 +19,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from tensorhub.coordinator.table import LayoutRec, StoredMemory, Table, WorkerRec
+from tensorhub.coordinator.table import HolderRec, LayoutRec, PartialRec, Table, WorkerRec
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_in
 from tensorhub.core.data_types import ByteRange, ReadRange
 
@@ -36,8 +36,8 @@ class PlannerConfig:
     # One chunk a lease from a contended holder: every chunk is matched afresh (the rarest,
     # from whichever holder is free now) and a holder's slot frees after one chunk time.
     # Two a lease (the earlier default) left fleets of 1024-4096 at 1.22-1.26 x the lower
-    # bound in the simulator, rising with N; one gives 1.13-1.17 from 8 to 1024, flat
-    # (the cost: a plan round trip per chunk, ~0.03 of the bound at N = 8).
+    # bound in the simulator, rising with N; one gives 1.14-1.19 from 8 to 4096, 0.08-0.13
+    # above the optimum at every N (the cost: a plan round trip per chunk, ~0.04 at N = 8).
     max_chunks_per_source: int = 1
     # ... but the only usable holder, when idle and no reader waits for a first chunk, gives
     # up to this many: a reader with a holder to itself (one replica, the tail of a fan-out)
@@ -99,7 +99,7 @@ def plan_ranges(table: Table, layout: LayoutRec, reader: str, config: PlannerCon
 @dataclass
 class ChunkPlan:
     ranges: list[ReadRange]
-    memory: dict[str, StoredMemory]  # each source's regions (partial or complete)
+    sources: dict[str, HolderRec | PartialRec]  # each source's copy (its regions)
     complete: bool  # False: some missing chunks are left for a later plan
     remote_into: str | None  # the reader's dc, if a source lies outside it
     chunks: tuple[int, ...] = ()  # the chunks planned
@@ -212,7 +212,7 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
     reads = table.leases.chunk_reads
     taken: set[int] = set()
     ranges: list[ReadRange] = []
-    memory: dict[str, StoredMemory] = {}
+    sources: dict[str, HolderRec | PartialRec] = {}
     remote_chosen = False
     for key in heapq.nsmallest(config.max_sources_per_plan, seen):
         hid = key[-1]
@@ -239,8 +239,8 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
             ranges.extend(ReadRange(item=p.item, offset=p.offset, nbytes=p.nbytes, source=hid)
                           for p in want[c])
         rec = layout.holders.get(hid)
-        memory[hid] = rec.memory if rec is not None else layout.partial[hid].memory
+        sources[hid] = rec if rec is not None else layout.partial[hid]
     if not ranges:
         raise NoSource(busy=True)
-    return ChunkPlan(ranges, memory, len(taken) == len(want),
+    return ChunkPlan(ranges, sources, len(taken) == len(want),
                      my_dc if remote_chosen else None, tuple(sorted(taken)))

@@ -534,25 +534,13 @@ class Coordinator:
             raise self._no_source(exc, req.model, version,
                                   "no free holder has a chunk this reader is missing yet") from None
         lease = self.table.new_lease(req.worker_id, req.model, version, lid,
-                                     set(chunked.memory), self.config.lease_ttl,
+                                     set(chunked.sources), self.config.lease_ttl,
                                      remote_into=chunked.remote_into, chunks=chunked.chunks)
         workers = self.table.workers
         return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
                      float(self.config.lease_ttl),
-                     [(workers[sid], self._holding(layout, sid, memory))
-                      for sid, memory in chunked.memory.items()],
+                     [(workers[sid], rec) for sid, rec in chunked.sources.items()],
                      chunked.ranges, self.config.planner.chunk_bytes, chunked.complete)
-
-    @staticmethod
-    def _holding(layout: LayoutRec, sid: str, memory) -> HolderRec | PartialRec:
-        """The record of `sid`'s copy whose regions the planner gave (which keeps them
-        encoded for plans): complete, else partial."""
-        rec = layout.holders.get(sid)
-        if rec is None or rec.memory is not memory:
-            rec = layout.partial.get(sid)
-        if rec is None or rec.memory is not memory:
-            return HolderRec(sid, memory)  # (not the planner's way: never kept)
-        return rec
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
