@@ -28,9 +28,11 @@ DEFAULT_TIMEOUT = 10.0
 BUSY_RETRY_JITTER = 0.5
 
 
-def busy_wait(retry_after: float) -> float:
-    """How long a reader refused as busy waits before asking again."""
-    return retry_after * (1 + BUSY_RETRY_JITTER * random.uniform(-1.0, 1.0))
+def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
+              rng: random.Random | None = None) -> float:
+    """How long a reader refused as busy waits before asking again (the simulator passes its
+    own seeded `rng` and jitter)."""
+    return retry_after * (1 + jitter * (rng or random).uniform(-1.0, 1.0))
 
 
 def token_from_env() -> str | None:

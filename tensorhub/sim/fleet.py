@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_of, merge
-from tensorhub.core.client import BUSY_RETRY_JITTER
+from tensorhub.core.client import BUSY_RETRY_JITTER, busy_wait
 from tensorhub.core.data_types import (
     Endpoint,
     Envelope,
@@ -190,9 +190,7 @@ class _Worker:
         if isinstance(reply, ErrorReply):
             if reply.code == "busy":
                 sim.busy += 1
-            wait = reply.retry_after or 1.0
-            if sim.config.retry_jitter:
-                wait *= 1 + sim.config.retry_jitter * (2 * sim.rng.random() - 1)
+            wait = busy_wait(reply.retry_after or 1.0, sim.config.retry_jitter, sim.rng)
             sim.loop.at(sim.loop.now + wait, self.ask)
             return
         pending: list[tuple[int, str, int]] = []
