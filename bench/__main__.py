@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from integration.engine_venvs import engine_python
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> (arguments, quick arguments)
@@ -31,10 +33,6 @@ ENGINES = {
 }
 
 
-def _venv_python(kind: str) -> str:
-    venv = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), kind], check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return str(Path(venv) / "bin" / "python")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             python, (full, quick) = sys.executable, CORE[name]
         else:
             kind, full, quick = ENGINES[name]
-            python = _venv_python(kind)
+            python = engine_python(kind)
         cmd = [python, "-m", f"bench.{name}", *(quick if args.quick else full)]
         print(f"\n=== bench.{name}: {' '.join(cmd[1:])}", flush=True)
         started = time.monotonic()

@@ -6,6 +6,7 @@ session-scoped and every process is stopped by PID at teardown.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -15,14 +16,20 @@ from integration.engine_venvs import engine_python
 from tensorhub.processes import ChildProcess
 
 
+def _engine_python(target: str) -> str:
+    if os.environ.get("TENSORHUB_TEST_ENGINES", "1") == "0":
+        pytest.skip(f"TENSORHUB_TEST_ENGINES=0: no {target} venv, so no {target} server")
+    return engine_python(target)
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    return engine_python("vllm")
+    return _engine_python("vllm")
 
 
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
-    return engine_python("sglang")
+    return _engine_python("sglang")
 
 
 @pytest.fixture(scope="module")
