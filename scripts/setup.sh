@@ -30,12 +30,12 @@ if [ ! -f "$venv/.tensorhub-ready" ]; then
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip >&2
+  "$venv/bin/pip" install -qq --upgrade pip >&2
   # Install line by line in file order: torch (CPU wheel) must land before packages that
   # would otherwise pull a CUDA build of it.
   sed -e 's/[[:space:]]*#.*$//' "$req" | grep -vE '^\s*$' | while read -r line; do
     step=$SECONDS
-    "$venv/bin/pip" install -q $line >&2
+    "$venv/bin/pip" install -qq $line >&2
     echo "setup.sh:   $target: $line ($((SECONDS - step)) s)" >&2
   done
   if [ -f "$post" ]; then VENV="$venv" bash "$post" >&2; fi
@@ -45,6 +45,6 @@ fi
 # The project itself, editable, so the console script `tensorhub` and the engine entry points
 # point at this clone. Its own dependencies (pyproject.toml, no torch) are installed too;
 # already satisfied ones cost nothing, so this takes seconds.
-"$venv/bin/pip" install -q -e "$here" >&2
+"$venv/bin/pip" install -qq -e "$here" >&2
 echo "setup.sh: $target venv ready: $venv ($((SECONDS - started)) s)" >&2
 echo "$venv"
