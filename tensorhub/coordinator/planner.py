@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tensorhub.coordinator.table import HolderRec, LayoutRec, PartialRec, Table, WorkerRec
@@ -62,9 +63,10 @@ class NoSource(Exception):
 
 
 def plan_ranges(table: Table, layout: LayoutRec, reader: str, config: PlannerConfig,
-                missing: list[ByteRange] | None = None) -> list[ReadRange]:
+                missing: list[ByteRange] | None = None,
+                avoid: Collection[str] = ()) -> list[ReadRange]:
     """Ranges for `reader` to read: every item whole, or only the `missing` ranges left
-    after a failed read (re-planning reads nothing twice)."""
+    after a failed read (re-planning reads nothing twice), from no holder in `avoid`."""
     # A bounded scan from a rotating start, as for chunked plans: a plan's cost stays flat in
     # the fleet's size (scanning all 2048 holders took ~5 ms a plan). A fleet with fewer
     # free holders than `scan_limit` is scanned whole: the least loaded, oldest one wins.
@@ -77,7 +79,7 @@ def plan_ranges(table: Table, layout: LayoutRec, reader: str, config: PlannerCon
             break
         budget -= 1
         worker = table.workers.get(hid)
-        if layout.holders[hid].withdrawn or worker is None or hid == reader:
+        if layout.holders[hid].withdrawn or worker is None or hid == reader or hid in avoid:
             continue
         live = True
         load = table.active_reads(hid)
@@ -115,9 +117,10 @@ def _distance(reader: WorkerRec, holder: WorkerRec) -> int:
 
 
 def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
-                config: PlannerConfig, missing: list[ByteRange] | None = None) -> ChunkPlan:
+                config: PlannerConfig, missing: list[ByteRange] | None = None,
+                avoid: Collection[str] = ()) -> ChunkPlan:
     """Ranges for `reader_id`: its missing bytes (everything, if None, less the chunks it
-    has reported) cut at chunk boundaries.
+    has reported) cut at chunk boundaries, from no holder in `avoid` (ones it failed on).
 
     Holders first, chunks second (as BitTorrent picks peers, then pieces): among the
     holders that are free and have something this reader lacks, the least loaded (an
@@ -148,7 +151,7 @@ def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
     try:
         # (A reader already reading on another stream gets one chunk even so: a long
         # lease here would leave its other stream nothing to plan, so no striping.)
-        plan = _plan_chunks(table, layout, layout_id, reader, config, pieces, my_dc, cap,
+        plan = _plan_chunks(table, layout, layout_id, reader, config, pieces, my_dc, cap, avoid,
                             idle_room=(config.max_chunks_per_source
                                        if someone_starving or reading
                                        else config.max_chunks_from_idle_source))
@@ -164,7 +167,7 @@ def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
 
 def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: WorkerRec,
                  config: PlannerConfig, pieces: list[tuple[int, ByteRange]],
-                 my_dc: str, cap: int, idle_room: int) -> ChunkPlan:
+                 my_dc: str, cap: int, avoid: Collection[str], idle_room: int) -> ChunkPlan:
     reader_id = reader.worker_id
     want: dict[int, list[ByteRange]] = {}
     for index, piece in pieces:
@@ -183,8 +186,8 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
         if load >= cap:
             return None
         worker = workers.get(hid)
-        if worker is None or hid == reader_id or (reader_id, hid) in pairs:
-            return None  # gone, myself, or one stream from it already (one per source)
+        if worker is None or hid == reader_id or (reader_id, hid) in pairs or hid in avoid:
+            return None  # gone, myself, one stream from it already (one per source), failed
         rec = holders.get(hid)
         if (rec is not None and rec.withdrawn) or (rec is None and hid not in partial):
             return None  # withdrew or left since the list was made

@@ -20,6 +20,7 @@ import msgpack
 import zmq
 
 from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
+from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.coordinator.table import (
     HolderRec,
     LayoutRec,
@@ -93,6 +94,7 @@ class CoordinatorConfig:
     lease_ttl: float = 120.0
     busy_retry: float = 0.05
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
 
 
@@ -172,6 +174,7 @@ class Coordinator:
         self.config = config
         self.clock = clock
         self.table = Table(clock=clock)
+        self.trust = Trust(config.trust, clock)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -476,13 +479,14 @@ class Coordinator:
                          f"known layouts: {', '.join(vrec.layouts)}")
         if req.chunked:
             return self._plan_chunked(req, vrec.version, lid, layout)
+        avoid = self.trust.avoided(req.worker_id)
         try:
             ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner,
-                                 req.missing)
+                                 req.missing, avoid)
         except ValueError as exc:
             raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
-            raise self._no_source(exc, req.model, vrec.version,
+            raise self._no_source(exc, req.worker_id, req.model, vrec.version, layout, avoid,
                                   "every holder is serving its maximum of readers") from None
         source_ids = {r.source for r in ranges}
         lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
@@ -515,8 +519,22 @@ class Coordinator:
         """Whether a plan carries the manifest and checksums: unless the reader has them."""
         return not (req.known_manifest and req.version != "latest")
 
-    def _no_source(self, exc: NoSource, model: str, version: int, busy: str) -> Reject:
-        """`busy` (retry soon) when holders exist but are all serving; else `no_holder`."""
+    def _no_source(self, exc: NoSource, reader: str, model: str, version: int,
+                   layout: LayoutRec, avoid, busy: str) -> Reject:
+        """`unreachable` when this reader failed on every holder there is (its own fault,
+        most likely: the others read them); `busy` (retry soon) when holders exist but are
+        all serving; else `no_holder`."""
+        serving = layout.serving()
+        if avoid and serving and all(h in avoid for h in serving):
+            names = ", ".join(sorted(self.table.workers[h].name for h in serving
+                                     if h in self.table.workers)[:8])
+            return Reject(
+                "unreachable",
+                f"{self.table.workers[reader].name} could not read {model!r} v{version} "
+                f"from any holder ({names}) while they still heartbeat, so this worker's "
+                f"transport is the likely fault: check that it reaches other hosts "
+                f"(UCX_NET_DEVICES, UCX_TLS, TENSORHUB_TRANSPORT, firewalls). They are "
+                f"offered to it again after {self.config.trust.window:.0f} s")
         if exc.busy:
             return Reject("busy", busy, retry_after=self.config.busy_retry)
         return Reject("no_holder", f"no live holder of {model!r} v{version} is left; the "
@@ -525,13 +543,14 @@ class Coordinator:
     def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
                       layout: LayoutRec) -> _Plan:
         """A plan per chunk, from complete and partial holders (see `plan_chunks`)."""
+        avoid = self.trust.avoided(req.worker_id)
         try:
             chunked = plan_chunks(self.table, layout, lid, req.worker_id, self.config.planner,
-                                  req.missing)
+                                  req.missing, avoid)
         except ValueError as exc:
             raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
-            raise self._no_source(exc, req.model, version,
+            raise self._no_source(exc, req.worker_id, req.model, version, layout, avoid,
                                   "no free holder has a chunk this reader is missing yet") from None
         lease = self.table.new_lease(req.worker_id, req.model, version, lid,
                                      set(chunked.sources), self.config.lease_ttl,
@@ -581,14 +600,26 @@ class Coordinator:
                 reader=reader.name, source=source.name if source else sid, model=lease.model,
                 version=lease.version, nbytes=req.nbytes, seconds=req.seconds, ok=req.ok,
                 error=req.error))
-        if not req.ok and not req.failed_holders:
+        if req.ok:
+            self.trust.read_ok(req.worker_id)
+        elif not req.failed_holders:
             # The reader gave up (not a source failure it will re-plan around): its partial
             # buffers may be reused, so it serves none of them any more.
             self.table.drop_partial(req.worker_id, lease.model, lease.version)
         for failed in req.failed_holders:
-            if failed in lease.sources:
-                log.warning("%s reports holder %s failed: %s", req.worker_id, failed, req.error)
+            if failed not in lease.sources:
+                continue
+            holder = self.table.workers.get(failed)
+            if self.trust.report(req.worker_id, failed,
+                                 protected=holder is not None and holder.role == "trainer"):
+                log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
+                            "dropping its reference", lease.model, lease.version,
+                            holder.name if holder else failed, reader.name, req.error)
                 self.table.drop_holder(failed, lease.model, lease.version)
+            else:
+                log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
+                            reader.name, lease.model, lease.version,
+                            holder.name if holder else failed, req.error)
         self._finish_withdrawals(lease.sources, lease.model, lease.version)
         return _ACK
 
@@ -672,6 +703,7 @@ class Coordinator:
         if self.table.workers.pop(worker_id, None) is None:
             return
         log.info("worker %s %s: dropping its references and reads", worker_id, why)
+        self.trust.forget(worker_id)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
             self._finish_withdrawals(lease.sources, lease.model, lease.version)

@@ -267,6 +267,7 @@ class ErrorReply(Strict):
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
         "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
+        "unreachable",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None

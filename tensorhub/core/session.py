@@ -16,6 +16,8 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import Heartbeat, Hold, Register, Unregister, Withdraw
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
+from tensorhub.core.net import local_address_towards, reachable_announce
+from tensorhub.core.topology import worker_labels
 from tensorhub.core.transport import Transport, make_transport
 
 log = logging.getLogger("tensorhub.session")
@@ -34,10 +36,11 @@ class WorkerSession:
     ):
         self.name = name
         self.role = role
-        self.labels = dict(labels or {})
+        self.labels = worker_labels(labels)
         self.transport = (
             transport if isinstance(transport, Transport)
-            else make_transport(transport, worker_name=f"{name}-{uuid.uuid4().hex[:8]}")
+            else make_transport(transport, worker_name=f"{name}-{uuid.uuid4().hex[:8]}",
+                                host=local_address_towards(coordinator))
         )
         self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
         self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
@@ -60,7 +63,8 @@ class WorkerSession:
         )
         self.worker_id = reply.worker_id
         self.heartbeat_interval = reply.heartbeat_interval
-        self.announce_address = reply.announce_address
+        self.announce_address = reachable_announce(reply.announce_address,
+                                                   self.client.address)
 
     def _recover(self) -> None:
         """The coordinator forgot us: register again and re-announce what we hold."""

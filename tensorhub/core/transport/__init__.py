@@ -21,7 +21,10 @@ def default_transport() -> str:
     return os.environ.get("TENSORHUB_TRANSPORT", "auto")
 
 
-def make_transport(name: str | None = None, worker_name: str | None = None) -> Transport:
+def make_transport(name: str | None = None, worker_name: str | None = None,
+                   host: str = "127.0.0.1") -> Transport:
+    """`host`: the address this worker advertises to peers (the zmq fallback binds it; see
+    `net.local_address_towards`)."""
     name = name or default_transport()
     if name == "nixl":
         from tensorhub.core.transport.nixl import NixlTransport
@@ -30,7 +33,7 @@ def make_transport(name: str | None = None, worker_name: str | None = None) -> T
     if name == "zmq":
         from tensorhub.core.transport.zmq import ZmqTransport
 
-        return ZmqTransport()
+        return ZmqTransport(host=host)
     if name == "cma":
         from tensorhub.core.transport.cma import CmaTransport
 

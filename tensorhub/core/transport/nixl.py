@@ -2,13 +2,14 @@
 
 Descriptors travel as plain (addr, nbytes, device) triples in our own pydantic models, never
 as NIXL's pickled descriptor lists. Agent metadata is NIXL's own binary blob, passed through
-untouched. Defaults for a single host (UCX over loopback, `cma` for a true one-sided READ)
-are set only when the user has not set them.
+untouched. UCX defaults that fit the host (`net.ucx_defaults`) are set only where the user
+has not set them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -20,12 +21,11 @@ import torch
 from tensorhub.core.data_types import Endpoint
 from tensorhub.core.errors import TransferError
 from tensorhub.core.memory import describe
+from tensorhub.core.net import ucx_defaults
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
-UCX_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
 # GPU switch (untested here: no GPU): same-host VRAM reads by CUDA IPC (UCX `cuda_ipc`).
 CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
-UCX_TLS_CUDA_IPC = "tcp,cma,cuda_copy,cuda_ipc"
 # NIXL's Python API starts its progress thread with no delay between polls: an idle agent
 # then burns a whole core (measured: 3.0 CPU-s per 3 s), which on a 2-core engine host
 # halves everything else. A 100 us pause costs ~3% of a core. It must stay short: over
@@ -34,14 +34,20 @@ UCX_TLS_CUDA_IPC = "tcp,cma,cuda_copy,cuda_ipc"
 # 686 MiB took 22 s instead of 3.6 s (50 us) on this busy 2-core machine.
 PROGRESS_DELAY_US = int(os.environ.get("TENSORHUB_NIXL_PROGRESS_US", "100"))
 _agent_lock = threading.Lock()
+log = logging.getLogger("tensorhub.transport.nixl")
 
 
 def apply_ucx_defaults() -> None:
-    """Single-host defaults; set UCX_NET_DEVICES / UCX_TLS yourself for a real network."""
-    if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") != "0":
-        for key, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(key, UCX_TLS_CUDA_IPC if CUDA_IPC and key == "UCX_TLS"
-                                  else value)
+    """UCX settings that fit this host (`net.ucx_defaults`: loopback only where there is no
+    other interface, tcp+cma where there is no RDMA), for the variables the user left unset.
+    They go into the environment because that is how UCX is configured; a variable the user
+    set is never touched, and TENSORHUB_UCX_DEFAULTS=0 turns this off."""
+    if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") == "0":
+        return
+    applied = {k: v for k, v in ucx_defaults(CUDA_IPC).items() if k not in os.environ}
+    os.environ.update(applied)
+    if applied:
+        log.debug("UCX defaults for this host: %s", applied)
 
 
 class NixlTransport(Transport):
@@ -56,6 +62,7 @@ class NixlTransport(Transport):
         self._lock = threading.RLock()
         self._registered: dict[tuple[int, int], object] = {}
         self._peers: dict[str, tuple[str, str]] = {}  # worker_id -> (agent name, metadata hash)
+        self._peer_locks: dict[str, threading.Lock] = {}  # worker_id -> held for a read
 
     def register(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
@@ -100,12 +107,20 @@ class NixlTransport(Transport):
         self._peers[peer.worker_id] = (name, digest)
         return name
 
+    def _peer_lock(self, worker_id: str) -> threading.Lock:
+        with self._lock:
+            return self._peer_locks.setdefault(worker_id, threading.Lock())
+
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
+        """Reads from one peer run one at a time (its connection state is theirs); reads
+        from different peers overlap: the agent is created thread-safe (`make_agent`), so
+        only our own maps are locked, not the transfer."""
         if not ops:
             return
         check_ops(ops)
-        with self._lock:
-            remote_agent = self._connect(peer)
+        with self._peer_lock(peer.worker_id):
+            with self._lock:
+                remote_agent = self._connect(peer)
             groups: dict[tuple[str, str], list[ReadOp]] = {}
             for op in ops:
                 groups.setdefault((describe(op.local).mem, op.remote.mem), []).append(op)
@@ -165,7 +180,7 @@ class NixlTransport(Transport):
                 time.sleep(0.0002)
 
     def forget_peer(self, worker_id: str) -> None:
-        with self._lock:
+        with self._peer_lock(worker_id), self._lock:  # never under a read in flight
             known = self._peers.pop(worker_id, None)
             if known is not None:
                 try:
@@ -174,9 +189,9 @@ class NixlTransport(Transport):
                     pass
 
     def close(self) -> None:
+        for worker_id in list(self._peers):
+            self.forget_peer(worker_id)
         with self._lock:
-            for worker_id in list(self._peers):
-                self.forget_peer(worker_id)
             for descs in self._registered.values():
                 try:
                     self._agent.deregister_memory(descs)
@@ -186,10 +201,12 @@ class NixlTransport(Transport):
 
 
 def make_agent(name: str):
-    """A NIXL agent with a UCX backend and a progress thread that sleeps between polls."""
+    """A NIXL agent with a UCX backend, a progress thread that sleeps between polls, and
+    NIXL's own locking on every call (`NIXL_THREAD_SYNC_STRICT`): several threads of a
+    worker (striped streams, a holder registering) use it at once."""
     import importlib
 
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     api = importlib.import_module(nixl_agent.__module__)
     create = api.nixlBind.nixlAgent
@@ -201,7 +218,8 @@ def make_agent(name: str):
     with _agent_lock:  # the wrapper hard-codes pthrDelay=0; set ours just before creation
         api.nixlBind.nixlAgent = create_with_delay
         try:
-            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+            return nixl_agent(name, nixl_agent_config(
+                backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         finally:
             api.nixlBind.nixlAgent = create
 

@@ -5,6 +5,12 @@ memory it registered (and nothing else: an address outside registered memory is 
 The reader keeps a window of chunk requests in flight and receives every frame straight
 into its preallocated destination (`recv_into`), so memory use stays bounded and the
 stream stays full. CPU memory only.
+
+Locks: the server thread only needs the registry of buffers (`_buffers_lock`, held for a
+lookup), and each peer's client socket has a lock of its own, held for a whole read. So two
+workers reading from each other at once never wait on each other, and reads from two
+peers (striping) run side by side. The server binds the address this worker advertises
+(`host`, see `net.local_address_towards`), so peers on other hosts can reach it.
 """
 
 from __future__ import annotations
@@ -40,28 +46,32 @@ class ZmqTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1"):
         self._ctx = zmq.Context.instance()
-        self._lock = threading.RLock()
+        self._buffers_lock = threading.Lock()
         self._buffers: dict[int, torch.Tensor] = {}  # addr -> uint8 buffer
+        self._clients_lock = threading.Lock()
+        self._clients: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
+        host = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._server.setsockopt(zmq.IPV6, 1)
         port = self._server.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tensorhub-zmq-serve",
                                         daemon=True)
         self._thread.start()
-        self._clients: dict[str, zmq.Socket] = {}
 
     # ----------------------------------------------------------------- holder side
     def register(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
+        with self._buffers_lock:
             for b in buffers:
                 if b.device.type != "cpu":
                     raise ValueError("the zmq fallback transport serves CPU memory only")
                 self._buffers[b.data_ptr()] = b.view(torch.uint8).reshape(-1)
 
     def deregister(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
+        with self._buffers_lock:
             for b in buffers:
                 self._buffers.pop(b.data_ptr(), None)
 
@@ -69,7 +79,7 @@ class ZmqTransport(Transport):
         return Endpoint(transport="zmq", address=self.address)
 
     def _lookup(self, addr: int, nbytes: int) -> np.ndarray | None:
-        with self._lock:
+        with self._buffers_lock:
             for base, buf in self._buffers.items():
                 if base <= addr and addr + nbytes <= base + buf.numel():
                     return buf.numpy()[addr - base : addr - base + nbytes]
@@ -112,20 +122,24 @@ class ZmqTransport(Transport):
             pass
 
     # ----------------------------------------------------------------- reader side
-    def _client(self, peer: Peer) -> zmq.Socket:
+    def _client(self, peer: Peer) -> tuple[zmq.Socket, threading.Lock]:
+        """The peer's client socket and its lock (made on first use, or again when the
+        peer's address changed)."""
         address = peer.endpoint.address
         if peer.endpoint.transport != "zmq" or not address:
             raise TransferError(f"holder {peer.worker_id} has no zmq endpoint", peer.worker_id)
-        sock = self._clients.get(peer.worker_id)
-        if sock is None or sock.getsockopt(zmq.LAST_ENDPOINT) != address.encode():
-            if sock is not None:
-                sock.close(0)
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
-            sock.connect(address)
-            self._clients[peer.worker_id] = sock
-        return sock
+        with self._clients_lock:
+            entry = self._clients.get(peer.worker_id)
+            if entry is None or entry[0].getsockopt(zmq.LAST_ENDPOINT) != address.encode():
+                if entry is not None:
+                    with entry[1]:
+                        entry[0].close(0)
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+                sock.connect(address)
+                entry = self._clients[peer.worker_id] = (sock, threading.Lock())
+            return entry
 
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
         check_ops(ops)
@@ -137,14 +151,17 @@ class ZmqTransport(Transport):
             for off in range(0, op.remote.nbytes, CHUNK):
                 n = min(CHUNK, op.remote.nbytes - off)
                 chunks.append((op.remote.addr + off, dest[off : off + n]))
-        with self._lock:
-            sock = self._client(peer)
-            try:
-                self._pump(sock, peer, chunks, timeout)
-            except TransferError:
-                # A half-read reply would confuse the next read: start over with a new socket.
-                self.forget_peer(peer.worker_id)
-                raise
+        while True:
+            sock, lock = self._client(peer)
+            with lock:
+                if sock.closed:  # forgotten meanwhile: take the fresh socket
+                    continue
+                try:
+                    return self._pump(sock, peer, chunks, timeout)
+                except TransferError:
+                    # A half-read reply would confuse the next read: a new socket next time.
+                    self._drop_client(peer.worker_id, sock)
+                    raise
 
     def _pump(self, sock: zmq.Socket, peer: Peer, chunks: list, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -176,16 +193,23 @@ class ZmqTransport(Transport):
                 raise TransferError(f"zmq read from {peer.worker_id} came short", peer.worker_id)
             done += 1
 
+    def _drop_client(self, worker_id: str, sock: zmq.Socket) -> None:
+        """Close `sock` (its lock is held by the caller) and forget it, if still current."""
+        with self._clients_lock:
+            if self._clients.get(worker_id, (None,))[0] is sock:
+                del self._clients[worker_id]
+        sock.close(0)
+
     def forget_peer(self, worker_id: str) -> None:
-        with self._lock:
-            sock = self._clients.pop(worker_id, None)
-            if sock is not None:
-                sock.close(0)
+        with self._clients_lock:
+            entry = self._clients.pop(worker_id, None)
+        if entry is not None:
+            with entry[1]:  # never close a socket under a read in flight
+                entry[0].close(0)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        with self._lock:
-            for worker_id in list(self._clients):
-                self.forget_peer(worker_id)
-            self._server.close(0)
+        for worker_id in list(self._clients):
+            self.forget_peer(worker_id)
+        self._server.close(0)

@@ -1,0 +1,118 @@
+"""Addresses as other hosts see them, and the UCX settings that reach them.
+
+A worker must advertise addresses its peers can reach: a coordinator bound to `0.0.0.0`
+announces on an address nobody can connect to, and a fallback server bound to 127.0.0.1 is
+invisible from the next host. The rule used everywhere: the address to advertise is the
+local address of the route towards the coordinator, since every peer reaches the
+coordinator too (override: `TENSORHUB_HOST_ADDRESS`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from pathlib import Path
+
+log = logging.getLogger("tensorhub.net")
+
+HOST_ADDRESS_ENV = "TENSORHUB_HOST_ADDRESS"
+WILDCARDS = ("0.0.0.0", "*", "::")
+
+
+def split_tcp(address: str) -> tuple[str, int] | None:
+    """`tcp://host:port` -> (host, port); None for other schemes (ipc://, inproc://)."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        return host.strip("[]") or "*", int(port)
+    except ValueError:
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def reachable_announce(announce: str, coordinator: str) -> str:
+    """The announcement address a client should connect to: a wildcard host (a coordinator
+    bound to all interfaces) becomes the host the client reached the coordinator at."""
+    ann, coord = split_tcp(announce), split_tcp(coordinator)
+    if ann is None or coord is None or ann[0] not in WILDCARDS:
+        return announce
+    host = coord[0] if coord[0] not in WILDCARDS else "127.0.0.1"
+    return f"tcp://{_bracket(host)}:{ann[1]}"
+
+
+def local_address_towards(coordinator: str) -> str:
+    """This host's address on the route to the coordinator: what a peer can connect to.
+
+    Loopback when the coordinator is on loopback (a single-host fleet). No packet is sent:
+    connecting a UDP socket only asks the kernel which source address it would use.
+    """
+    override = os.environ.get(HOST_ADDRESS_ENV)
+    if override:
+        return override
+    hostport = split_tcp(coordinator)
+    if hostport is None or hostport[0] in WILDCARDS or is_loopback(hostport[0]):
+        return "127.0.0.1"
+    host, port = hostport
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        info = socket.getaddrinfo(host.strip("[]"), port or 9, family, socket.SOCK_DGRAM)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(info[0][4])
+            return s.getsockname()[0]
+    except OSError as exc:
+        log.warning("cannot tell this host's address towards %s (%s); advertising 127.0.0.1 "
+                    "(set %s)", coordinator, exc, HOST_ADDRESS_ENV)
+        return "127.0.0.1"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def network_interfaces(sys_net: Path = Path("/sys/class/net")) -> list[str]:
+    """Network interfaces that are up, loopback excluded."""
+    found = []
+    for dev in sorted(sys_net.iterdir()) if sys_net.is_dir() else []:
+        if dev.name == "lo":
+            continue
+        try:
+            state = (dev / "operstate").read_text().strip()
+        except OSError:
+            continue
+        if state in ("up", "unknown"):
+            found.append(dev.name)
+    return found
+
+
+def rdma_devices(sys_ib: Path = Path("/sys/class/infiniband")) -> list[str]:
+    return sorted(p.name for p in sys_ib.iterdir()) if sys_ib.is_dir() else []
+
+
+def ucx_defaults(cuda_ipc: bool = False, sys_net: Path = Path("/sys/class/net"),
+                 sys_ib: Path = Path("/sys/class/infiniband")) -> dict[str, str]:
+    """UCX settings for where this process runs; only applied to variables the user left
+    unset (`apply_ucx_defaults`).
+
+    - `UCX_NET_DEVICES=lo` only when loopback is the only interface that is up: a process
+      with any other interface must be able to reach other hosts through it.
+    - `UCX_TLS=tcp,cma` when the host has no RDMA device: cma gives a true one-sided READ
+      between processes of one host, tcp reaches the rest. With RDMA devices UCX's own
+      choice (which prefers them) is left alone.
+    """
+    out: dict[str, str] = {}
+    if not network_interfaces(sys_net):
+        out["UCX_NET_DEVICES"] = "lo"
+    if not rdma_devices(sys_ib):
+        out["UCX_TLS"] = "tcp,cma,cuda_copy,cuda_ipc" if cuda_ipc else "tcp,cma"
+    return out

@@ -1,0 +1,92 @@
+"""A reader's word does not evict a holder: one faulty reader cannot take a version away."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.coordinator.trust import Trust, TrustConfig
+from tensorhub.core.checksum import checksum
+from tensorhub.core.errors import TransferError
+from tensorhub.demo import synthetic_state_dict
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_report_only_steers_the_reader_that_made_it():
+    trust = Trust(TrustConfig(quorum=2, window=30.0), Clock())
+    assert trust.report("r1", "h", protected=False) is False
+    assert set(trust.avoided("r1")) == {"h"}
+    assert set(trust.avoided("r2")) == set()
+
+
+def test_two_credible_readers_agree_and_the_holder_is_dropped():
+    trust = Trust(TrustConfig(quorum=2), Clock())
+    trust.report("r1", "h", protected=False)
+    assert trust.report("r2", "h", protected=False) is True
+
+
+def test_a_publisher_is_never_dropped_on_reports():
+    trust = Trust(TrustConfig(quorum=2), Clock())
+    assert [trust.report(r, "trainer", protected=True) for r in ("r1", "r2", "r3")] == \
+           [False, False, False]
+
+
+def test_a_reader_failing_on_every_holder_is_the_suspect_and_its_reports_stop_counting():
+    trust = Trust(TrustConfig(quorum=2, broken_after=2), Clock())
+    trust.report("broken", "h1", protected=False)
+    trust.report("broken", "h2", protected=False)
+    assert trust.suspects() == ["broken"]
+    # one healthy reader's report of h1 is not a quorum with a suspect's
+    assert trust.report("healthy", "h1", protected=False) is False
+
+
+def test_a_good_read_clears_a_reader_and_reports_expire():
+    clock = Clock()
+    trust = Trust(TrustConfig(quorum=2, window=30.0, broken_after=2), clock)
+    trust.report("r1", "h1", protected=False)
+    trust.report("r1", "h2", protected=False)
+    trust.read_ok("r1")
+    assert trust.suspects() == []
+    clock.now = 31.0
+    assert set(trust.avoided("r1")) == set()
+    assert trust.report("r2", "h1", protected=False) is False  # r1's report has expired
+
+
+class _BrokenTransport:
+    """Wraps a real transport; every read fails as a misconfigured network would."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def read(self, peer, ops, timeout):
+        raise TransferError(f"no route to {peer.worker_id} (test: broken transport)",
+                            peer.worker_id)
+
+
+def test_a_reader_with_a_broken_transport_cannot_make_a_version_unavailable(coordinator):
+    state = synthetic_state_dict(8, n_tiny=20, seed=3)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        with Replica(coordinator.address, "policy", transport="zmq", name="broken") as bad:
+            bad.session.transport = _BrokenTransport(bad.session.transport)
+            with pytest.raises(CoordinatorError, match="transport is the likely fault") as err:
+                bad.pull(timeout=30)
+            assert err.value.code == "unreachable"
+        # the trainer still holds v1, and a healthy reader gets it bit-exact
+        holders = {h.name for v in coordinator._status(None).models[0].versions
+                   for h in v.holders}
+        assert "trainer" in holders
+        with Replica(coordinator.address, "policy", transport="zmq", name="healthy") as good:
+            assert good.pull(timeout=30) == 1
+            assert {n: checksum(t) for n, t in good.tensors.items()} == \
+                   {n: checksum(t) for n, t in state.items()}
