@@ -89,7 +89,7 @@ def _status(args: argparse.Namespace) -> int:
           f"{reply.reads_in_flight} reads in flight")
     for w in reply.workers:
         print(f"  worker {w['worker_id']:<28} {w['role']:<8} {w['transport']:<5} "
-              f"seen {w['seen_ago']}s ago")
+              f"seen {w['seen_ago']}s ago  {w.get('labels', '')}")
     for m in reply.models:
         print(f"model {m.model}: latest v{m.latest}")
         for v in m.versions:
@@ -97,6 +97,9 @@ def _status(args: argparse.Namespace) -> int:
                 f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
                 for h in v.holders) or "no holder"
             print(f"  v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: {holders}")
+    if reply.suspect_readers:
+        print(f"readers failing on every holder they try (check their transport settings): "
+              f"{', '.join(reply.suspect_readers)}")
     if reply.transfers:
         print("recent pulls (reader <- source):")
         for t in reply.transfers[-20:]:
@@ -152,6 +155,75 @@ def _replica(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
     finally:
         replica.close()
+    return 0
+
+
+def _load_weights(path: str) -> dict:
+    """Every tensor of the `*.safetensors` files in a folder (an HF checkpoint), in order."""
+    from pathlib import Path
+
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise SystemExit("tensorhub publish PATH needs the safetensors package "
+                         "(pip install safetensors)") from None
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+    if not files or not all(f.is_file() for f in files):
+        raise SystemExit(f"tensorhub publish: no *.safetensors file at {path}")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _publish(args: argparse.Namespace) -> int:
+    """A trainer process: publish versions, each once `--wait-replicas` replicas hold the
+    previous one, then keep serving (`--linger`). For seeding a fleet from a checkpoint, and
+    for tests and benchmarks that need a trainer on a host of its own."""
+    from tensorhub.core.checksum import checksum
+    from tensorhub.demo import synthetic_state_dict
+    from tensorhub.publisher import Publisher
+
+    if (args.path is None) == (args.synthetic_mb is None):
+        raise SystemExit("tensorhub publish: give a checkpoint PATH or --synthetic-mb, not both")
+    state = (_load_weights(args.path) if args.path is not None
+             else synthetic_state_dict(args.synthetic_mb, n_tiny=args.tiny, seed=args.seed))
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    pub = Publisher(args.coordinator, args.model, name=args.name, transport=args.transport,
+                    min_replicas=args.wait_replicas, retain_timeout=args.timeout)
+    first = next(iter(state.values()))
+    try:
+        for k in range(args.versions):
+            if k:  # a new version: new bytes (one small change is enough to differ)
+                first.view(-1)[0] += 1
+            started = time.monotonic()
+            version = pub.publish(state)
+            event = {"event": "published", "name": args.name, "version": version,
+                     "nbytes": sum(t.numel() * t.element_size() for t in state.values())}
+            if args.checksums:
+                event["checksums"] = {n: checksum(t) for n, t in state.items()}
+            print(json.dumps(event) if args.json else
+                  f"{args.name}: published {args.model} v{version} "
+                  f"({event['nbytes'] / 2**20:.1f} MiB)", flush=True)
+            if args.wait_replicas and not pub.retained():
+                print(json.dumps({"event": "timeout", "version": version}) if args.json else
+                      f"v{version}: fewer than {args.wait_replicas} replicas hold it after "
+                      f"{args.timeout:.0f} s", flush=True)
+                return 1
+            if args.wait_replicas:
+                held = {"event": "held", "version": version,
+                        "seconds": round(time.monotonic() - started, 4)}
+                print(json.dumps(held) if args.json else
+                      f"v{version}: held by {args.wait_replicas} replicas after "
+                      f"{held['seconds']:.2f} s", flush=True)
+        while args.linger and not stop:  # keep serving the last version until told to stop
+            time.sleep(0.1)
+    finally:
+        if stop:  # told to stop: no waiting for retention
+            pub.session.close()
+        else:
+            pub.close()
     return 0
 
 
@@ -249,6 +321,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="holders a chunked pull reads from at once, each its own plan "
                         "(default 2; 1: one plan at a time)")
     p.set_defaults(func=_replica)
+
+    p = sub.add_parser("publish", help="a trainer process: publish a checkpoint or synthetic "
+                       "weights as new versions",
+                       description="Publish the tensors of a safetensors checkpoint (PATH: a "
+                       "file or an HF model folder) or synthetic weights (--synthetic-mb) as "
+                       "--versions new versions, each after --wait-replicas replicas hold the "
+                       "previous one; --linger keeps serving the last until SIGTERM.")
+    p.add_argument("path", nargs="?", default=None, help="safetensors file or folder")
+    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
+    p.add_argument("--model", default="policy")
+    p.add_argument("--name", default="trainer")
+    p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
+                   help="default: $TENSORHUB_TRANSPORT or auto")
+    p.add_argument("--synthetic-mb", type=float, default=None,
+                   help="publish synthetic float32 weights of this many MiB instead of PATH")
+    p.add_argument("--tiny", type=int, default=100,
+                   help="with --synthetic-mb: small tensors among them (default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--versions", type=int, default=1, help="versions to publish (default 1)")
+    p.add_argument("--wait-replicas", type=int, default=0,
+                   help="before the next version (and before exiting), wait until this many "
+                        "replicas hold the current one (default 0: do not wait)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="longest wait for --wait-replicas (default 300 s)")
+    p.add_argument("--linger", action="store_true",
+                   help="after the last version, keep serving it until SIGTERM")
+    p.add_argument("--json", action="store_true", help="one JSON line per event")
+    p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
+    p.set_defaults(func=_publish)
 
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",
                        description="Drive the real coordinator with simulated workers and "

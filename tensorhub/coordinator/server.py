@@ -671,7 +671,8 @@ class Coordinator:
         now = self.clock()
         workers = [
             {"worker_id": w.worker_id, "name": w.name, "role": w.role,
-             "transport": w.endpoint.transport, "seen_ago": round(now - w.last_seen, 3)}
+             "transport": w.endpoint.transport, "seen_ago": round(now - w.last_seen, 3),
+             "labels": ",".join(f"{k}={v}" for k, v in sorted(w.labels.items()))}
             for w in self.table.workers.values()
         ]  # fmt: skip
         models = []
@@ -694,9 +695,11 @@ class Coordinator:
                         version=v, layout_id=lid,
                         nbytes=sum(i.nbytes for i in layout.items), holders=holders))
             models.append(ModelStatus(model=name, latest=mrec.latest, versions=versions))
+        suspects = [self.table.workers[r].name for r in self.trust.suspects()
+                    if r in self.table.workers]
         return StatusReply(workers=workers, models=models,
                            reads_in_flight=len(self.table.leases),
-                           transfers=self.table.transfers[-200:])
+                           transfers=self.table.transfers[-200:], suspect_readers=suspects)
 
     # ------------------------------------------------------------------ expiry
     def _forget_worker(self, worker_id: str, why: str) -> None:

@@ -393,6 +393,8 @@ class StatusReply(Strict):
     models: list[ModelStatus]
     reads_in_flight: int
     transfers: list[TransferRecord]
+    # readers that failed on every holder they tried: their reports no longer drop anyone
+    suspect_readers: list[str] = Field(default_factory=list)
 
 
 class HoldingsReply(Strict):
