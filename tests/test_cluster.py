@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,19 @@ def test_run_returns_output_and_status():
         assert c.hosts[0].run(["cat"], input="through stdin").stdout == "through stdin"
         with pytest.raises(subprocess.CalledProcessError):
             c.hosts[0].run(["false"], check=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            c.hosts[0].run(["sh", "-c", "sleep 100 & sleep 100"], timeout=0.5)
+        running = c.hosts[0].run(["sh", "-c", "cat /proc/[0-9]*/comm"]).stdout.split()
+        assert "sleep" not in running and "sh" in running  # the timed-out group is gone
+
+
+@needs_cluster
+def test_threads_start_programs_on_different_hosts_at_once():
+    """Which PID namespace a new process lands in is per thread: no crosstalk."""
+    with Cluster(2) as c, ThreadPoolExecutor(4) as pool:
+        jobs = [(h, pool.submit(h.run, ["hostname"])) for _ in range(6) for h in c.hosts]
+        assert all(job.result().stdout == f"{h.name}\n" for h, job in jobs)
+    assert os.readlink("/proc/self/ns/pid_for_children") == os.readlink("/proc/self/ns/pid")
 
 
 @needs_cluster

@@ -27,6 +27,8 @@ switch port (the egress towards it), the WAN on both ends of the WAN link. The b
 ``max(64 KiB, 10 ms at the rate)``: veth hands tbf TCP segmentation (GSO) packets of up to
 64 KiB, and a bucket smaller than a packet makes tbf split it in software first; the queue
 behind it holds 50 ms at the rate (like a switch buffer: deeper queues only add delay).
+tbf counts whole Ethernet frames, so TCP's goodput is 1448/1514 = 95.6% of the rate (plus
+one bucket's worth at the start); the counters count frames too.
 
 Needs root, iproute2 (`ip`, `tc`, `bridge`), util-linux (`unshare`, `nsenter`) and
 `sysctl`; `available()` says whether this machine can, and why not. Every namespace a
