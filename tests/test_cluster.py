@@ -39,9 +39,10 @@ print(json.dumps({"bytes": n, "seconds": time.monotonic() - start}), flush=True)
 """
 CLIENT = """
 import socket, sys
+payload = b"x" * int(sys.argv[3])  # before connecting: the server's clock runs from accept
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
 print(c.makefile().readline().strip(), flush=True)
-c.sendall(b"x" * int(sys.argv[3]))
+c.sendall(payload)
 c.shutdown(socket.SHUT_WR)
 c.recv(1)
 """
