@@ -95,9 +95,14 @@ def test_rates_parse_like_tc():
             parse_rate(bad)
 
 
-def test_unavailable_reason_is_none_or_says_why():
+def test_unavailable_reason_is_none_or_says_why(monkeypatch):
     reason = cluster_mod.available()
     assert reason is None or (isinstance(reason, str) and reason)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in cluster_mod.available.__wrapped__()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster_mod.shutil, "which", lambda name: None if name == "tc" else name)
+    assert "tc" in cluster_mod.available.__wrapped__()
 
 
 @needs_cluster
