@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import IO
 
 
 def free_port() -> int:
@@ -23,16 +24,28 @@ def free_port() -> int:
 
 
 class ChildProcess:
+    """A child in its own process group (a session), so stopping it stops everything it
+    started. With ``stdout=PIPE`` (the default) its stdout is read line by line into
+    `lines`; its stderr goes to `log_path` if given, else to ``stderr``.
+
+    ``popen`` starts it: `subprocess.Popen` by default; another launcher with the same
+    signature (`tensorhub.testing.cluster.Host` passes one) starts it elsewhere, e.g. on an
+    emulated host, and the handle works the same."""
+
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None,
-                 name: str = "child", log_path: str | None = None):
+                 name: str = "child", log_path: str | None = None, *,
+                 cwd: str | None = None, stdout: int | IO | None = subprocess.PIPE,
+                 stderr: int | IO | None = subprocess.DEVNULL,
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen):
         self.name = name
         self.lines: queue.Queue[str] = queue.Queue()
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=self._log or subprocess.DEVNULL,
+        self.proc = popen(
+            list(argv), stdout=stdout, stderr=self._log or stderr, cwd=cwd,
             env={**os.environ, **(env or {})}, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        if stdout == subprocess.PIPE:
+            self._reader.start()
 
     @classmethod
     def tensorhub(cls, *args: str, **kw) -> ChildProcess:
@@ -60,6 +73,10 @@ class ChildProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status once it has exited (negative: killed by that signal)."""
+        return self.proc.wait(timeout=timeout)
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, for failure tests)."""
