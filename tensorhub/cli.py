@@ -33,7 +33,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         bind=args.bind, announce=args.announce, token=token, curve_secret=secret,
         heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
         lease_ttl=args.lease_ttl, busy_retry=args.busy_retry,
-        planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder),
+        planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder,
+                              chunk_bytes=int(args.chunk_mib * 2**20)),
     )  # fmt: skip
     if not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and token is None:
         logging.warning("binding %s beyond loopback without TENSORHUB_TOKEN: anyone who can "
@@ -277,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "100 Gb/s is 5.4 ms a chunk, so ~0.003")
     p.add_argument("--max-readers-per-holder", type=int, default=2,
                    help="concurrent readers per holder; forms trees, not stars (default 2)")
+    p.add_argument("--chunk-mib", type=float, default=64.0,
+                   help="size of the chunks a version is pulled and served in (default 64 MiB; "
+                        "smaller pipelines a small model across more hops)")
     p.add_argument("--curve-secret-file", default=None,
                    help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "
                    "this secret key (from `tensorhub keygen`; default: "
@@ -350,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON line per event")
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
     p.set_defaults(func=_publish)
+
+    from tensorhub.testing.cluster import add_cluster_parser
+
+    add_cluster_parser(sub)
 
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",
                        description="Drive the real coordinator with simulated workers and "

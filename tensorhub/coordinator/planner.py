@@ -178,6 +178,7 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
         raise NoSource(busy=False)
     holders, partial = layout.holders, layout.partial
     pairs, loads, workers = table.leases.by_pair, table.leases.by_holder, table.workers
+    reads = table.leases.chunk_reads
 
     def usable_key(hid: str) -> tuple | None:
         # The cheapest test first: in a large fleet most holders are busy (it is most of
@@ -196,7 +197,21 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
             return None
         if rec is None and partial[hid].chunks.isdisjoint(want):
             return None  # nothing this reader lacks
+        if worker.role == "trainer" and load and not sends_fresh():
+            return None  # a busy publisher sends no copy of what the fleet already has
         return (dist == 2, worker.role == "trainer", load, dist)
+
+    fresh: list[bool] = []
+
+    def sends_fresh() -> bool:
+        """Whether a chunk this reader lacks is nowhere in the fleet yet (no replica has
+        it, none is reading it). A publisher's upload is what a fan-out waits on (every
+        byte leaves it at least once): while it is busy sending such chunks, a copy of a
+        chunk others already hold would only slow them down."""
+        if not fresh:
+            fresh.append(len(holders) <= 1 and any(
+                not partial.having(c) and not reads[(layout_id, c)] for c in want))
+        return fresh[0]
 
     # A bounded scan from a rotating start: plans spread over the fleet, cost stays flat.
     table.plans += 1
@@ -212,7 +227,6 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
             idle += key == (False, False, 0, 0)
     if not seen:
         raise NoSource(busy=True)
-    reads = table.leases.chunk_reads
     taken: set[int] = set()
     ranges: list[ReadRange] = []
     sources: dict[str, HolderRec | PartialRec] = {}

@@ -80,6 +80,7 @@ _DEFAULT_PREFIX_RE = re.compile(r"th[0-9a-f]{4}")  # what cleanup_stale may swee
 _NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,30}[A-Za-z0-9])?")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 # The init of every host: set the hostname, turn IPv6 off (no neighbour discovery chatter
@@ -360,6 +361,33 @@ class Host:
             if self._pid_ns is not None:
                 os.close(self._pid_ns)
                 self._pid_ns = None
+
+    @contextmanager
+    def network(self) -> Iterator[None]:
+        """Inside the block, sockets this thread opens live in this host's network: a test
+        talks to a program on the host (its HTTP port, say) as a neighbour would. The
+        kernel keeps the network namespace per thread, so other threads are not moved;
+        sockets opened inside stay in the host's network after the block."""
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        target = os.open(NETNS_DIR / self.namespace, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _libc.setns(target, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"entering {self.namespace}: {os.strerror(err)}")
+            try:
+                yield
+            finally:
+                if _libc.setns(own, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"leaving {self.namespace}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+            os.close(own)
+
+    def set_link(self, up: bool) -> None:
+        """Take the host's eth0 down (or up again): it falls silent, as a host that lost
+        power or its switch port does, where `kill` leaves a kernel that answers with RST."""
+        _ip(self.namespace, f"link set dev eth0 {'up' if up else 'down'}")
 
     def traffic(self) -> Traffic:
         """Bytes this host's eth0 has sent and received."""
