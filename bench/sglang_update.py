@@ -3,7 +3,7 @@
 Measured in one run, on this machine, per update (trainer weights change, then):
   TensorHub:   trainer `Publisher.publish` -> an SGLang engine with the plugin (follow mode)
                serves the version: publish-to-serving time, and the engine's stall (pause ->
-               continue, recorded by the plugin's driver in its status file).
+               continue, recorded by the plugin's driver, read from `/tensorhub/status`).
   disk:        the trainer saves a safetensors checkpoint (counted), then SGLang's own
                `/update_weights_from_disk` on a plain SGLang server: save + update time, and
                the stall (the request's duration; SGLang pauses internally).
@@ -16,7 +16,7 @@ once), a second plugin engine of the same layout starts, and `--updates` more ve
 published: the second engine's stall is reported as the native-path row, beside the first
 engine's stall for the same versions, with the `path` its driver reports (if any). The
 extra memory each engine spends on TensorHub (compact region, checkpoint copy) is read from
-the same status files.
+the same status route.
 Checksums (`/weights_checker`) of the engines are compared after the last update of each
 phase, so a figure never comes from an update that did not land.
 
@@ -47,7 +47,7 @@ from integration.sglang_server import SGLangServer
 from integration.tiny_model import build_tiny_model, load_state_dict
 from tensorhub import Publisher
 from tensorhub.processes import ChildProcess
-from tensorhub_plugins.sglang.naming import LOADER, driver_status_path, status_path
+from tensorhub_plugins.sglang.naming import LOADER
 
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 QUICK_ARCH = dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, vocab=1024)
@@ -74,25 +74,10 @@ def _ok(reply: object, what: str) -> dict:
     return reply
 
 
-def wait_driver(port: int, version: int, server: SGLangServer, timeout: float,
-                interval: float = 0.01) -> dict:
-    """Poll the plugin driver's status file until it serves `version`; return the status."""
-    path = driver_status_path(port)
-    deadline = time.monotonic() + timeout
-    status: dict = {}
-    while True:
-        try:
-            with open(path) as f:
-                status = json.load(f)
-        except (OSError, ValueError):  # not written yet, or caught mid-write
-            status = status or {}
-        if status.get("serving_version") == version:
-            return status
-        if time.monotonic() > deadline or not server.alive():
-            raise TimeoutError(f"SGLang on :{port} serves v{status.get('serving_version')}, "
-                               f"not v{version}, after {timeout}s: {status}\n"
-                               f"{server.log_tail()}")
-        time.sleep(interval)
+def wait_driver(server: SGLangServer, version: int, timeout: float) -> dict:
+    """Until the plugin's driver serves `version` (its `/tensorhub/status`, polled every
+    10 ms: the publish-to-serving figure is read from it); its status."""
+    return server.wait_serving(version, timeout, interval=0.01)
 
 
 def checksum(server: SGLangServer) -> str:
@@ -196,9 +181,7 @@ def disk_update(server: SGLangServer, ckpt: Path, state: dict[str, torch.Tensor]
 
 def plugin_server(python: str, model_dir: Path, address: str, log: Path, dtype: str,
                   name: str) -> SGLangServer:
-    port = free_port()
-    Path(driver_status_path(port)).unlink(missing_ok=True)  # never read a stale status
-    return SGLangServer(python, model_dir, port=port, dtype=dtype, log_path=log,
+    return SGLangServer(python, model_dir, dtype=dtype, log_path=log,
                         extra_args=["--custom-weight-loader", LOADER],
                         env={"SGLANG_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
                              "TENSORHUB_MODEL": MODEL, "TENSORHUB_NAME": name})
@@ -275,7 +258,7 @@ def main() -> None:
         servers += [ours, baseline]
         for s in (ours.launch(), baseline.launch()):
             s.wait_healthy(ENGINE_START_TIMEOUT)
-        wait_driver(ours.port, version, ours, ENGINE_START_TIMEOUT)
+        wait_driver(ours, version, ENGINE_START_TIMEOUT)
         sender = GlooSender(baseline)
 
         ours_total, ours_stall, save, disk, disk_total, dist_update = [], [], [], [], [], []
@@ -283,7 +266,7 @@ def main() -> None:
             _bump(state)
             started = time.perf_counter()
             version = publisher.publish(state)
-            status = wait_driver(ours.port, version, ours, UPDATE_TIMEOUT)
+            status = wait_driver(ours, version, UPDATE_TIMEOUT)
             ours_total.append(time.perf_counter() - started)
             ours_stall.append(status["last_update"]["stall_ms"] / 1e3)
             saved, requested = disk_update(baseline, ckpt, state, version)
@@ -323,14 +306,14 @@ def main() -> None:
                                    args.dtype, "sglang-b")
             servers.append(second)
             second.start(ENGINE_START_TIMEOUT)
-            wait_driver(second.port, version, second, ENGINE_START_TIMEOUT)
+            wait_driver(second, version, ENGINE_START_TIMEOUT)
             first_stall, second_stall, second_total, paths = [], [], [], []
             for _ in range(args.updates):
                 _bump(state)
                 started = time.perf_counter()
                 version = publisher.publish(state)
-                a = wait_driver(ours.port, version, ours, UPDATE_TIMEOUT)
-                b = wait_driver(second.port, version, second, UPDATE_TIMEOUT)
+                a = wait_driver(ours, version, UPDATE_TIMEOUT)
+                b = wait_driver(second, version, UPDATE_TIMEOUT)
                 second_total.append(time.perf_counter() - started)
                 first_stall.append(a["last_update"]["stall_ms"] / 1e3)
                 second_stall.append(b["last_update"]["stall_ms"] / 1e3)
@@ -375,9 +358,6 @@ def main() -> None:
         if publisher is not None:
             publisher.close()
         coordinator.stop()
-        for s in servers:
-            Path(driver_status_path(s.port)).unlink(missing_ok=True)
-            Path(status_path(s.port, 0)).unlink(missing_ok=True)
         if os.environ.get("TENSORHUB_BENCH_KEEP") != "1":
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -33,25 +33,6 @@ from tensorhub.processes import ChildProcess
 PROMPT = "the trainer will publish a new policy and the engine"
 
 
-def _status(engine, version: int, timeout: float = 180.0) -> dict:
-    """Wait until an engine serves `version`; its name and last stall, for either kind."""
-    if isinstance(engine, VLLMServer):
-        return engine.wait_serving(version, timeout)
-    from tensorhub_plugins.sglang.naming import driver_status_path
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status = json.loads(Path(driver_status_path(engine.port)).read_text())
-        except (OSError, ValueError):
-            status = {}
-        if status.get("serving_version") == version:
-            return status
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"SGLang at {engine.url} did not reach v{version}: {status}")
-        time.sleep(0.2)
-
-
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -96,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             if version > 1:
                 started = time.perf_counter()
                 publisher.publish(versions.state(version))
-            statuses = [_status(e, version) for e in engines]
+            statuses = [e.wait_serving(version, timeout=180.0) for e in engines]
             if version > 1:
                 print(f"\nversion {version}: all engines serving it "
                       f"{time.perf_counter() - started:.2f}s after publish")

@@ -141,6 +141,33 @@ class EngineServer:
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         raise NotImplementedError
 
+    def tensorhub_status(self) -> dict:
+        """`GET /tensorhub/status`, which both engine plugins serve on the engine's own port
+        (with the server's TENSORHUB_TOKEN, if it has one)."""
+        token = self.env.get("TENSORHUB_TOKEN")
+        return self.request("/tensorhub/status", timeout=10,
+                            headers={"Authorization": f"Bearer {token}"} if token else None)
+
+    def wait_serving(self, version: int, timeout: float = 120.0, interval: float = 0.2) -> dict:
+        """Poll `/tensorhub/status` until the engine serves `version`; return the status.
+        The one wait for every engine kind (tests, demo, benches)."""
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while True:
+            try:
+                status = self.tensorhub_status()
+            except urllib.error.HTTPError:
+                raise  # the route answered: an error is an answer, not a delay
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                status = {"error": str(exc)}  # not listening (yet), or busy
+            if status.get("serving_version") == version:
+                return status
+            if time.monotonic() > deadline or not self.alive():
+                raise TimeoutError(f"{self.kind} at {self.url} serves "
+                                   f"v{status.get('serving_version')}, not v{version} after "
+                                   f"{timeout}s: {status}\n{self.log_tail()}")
+            time.sleep(interval)
+
 
 def base_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)

@@ -8,8 +8,8 @@ into its live parameters, spending the compact region only."""
 from __future__ import annotations
 
 import base64
-import json
 import pickle
+import socket
 import time
 from types import SimpleNamespace
 
@@ -21,7 +21,6 @@ from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_servi
 from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
-from tensorhub_plugins.sglang.naming import driver_status_path, status_path
 
 MODEL = "policy"
 TOKENS = 16
@@ -75,6 +74,11 @@ def test_sglang_joins_the_published_version_at_start(fleet):
     wait_sglang(fleet.sgl, 1)
     assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[0]
     assert "joined at policy v1 from peers" in fleet.sgl.log_path.read_text()
+    # The plugin's route on SGLang's own port reports the version SGLang labels as served.
+    status = fleet.sgl.wait_serving(1, timeout=30)
+    assert status["serving_version"] == 1 and status["ranks"][0]["applied"] == 1
+    assert status["workers"] == [status["name"] + "-tp0"]
+    assert status["name"].startswith(f"sglang-{socket.gethostname()}:{fleet.sgl.port}-")
 
 
 @pytest.mark.parametrize("version", [2, 3])
@@ -112,17 +116,11 @@ def test_a_malformed_update_through_our_loader_leaves_the_server_serving(fleet, 
 
 
 def native_name(server: SGLangServer) -> str:
-    return f"sglang-127.0.0.1:{server.port}-tp0-native"
+    return server.tensorhub_status()["native_workers"][0]
 
 
 def scheduler_status(server: SGLangServer) -> dict:
-    with open(status_path(server.port, 0)) as f:
-        return json.load(f)
-
-
-def driver_status(server: SGLangServer) -> dict:
-    with open(driver_status_path(server.port)) as f:
-        return json.load(f)
+    return server.tensorhub_status()["ranks"][0]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +152,7 @@ def test_the_second_sglang_pulls_the_next_version_natively_into_its_live_paramet
     wait_serving(fleet.vllm, 4)
     for server in (fleet.sgl, late, fleet.vllm):
         assert server.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
-    bridge, native = driver_status(fleet.sgl), driver_status(late)
+    bridge, native = fleet.sgl.wait_serving(4), late.wait_serving(4)
     assert bridge["last_update"]["path"] == "checkpoint"
     assert native["last_update"]["path"] == "native"
     assert native["last_update"]["sources"] == [native_name(fleet.sgl)]

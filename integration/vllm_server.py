@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,15 +46,3 @@ class VLLMServer(EngineServer):
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
             out.append(list(r["choices"][0]["token_ids"]))
         return out
-
-    def wait_serving(self, version: int, timeout: float = 120.0, interval: float = 0.2) -> dict:
-        """Poll `/tensorhub/status` until the engine serves `version`; return the status."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status = self.request("/tensorhub/status")
-            if status["serving_version"] == version:
-                return status
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.url} serves v{status['serving_version']}, not "
-                                   f"v{version} after {timeout}s: {status}\n{self.log_tail()}")
-            time.sleep(interval)

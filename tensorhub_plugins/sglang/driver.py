@@ -1,9 +1,9 @@
 """The main-process half: follows new versions and drives SGLang's own update endpoints.
 
-SGLang has no plugin hook for HTTP routes, so the driver is a thread in the server's main
-process that talks to the server on its own address, exactly as a trainer-side client
-would: pause → begin_weight_update → update_weights_from_tensor (our loader, a small
-descriptor) → end_weight_update (with `weight_version`) → continue.
+The driver is a thread in the server's main process that talks to the server on its own
+address, exactly as a trainer-side client would: pause → begin_weight_update →
+update_weights_from_tensor (our loader, a small descriptor) → end_weight_update (with
+`weight_version`) → continue.
 
 Which path an update takes (see `worker`): the checkpoint path when every scheduler's
 checkpoint copy already holds the version (pulled in the background: the stall is
@@ -11,6 +11,9 @@ checkpoint copy already holds the version (pulled in the background: the stall i
 stall is the pull straight into the live parameters); else, after `NATIVE_WAIT` seconds
 without either, the checkpoint path pulling inside the pause. A scheduler that reports torn
 parameters keeps generation paused until an update succeeds.
+
+What the driver knows (`status`) is served on the server's own port as
+`GET /tensorhub/status` (see `routes`), with the fields vLLM's route has.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.settings import EngineSettings
 from tensorhub_plugins.sglang.naming import (
     LOADER,
-    driver_status_path,
+    native_worker_name,
     status_path,
     worker_name,
 )
@@ -56,16 +59,25 @@ def descriptor_payload(version: int, path: str = "checkpoint") -> str:
 
 
 class Driver:
-    def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int):
+    """Follows `settings.model` for the server at `host:port` whose schedulers are named
+    after `instance` (see `naming.start_instance`)."""
+
+    def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int,
+                 instance: str):
         self.settings = settings
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
         self.port = port
         self.tp_size = tp_size
-        self.names = [worker_name(settings, host, port, r) for r in range(tp_size)]
+        self.instance = instance
+        self.names = [worker_name(instance, r) for r in range(tp_size)]
         self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
+        self.following = False
         self.serving: int | None = None
+        self.latest: int | None = None  # as of the last poll
+        self.held_version: int | None = None  # newest every checkpoint copy held then
+        self.updates = 0
         self.last_update: dict | None = None
-        self.memory: dict | None = None
+        self.last_error: str | None = None
         self._first_seen: dict[int, float] = {}
         self._stop = threading.Event()
 
@@ -86,8 +98,11 @@ class Driver:
     def applied(self) -> list[dict]:
         out = []
         for rank in range(self.tp_size):
+            path = status_path(rank)
             try:
-                with open(status_path(self.port, rank)) as f:
+                if path is None:
+                    raise OSError("no status directory")
+                with open(path) as f:
                     out.append(json.load(f))
             except (OSError, ValueError):
                 out.append({"applied": None, "error": "no status yet"})
@@ -97,7 +112,8 @@ class Driver:
         """(the model's latest version, the newest version every checkpoint copy holds)."""
         reply = self.client.call(HoldingsRequest(model=self.settings.model, names=self.names))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        return reply.latest, max(common) if common else None
+        self.latest, self.held_version = reply.latest, max(common) if common else None
+        return self.latest, self.held_version
 
     def native_peers(self, version: int, states: list[dict]) -> bool:
         """Whether, for every rank, a worker other than us holds `version` in that rank's
@@ -159,30 +175,41 @@ class Driver:
                         "abort_all_requests": False})
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
+        self.updates += 1
         self.last_update = {
-            "version": version, "stall_ms": round(stall * 1e3, 2),
+            "version": version, "stall_ms": round(stall * 1e3, 2), "at": time.time(),
             "path": states[0].get("path"), "asked_path": path,
             "sources": sorted({src for s in states for src in s.get("sources") or []}),
             "apply_ms": max(s.get("apply_ms") or 0.0 for s in states)}
-        self._record()
+        memory = _memory(states)
         log.info("now serving %s v%d via the %s path from %s (stall %.1f ms; TensorHub "
                  "memory: compact region %d B, checkpoint copy %d B)", self.settings.model,
                  version, self.last_update["path"],
                  ",".join(self.last_update["sources"]) or "the local copy", stall * 1e3,
-                 self.memory["compact_bytes"], self.memory["checkpoint_copy_bytes"])
+                 memory["compact_bytes"], memory["checkpoint_copy_bytes"])
         return stall
 
-    def _record(self) -> None:
+    def status(self) -> dict:
+        """What `GET /tensorhub/status` answers: vLLM's field names where they mean the same
+        (`latest_version` and `held_version` as of the driver's last poll, so the route never
+        waits on the coordinator), plus SGLang's own: the native holders, the memory
+        TensorHub spends, and each rank's own report (`ranks`)."""
         states = self.applied()
-        self.memory = {key: sum((s.get("memory") or {}).get(key, 0) for s in states)
-                       for key in ("compact_bytes", "checkpoint_copy_bytes")}
-        try:
-            with open(driver_status_path(self.port), "w") as f:
-                json.dump({"name": self.names[0], "serving_version": self.serving,
-                           "last_update": self.last_update, "memory": self.memory,
-                           "params_moved": any(s.get("params_moved") for s in states)}, f)
-        except OSError as exc:
-            log.warning("cannot write the driver status: %s", exc)
+        serving = self.serving
+        if not self.following:  # manual: the trainer drives the endpoints; ask the ranks
+            applied = {s.get("applied") for s in states}
+            serving = applied.pop() if len(applied) == 1 else None
+        return {
+            "model": self.settings.model, "coordinator": self.settings.coordinator,
+            "name": self.instance, "workers": self.names,
+            "native_workers": [native_worker_name(self.instance, r)
+                               for r in range(self.tp_size)],
+            "mode": self.settings.mode, "serving_version": serving,
+            "held_version": self.held_version, "latest_version": self.latest,
+            "updates": self.updates, "last_update": self.last_update,
+            "last_error": self.last_error, "memory": _memory(states),
+            "params_moved": any(s.get("params_moved") for s in states), "ranks": states,
+        }
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -204,8 +231,9 @@ class Driver:
         except Exception:
             loaders = []
         if LOADER not in loaders:
-            log.error("TensorHub cannot update this server: start it with "
-                      "--custom-weight-loader %s", LOADER)
+            self.last_error = (f"TensorHub cannot update this server: start it with "
+                               f"--custom-weight-loader {LOADER}")
+            log.error("%s", self.last_error)
             return
         applied = {s.get("applied") for s in self.applied()}
         self.serving = applied.pop() if len(applied) == 1 else None
@@ -215,21 +243,27 @@ class Driver:
                                                       "abort_all_requests": False})
             except Exception as exc:
                 log.warning("could not set SGLang's weight_version: %s", exc)
-        self._record()
         log.info("TensorHub driver following %s for %s (serving v%s)", self.settings.model,
                  ", ".join(self.names), self.serving)
-        last_error = None
         while not self._stop.wait(self.settings.poll_interval):
             try:
                 update = self.next_update()
                 if update is not None:
                     self.swap(*update)
-                last_error = None
+                self.last_error = None
             except Exception as exc:  # log once, keep serving the old version
-                if str(exc) != last_error:
+                if str(exc) != self.last_error:
                     log.warning("TensorHub follow: %s (still serving v%s)", exc, self.serving)
-                last_error = str(exc)
+                self.last_error = str(exc)
 
     def start(self) -> Driver:
+        """Follow new versions in a thread of SGLang's main process."""
+        self.following = True
         threading.Thread(target=self.run, daemon=True, name="tensorhub-driver").start()
         return self
+
+
+def _memory(states: list[dict]) -> dict[str, int]:
+    """Bytes TensorHub spends beside SGLang's parameters, summed over the ranks."""
+    return {key: sum((s.get("memory") or {}).get(key, 0) for s in states)
+            for key in ("compact_bytes", "checkpoint_copy_bytes")}

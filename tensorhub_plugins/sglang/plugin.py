@@ -1,11 +1,16 @@
 """`sglang.srt.plugins` entry point. SGLang calls it in its main, scheduler and detokenizer
 processes; it must never raise (SGLang logs plugin errors, but a hook that raises later
-kills the server), so every step is guarded."""
+kills the server), so every step is guarded.
+
+In the server's main process, which runs it before spawning the schedulers, it also names
+this server instance and makes its private status directory (`naming.start_instance`), adds
+`GET /tensorhub/status` to SGLang's HTTP app (`routes`) and starts the driver."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sys
 
 log = logging.getLogger("tensorhub.sglang")
@@ -21,10 +26,62 @@ def _arg(name: str, default: str) -> str:
     return default
 
 
+def is_server_main(argv: list[str] | None = None) -> bool:
+    """Whether this is the main process of an SGLang HTTP server (`python -m
+    sglang.launch_server` or `sglang serve`), the one process where the driver and the
+    route belong; SGLang's subprocesses are never multiprocessing's main process."""
+    argv = sys.argv if argv is None else argv
+    if multiprocessing.current_process().name != "MainProcess":
+        return False
+    launch = any("launch_server" in a for a in argv[:2])
+    serve = len(argv) > 1 and os.path.basename(argv[0]) == "sglang" and argv[1] == "serve"
+    return launch or serve
+
+
+def _before_self_kill(parent_pid: int | None = None, include_parent: bool = True,
+                      *args, **kwargs) -> None:
+    """BEFORE hook on SGLang's `kill_process_tree`: when it is about to SIGKILL this very
+    process (no `atexit` then), remove the instance's status directory first. Never
+    raises, returns None (SGLang's arguments pass through unchanged)."""
+    try:
+        if include_parent and parent_pid == os.getpid():
+            from tensorhub_plugins.sglang.naming import remove_status_dir
+
+            remove_status_dir()
+    except Exception:
+        pass
+
+
+def _start_main() -> None:
+    """Main process: instance name and status directory for the schedulers (before SGLang
+    spawns them), the route, and the driver when following."""
+    from tensorhub.engines.settings import load_settings
+
+    settings = load_settings(None)
+    driver = None
+    if settings is not None:
+        from tensorhub_plugins.sglang.driver import Driver
+        from tensorhub_plugins.sglang.naming import start_instance
+
+        port = int(_arg("--port", "30000"))
+        instance, status_dir = start_instance(settings, port)
+        driver = Driver(settings, _arg("--host", "127.0.0.1"), port,
+                        int(_arg("--tp-size", _arg("--tp", "1"))), instance)
+        log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register("sglang.srt.utils.common.kill_process_tree", _before_self_kill,
+                              HookType.BEFORE)
+    from tensorhub_plugins.sglang.routes import add_routes
+
+    add_routes(driver)
+    if driver is not None and settings is not None and settings.mode == "follow":
+        driver.start()
+
+
 def register() -> None:
     try:
         from tensorhub.engines.logs import show_tensorhub_logs
-        from tensorhub.engines.settings import load_settings
 
         show_tensorhub_logs("sglang")
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -33,13 +90,7 @@ def register() -> None:
 
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
                               after_load_model, HookType.AFTER)
-        is_main = multiprocessing.current_process().name == "MainProcess" and any(
-            "launch_server" in a for a in sys.argv[:2])
-        settings = load_settings(None)
-        if is_main and settings is not None and settings.mode == "follow":
-            from tensorhub_plugins.sglang.driver import Driver
-
-            Driver(settings, _arg("--host", "127.0.0.1"), int(_arg("--port", "30000")),
-                   int(_arg("--tp-size", _arg("--tp", "1")))).start()
+        if is_server_main():
+            _start_main()
     except Exception:
         log.exception("TensorHub SGLang plugin failed to load; the server runs without it")

@@ -27,7 +27,6 @@ generation paused (torn weights are never served) and retries.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -35,7 +34,13 @@ from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.engines.holder import CheckpointHolder
 from tensorhub.engines.settings import EngineSettings, load_settings
-from tensorhub_plugins.sglang.naming import native_worker_name, status_path, worker_name
+from tensorhub_plugins.sglang.naming import (
+    instance_name,
+    native_worker_name,
+    status_path,
+    worker_name,
+    write_json,
+)
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 
 log = logging.getLogger("tensorhub.sglang")
@@ -44,7 +49,7 @@ _settings: EngineSettings | None = None
 _names: tuple[str, str] = ("", "")  # (checkpoint copy, native holder) worker names
 _checkpoint: CheckpointHolder | None = None
 _native: NativeHolder | None = None
-_where: tuple[int, int] = (0, 0)  # (port, tp_rank)
+_rank = 0  # this scheduler's TP rank
 _applied: int | None = None
 _torn = False
 _last: dict = {}
@@ -60,13 +65,16 @@ def memory() -> dict[str, int]:
 def record(error: str | None = None) -> None:
     """Write what this scheduler serves for the driver (its loader cannot answer the HTTP
     request that called it)."""
+    path = status_path(_rank)
+    if path is None:  # no server main process (no driver) to read it
+        return
     try:
-        with open(status_path(*_where), "w") as f:
-            json.dump({"applied": _applied, "error": error, "torn": _torn, "at": time.time(),
-                       "native_name": _names[1],
-                       "native_layout": _native.layout_id if _native is not None else None,
-                       "params_moved": _native.params_moved() if _native is not None else None,
-                       "memory": memory(), **_last}, f)
+        write_json(path, {
+            "applied": _applied, "error": error, "torn": _torn, "at": time.time(),
+            "name": _names[0], "native_name": _names[1],
+            "native_layout": _native.layout_id if _native is not None else None,
+            "params_moved": _native.params_moved() if _native is not None else None,
+            "memory": memory(), **_last})
     except OSError as exc:
         log.warning("cannot write the scheduler status: %s", exc)
 
@@ -220,7 +228,7 @@ def after_load_model(result, runner):
     newest version (natively when a same-layout peer holds it). With `--load-format dummy`
     a failed join stops start-up (random weights must never be served), and so does one that
     tore the weights; otherwise it is logged and the weights from disk are served."""
-    global _settings, _names, _native, _where
+    global _settings, _names, _native, _rank
     settings = load_settings(None)
     if settings is None:
         log.warning("TensorHub plugin loaded but TENSORHUB_COORDINATOR is not set: inactive")
@@ -230,11 +238,10 @@ def after_load_model(result, runner):
     args = runner.server_args
     dummy = args.load_format == "dummy"
     try:
-        rank = _tp_rank()
-        _where = (args.port, rank)
+        _rank = _tp_rank()
         _settings = settings
-        _names = (worker_name(settings, args.host, args.port, rank),
-                  native_worker_name(settings, args.host, args.port, rank))
+        instance = instance_name(settings, args.port)
+        _names = (worker_name(instance, _rank), native_worker_name(instance, _rank))
         _native = NativeHolder(settings.coordinator, settings.model, _names[1],
                                list(runner.model.named_parameters()),
                                transport=settings.transport, pull_timeout=settings.update_timeout)

@@ -1,0 +1,181 @@
+"""The SGLang plugin's naming and status files, without SGLang: what the main process and
+its schedulers agree on through the environment, across hosts and launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorhub.engines.auth import authorized
+from tensorhub.engines.settings import EngineSettings
+from tensorhub_plugins.sglang import naming
+from tensorhub_plugins.sglang.driver import Driver
+from tensorhub_plugins.sglang.naming import (
+    INSTANCE_ENV,
+    STATUS_DIR_ENV,
+    instance_name,
+    native_worker_name,
+    start_instance,
+    status_path,
+    worker_name,
+    write_json,
+)
+from tensorhub_plugins.sglang.plugin import _before_self_kill, is_server_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = EngineSettings(coordinator="tcp://127.0.0.1:1")
+
+
+@pytest.fixture(autouse=True)
+def fresh_env():
+    """Each test starts as a fresh launch: no instance inherited; whatever the test's
+    `start_instance` exports is undone (its directory is removed at exit, as in SGLang)."""
+    saved = {k: os.environ.pop(k, None) for k in (INSTANCE_ENV, STATUS_DIR_ENV)}
+    yield
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
+
+
+def launch_on(monkeypatch, host: str, port: int = 30000,
+              settings: EngineSettings = SETTINGS) -> tuple[str, str]:
+    """`start_instance` as the main process of a server on machine `host` does it."""
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    for key in (INSTANCE_ENV, STATUS_DIR_ENV):
+        os.environ.pop(key, None)
+    return start_instance(settings, port)
+
+
+def in_scheduler(code: str) -> str:
+    """Run `code` in a child process that inherits this one's environment, as SGLang's
+    scheduler processes do; its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def test_two_hosts_with_the_same_host_and_port_flags_get_different_names(monkeypatch):
+    a, _ = launch_on(monkeypatch, "node-a")
+    b, _ = launch_on(monkeypatch, "node-b")
+    assert a.startswith("sglang-node-a:30000-") and b.startswith("sglang-node-b:30000-")
+    assert worker_name(a, 0) != worker_name(b, 0)
+    assert "0.0.0.0" not in a
+
+
+def test_two_launches_on_one_host_get_different_names_and_status_dirs(monkeypatch):
+    (a, dir_a), (b, dir_b) = launch_on(monkeypatch, "node"), launch_on(monkeypatch, "node")
+    assert a != b and a.rsplit("-", 1)[0] == b.rsplit("-", 1)[0] == "sglang-node:30000"
+    assert dir_a != dir_b
+
+
+def test_a_configured_name_is_the_base(monkeypatch):
+    name, _ = launch_on(monkeypatch, "node", settings=SETTINGS.model_copy(
+        update={"name": "policy-a"}))
+    assert name.startswith("policy-a-") and len(name) == len("policy-a-") + 4
+    assert native_worker_name(name, 1) == f"{name}-tp1-native"
+
+
+def test_schedulers_agree_with_the_main_process_without_talking(monkeypatch):
+    name, status_dir = launch_on(monkeypatch, "node-a")
+    # A scheduler process (rank 1 of a TP group): what it reads from the inherited
+    # environment, knowing only its settings, its port and its rank.
+    out = in_scheduler("from tensorhub.engines.settings import EngineSettings\n"
+                       "from tensorhub_plugins.sglang import naming\n"
+                       "s = EngineSettings(coordinator='tcp://127.0.0.1:1')\n"
+                       "i = naming.instance_name(s, 30000)\n"
+                       "print(naming.worker_name(i, 1), naming.status_path(1))")
+    assert out.split() == [worker_name(name, 1), os.path.join(status_dir, "tp1.json")]
+    assert instance_name(SETTINGS, 30000) == name  # and in the main process itself
+
+
+def test_a_scheduler_without_a_server_main_names_itself_and_writes_no_status(caplog):
+    name = instance_name(SETTINGS, 30000)
+    assert name.startswith(f"sglang-{socket.gethostname()}:30000-")
+    assert instance_name(SETTINGS, 30000) == name  # stable within the process
+    assert status_path(0) is None
+    assert "no TENSORHUB_SGLANG_INSTANCE" in caplog.text
+
+
+def test_the_status_dir_is_private_to_the_instance_and_not_keyed_by_port(monkeypatch):
+    _, status_dir = launch_on(monkeypatch, "node")
+    assert os.path.basename(status_dir).startswith("tensorhub-sglang-")
+    assert "30000" not in status_dir
+    assert os.stat(status_dir).st_mode & 0o777 == 0o700  # mkdtemp: only this user
+    assert status_path(3) == os.path.join(status_dir, "tp3.json")
+    write_json(status_path(0), {"applied": 2})
+    assert json.loads(Path(status_path(0)).read_text()) == {"applied": 2}
+    assert os.listdir(status_dir) == ["tp0.json"]  # no temporary file left behind
+
+
+def test_the_status_dir_is_removed_when_the_main_process_exits():
+    status_dir = in_scheduler(
+        "from tensorhub.engines.settings import EngineSettings\n"
+        "from tensorhub_plugins.sglang import naming\n"
+        "_, d = naming.start_instance(EngineSettings(coordinator='tcp://127.0.0.1:1'), 1)\n"
+        "naming.write_json(naming.status_path(0), {})\n"
+        "print(d)")
+    assert status_dir.startswith(os.path.join(naming.tempfile.gettempdir(), "tensorhub-"))
+    assert not os.path.exists(status_dir)
+
+
+def test_the_driver_reports_its_ranks_from_the_private_dir(monkeypatch):
+    name, _ = launch_on(monkeypatch, "node")
+    driver = Driver(SETTINGS, "0.0.0.0", 30000, 2, name)
+    try:
+        assert driver.url == "http://127.0.0.1:30000"
+        assert driver.names == [f"{name}-tp0", f"{name}-tp1"]
+        write_json(status_path(0), {"applied": 3, "memory": {"compact_bytes": 10}})
+        write_json(status_path(1), {"applied": 3, "memory": {"compact_bytes": 5},
+                                    "params_moved": False})
+        status = driver.status()
+        # Manual mode (no follow thread): the version every rank applied.
+        assert status["serving_version"] == 3 and status["name"] == name
+        assert status["native_workers"] == [f"{name}-tp0-native", f"{name}-tp1-native"]
+        assert status["memory"] == {"compact_bytes": 15, "checkpoint_copy_bytes": 0}
+        driver.following = True  # following: only what the driver itself swapped to
+        assert driver.status()["serving_version"] is None
+    finally:
+        driver.client.close()
+
+
+@pytest.mark.parametrize(("argv", "process", "main"), [
+    (["/v/lib/python3.11/site-packages/sglang/launch_server.py", "--port", "1"],
+     "MainProcess", True),
+    (["/v/bin/sglang", "serve", "--model-path", "m"], "MainProcess", True),
+    (["/v/bin/sglang", "generate"], "MainProcess", False),
+    (["/v/lib/python3.11/site-packages/sglang/launch_server.py"], "SpawnProcess-1", False),
+    (["train.py"], "MainProcess", False),  # SGLang embedded as sglang.Engine
+])
+def test_only_the_server_main_process_starts_the_driver(monkeypatch, argv, process, main):
+    monkeypatch.setattr("multiprocessing.current_process",
+                        lambda: type("P", (), {"name": process})())
+    assert is_server_main(argv) is main
+
+
+def test_routes_take_the_tensorhub_token_as_a_bearer_token(monkeypatch, tmp_path):
+    for key in ("TENSORHUB_TOKEN", "TENSORHUB_TOKEN_FILE", "TENSORHUB_HTTP_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    assert authorized(None)  # no token configured: open, as the vLLM routes
+    monkeypatch.setenv("TENSORHUB_TOKEN", "s3cret")
+    assert authorized("Bearer s3cret")
+    assert not authorized(None) and not authorized("Bearer wrong")
+    monkeypatch.delenv("TENSORHUB_TOKEN")
+    monkeypatch.setenv("TENSORHUB_TOKEN_FILE", str(tmp_path / "missing"))
+    assert not authorized("Bearer anything")  # an unreadable token fails closed
+
+
+def test_the_status_dir_goes_before_sglang_sigkills_its_own_main_process(monkeypatch):
+    _, status_dir = launch_on(monkeypatch, "node")
+    _before_self_kill(os.getpid() + 1, True)  # another process's tree: not ours to remove
+    _before_self_kill(os.getpid(), False)  # children only: this process lives on (atexit)
+    assert os.path.isdir(status_dir)
+    _before_self_kill(os.getpid(), include_parent=True)
+    assert not os.path.exists(status_dir)
