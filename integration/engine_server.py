@@ -9,6 +9,7 @@ how to ask for greedy tokens) live in `vllm_server.py` and `sglang_server.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,12 +36,23 @@ class EngineServer:
             Path(f"/tmp/{self.kind}-server-{port}.log")
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.host = None  # an emulated host (tensorhub.testing.cluster.Host) to run on
+
+    def on(self, host) -> EngineServer:
+        """Run on an emulated host: started there, and reached through its network (so
+        `url`, on the host's loopback, stays as it is)."""
+        self.host = host
+        return self
+
+    def _network(self):
+        return self.host.network() if self.host is not None else contextlib.nullcontext()
 
     # -- lifecycle -------------------------------------------------------------------
     def launch(self) -> EngineServer:
         """Start the process without waiting (start several, then `wait_healthy` each)."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
+        popen = self.host.spawn if self.host is not None else subprocess.Popen
+        self.proc = popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         return self
@@ -64,7 +76,8 @@ class EngineServer:
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with self._network(), urllib.request.urlopen(self.url + "/health",
+                                                         timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
@@ -129,7 +142,7 @@ class EngineServer:
         req = urllib.request.Request(
             self.url + path, data=data, method=method or ("POST" if data else "GET"),
             headers={"Content-Type": "application/json", **(headers or {})})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with self._network(), urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         if not body:
             return {}

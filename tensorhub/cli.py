@@ -132,6 +132,7 @@ def _replica(args: argparse.Namespace) -> int:
                           flush=True)
                     return 1
                 continue
+            started_at = time.time()  # wall clock: comparable across processes and hosts
             try:
                 version = replica.pull(timeout=args.pull_timeout)
             except TensorHubError as exc:
@@ -143,7 +144,8 @@ def _replica(args: argparse.Namespace) -> int:
             if args.json:
                 event = {"event": "pulled", "name": args.name, "version": version,
                          "sources": s.sources, "by_source": s.by_source, "nbytes": s.nbytes,
-                         "seconds": s.seconds, "gbps": s.gbps}
+                         "seconds": s.seconds, "gbps": s.gbps, "started_at": started_at,
+                         "ended_at": time.time()}
                 if args.checksums:
                     event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
                 print(json.dumps(event), flush=True)
@@ -177,6 +179,20 @@ def _load_weights(path: str) -> dict:
     return state
 
 
+def _wait_replicas(pub, version: int, count: int, timeout: float, stop: list) -> bool:
+    """Whether `count` replicas hold `version` within `timeout` (they may not have started:
+    unlike `Publisher.retained`, no replica registered yet is no reason to stop waiting)."""
+    from tensorhub.core.data_types import RetentionRequest
+
+    deadline = time.monotonic() + timeout
+    while not stop and time.monotonic() < deadline:
+        reply = pub.session.client.call(RetentionRequest(model=pub.model, version=version))
+        if reply.replica_holders >= count:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _publish(args: argparse.Namespace) -> int:
     """A trainer process: publish versions, each once `--wait-replicas` replicas hold the
     previous one, then keep serving (`--linger`). For seeding a fleet from a checkpoint, and
@@ -207,17 +223,16 @@ def _publish(args: argparse.Namespace) -> int:
             print(json.dumps(event) if args.json else
                   f"{args.name}: published {args.model} v{version} "
                   f"({event['nbytes'] / 2**20:.1f} MiB)", flush=True)
-            if args.wait_replicas and not pub.retained():
-                print(json.dumps({"event": "timeout", "version": version}) if args.json else
-                      f"v{version}: fewer than {args.wait_replicas} replicas hold it after "
-                      f"{args.timeout:.0f} s", flush=True)
-                return 1
             if args.wait_replicas:
-                held = {"event": "held", "version": version,
-                        "seconds": round(time.monotonic() - started, 4)}
-                print(json.dumps(held) if args.json else
-                      f"v{version}: held by {args.wait_replicas} replicas after "
-                      f"{held['seconds']:.2f} s", flush=True)
+                held = _wait_replicas(pub, version, args.wait_replicas, args.timeout, stop)
+                event = {"event": "held" if held else "timeout", "version": version,
+                         "seconds": round(time.monotonic() - started, 4)}
+                print(json.dumps(event) if args.json else
+                      f"v{version}: {args.wait_replicas} replica(s) "
+                      f"{'hold it after' if held else 'did not hold it within'} "
+                      f"{event['seconds']:.2f} s", flush=True)
+                if not held:
+                    return 1
         while args.linger and not stop:  # keep serving the last version until told to stop
             time.sleep(0.1)
     finally:

@@ -17,35 +17,18 @@ import pytest
 
 from tensorhub.processes import ChildProcess
 from tensorhub.testing import cluster as cluster_mod
-from tensorhub.testing.cluster import Cluster, ClusterError, HostSpec, Traffic, parse_rate
+from tensorhub.testing.cluster import (
+    Cluster,
+    ClusterError,
+    HostSpec,
+    Traffic,
+    parse_rate,
+    tcp_transfer,
+)
 
 needs_cluster = pytest.mark.skipif(cluster_mod.available() is not None,
                                    reason=str(cluster_mod.available()))
 
-# One TCP connection: the server sends its hostname, reads until EOF, and prints what it
-# got (bytes, seconds from accept to EOF) as JSON; the client sends N bytes, prints the
-# hostname it was sent.
-SERVER = """
-import json, socket, sys, time
-s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-c, _ = s.accept()
-start = time.monotonic()
-c.sendall(socket.gethostname().encode() + b"\\n")
-n = 0
-while data := c.recv(1 << 20):
-    n += len(data)
-print(json.dumps({"bytes": n, "seconds": time.monotonic() - start}), flush=True)
-"""
-CLIENT = """
-import socket, sys
-payload = b"x" * int(sys.argv[3])  # before connecting: the server's clock runs from accept
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
-print(c.makefile().readline().strip(), flush=True)
-c.sendall(payload)
-c.shutdown(socket.SHUT_WR)
-c.recv(1)
-"""
 # What a program sees of the host it runs on.
 WHOAMI = """
 import json, os, socket, time
@@ -55,22 +38,6 @@ print(json.dumps({"hostname": socket.gethostname(), "pid_ns": os.readlink("/proc
                   "links": sorted(os.listdir("/sys/class/net"))}), flush=True)
 time.sleep(1000)
 """
-
-
-def transfer(src: cluster_mod.Host, dst: cluster_mod.Host, nbytes: int,
-             port: int = 5001) -> dict:
-    """Send `nbytes` from `src` to `dst` over TCP: what the server measured, plus the
-    hostname the client was greeted with."""
-    server = dst.popen([sys.executable, "-c", SERVER, str(port)], name=f"server on {dst.name}")
-    try:
-        assert server.next_line(timeout=10) == "listening"
-        client = src.run([sys.executable, "-c", CLIENT, dst.address, str(port), str(nbytes)],
-                         timeout=60)
-        assert client.returncode == 0, client.stderr
-        result = server.next_json(timeout=30)
-        return {**result, "greeting": client.stdout.strip()}
-    finally:
-        server.stop()
 
 
 def namespaces_of(prefix: str) -> list[str]:
@@ -111,7 +78,7 @@ def test_hosts_reach_each_other_by_address():
         assert [h.address for h in c.hosts] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
         for src, dst in [(c.hosts[0], c.hosts[1]), (c.hosts[1], c.hosts[0]),
                          (c.hosts[0], c.hosts[2]), (c.hosts[2], c.hosts[1])]:
-            result = transfer(src, dst, 1000)
+            result = tcp_transfer(src, dst, 1000)
             assert result["greeting"] == dst.name
             assert result["bytes"] == 1000
 
@@ -184,7 +151,7 @@ def test_shaped_link_carries_its_rate(where):
             c.set_wan(rate)
             dst = h2
         before = h0.traffic()
-        result = transfer(h0, dst, 4_000_000)
+        result = tcp_transfer(h0, dst, 4_000_000)
         sent = (h0.traffic() - before).sent
         goodput = result["bytes"] * 8 / result["seconds"]
         print(f"{where}: {goodput / 1e6:.1f} mbit/s of {rate / 1e6:.0f} "
@@ -197,7 +164,7 @@ def test_shaped_link_carries_its_rate(where):
 @needs_cluster
 def test_unshaped_links_are_fast():
     with Cluster(2) as c:
-        result = transfer(c.hosts[0], c.hosts[1], 50_000_000)
+        result = tcp_transfer(c.hosts[0], c.hosts[1], 50_000_000)
         assert result["bytes"] * 8 / result["seconds"] > 1e9
 
 
@@ -207,10 +174,10 @@ def test_wan_counters_count_only_what_crosses_between_dcs():
         h0, h1, h2, _ = c.hosts
         assert [h.dc for h in c.hosts] == [0, 0, 1, 1]
         start = c.wan_traffic()
-        transfer(h0, h1, 1_000_000)  # within DC 0
+        tcp_transfer(h0, h1, 1_000_000)  # within DC 0
         assert c.wan_traffic() == start  # not one byte: no ARP, no flooding, no IPv6
         before_h0, before_h2 = h0.traffic(), h2.traffic()
-        transfer(h0, h2, 1_000_000)  # DC 0 -> DC 1
+        tcp_transfer(h0, h2, 1_000_000)  # DC 0 -> DC 1
         wan = c.wan_traffic() - start
         assert 1_000_000 < wan.received < 1_100_000  # into DC 1: data and headers
         assert 0 < wan.sent < 100_000  # out of DC 1: the greeting and acks
@@ -222,7 +189,7 @@ def test_wan_counters_count_only_what_crosses_between_dcs():
 def test_three_dcs_reach_each_other_through_dc0():
     with Cluster([HostSpec("a", 0), HostSpec("b", 1), HostSpec("c", 2)]) as c:
         assert c.dcs == 3
-        result = transfer(c.host("b"), c.host("c"), 100_000)
+        result = tcp_transfer(c.host("b"), c.host("c"), 100_000)
         assert result["greeting"] == "c"
         assert c.wan_traffic(1).sent > 100_000  # out of DC 1 into DC 0 ...
         assert c.wan_traffic(2).received > 100_000  # ... and on into DC 2

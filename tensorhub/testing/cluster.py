@@ -218,6 +218,30 @@ def _children_in_pid_namespace(target: int | None) -> Iterator[None]:
         os.close(own)
 
 
+# One TCP connection: the server sends its hostname, reads until EOF, and prints what it
+# got (bytes, seconds from accept to EOF) as JSON; the client sends N bytes, prints the
+# hostname it was sent.
+_TCP_SERVER = """
+import json, socket, sys, time
+s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+c, _ = s.accept()
+start = time.monotonic()
+c.sendall(socket.gethostname().encode() + b"\\n")
+n = 0
+while data := c.recv(1 << 20):
+    n += len(data)
+print(json.dumps({"bytes": n, "seconds": time.monotonic() - start}), flush=True)
+"""
+_TCP_CLIENT = """
+import socket, sys
+payload = b"x" * int(sys.argv[3])  # before connecting: the server's clock runs from accept
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+print(c.makefile().readline().strip(), flush=True)
+c.sendall(payload)
+c.shutdown(socket.SHUT_WR)
+c.recv(1)
+"""
 # --- hosts --------------------------------------------------------------------------------
 
 
@@ -283,7 +307,7 @@ class Host:
         return ["nsenter", f"--target={self.init_pid}", "--net", "--uts", "--pid", "--mount",
                 f"--wd={os.path.abspath(cwd or os.getcwd())}", "--"]
 
-    def _spawn(self, argv: Sequence[str], *, cwd: str | None = None,
+    def spawn(self, argv: Sequence[str], *, cwd: str | None = None,
                **popen_kw) -> subprocess.Popen:
         """`subprocess.Popen` on this host. Entering a mount namespace resets the working
         directory, hence ``--wd``."""
@@ -309,7 +333,7 @@ class Host:
         ``.next_line()`` / ``.next_json()``. `env` is added to this process's environment;
         `cwd` defaults to ours."""
         return ChildProcess(argv, env=env, name=name or self.name, log_path=log_path,
-                            cwd=cwd, stdout=stdout, stderr=stderr, popen=self._spawn)
+                            cwd=cwd, stdout=stdout, stderr=stderr, popen=self.spawn)
 
     def tensorhub(self, *args: str, **kw) -> ChildProcess:
         """`tensorhub` CLI on this host (like `ChildProcess.tensorhub`)."""
@@ -320,7 +344,7 @@ class Host:
             check: bool = False) -> subprocess.CompletedProcess[str]:
         """Run a command on this host to completion (like `subprocess.run` with
         ``capture_output=True, text=True``); on timeout its whole group is killed."""
-        proc = self._spawn(argv, cwd=cwd, env={**os.environ, **(env or {})}, text=True,
+        proc = self.spawn(argv, cwd=cwd, env={**os.environ, **(env or {})}, text=True,
                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            start_new_session=True)
@@ -402,6 +426,24 @@ class Host:
         """Shape what this host receives, at its switch port (None: unshaped)."""
         _shape(self.cluster.switch, self.port, rate)
         self.ingress = _bits(rate)
+
+
+def tcp_transfer(src: Host, dst: Host, nbytes: int, port: int = 5001) -> dict:
+    """Send `nbytes` from `src` to `dst` over one TCP connection: the bytes and seconds
+    the receiver measured (from accept to EOF), plus the hostname the client was greeted
+    with. Benchmarks take a link's real goodput from this (the physical bound)."""
+    server = dst.popen([sys.executable, "-c", _TCP_SERVER, str(port)], name=f"server on {dst.name}")
+    try:
+        if server.next_line(timeout=10) != "listening":
+            raise ClusterError(f"no TCP server on {dst.name}")
+        client = src.run([sys.executable, "-c", _TCP_CLIENT, dst.address, str(port), str(nbytes)],
+                         timeout=60)
+        if client.returncode != 0:
+            raise ClusterError(f"TCP client on {src.name} failed: {client.stderr.strip()}")
+        result = server.next_json(timeout=30)
+        return {**result, "greeting": client.stdout.strip()}
+    finally:
+        server.stop()
 
 
 def _killpg(pid: int) -> None:

@@ -1,0 +1,194 @@
+"""Across emulated hosts (`tensorhub.testing.cluster`): every process on a host of its own,
+every host's egress shaped by tbf, default settings. Three figures, each beside its
+baseline and the physical bound measured in the same run:
+
+- fan-out: one version to N reader hosts (2, 4, 8): TensorHub against a star (every reader
+  reads the whole version from the trainer) and the lower bound, model bytes / the goodput
+  of one shaped link (measured here with one TCP stream);
+- elastic join: K joiners start at once while M replicas already hold the version: time
+  until all K hold it, against K joiners reading from the trainer only;
+- cross-datacenter: trainer in DC A, readers in DC B behind a WAN link 10x slower than
+  the NICs: time to all and bytes over the WAN, against every reader crossing the WAN.
+
+Each setting times the second version a fleet pulls (the first warms up connections and
+allocations). What tbf on veth cannot show: RDMA (this is UCX over TCP), latency or loss
+(no netem), NIC offloads, and a switch fabric's contention; all hosts share 2 CPU cores.
+
+Run: python -m bench.hosts [--size-mb 512] [--egress 800mbit] [--sizes 2,4,8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+from bench.results import Report
+from tensorhub.testing.cluster import Cluster, HostSpec, available, parse_rate, tcp_transfer
+from tensorhub.testing.fleet import Fleet
+
+
+def link_goodput(cluster: Cluster, nbytes: int) -> float:
+    """Bytes per second one TCP stream gets over one shaped link (h0 -> h1), median of 3."""
+    a, b = cluster.hosts[0], cluster.hosts[1]
+    rates = []
+    for _ in range(3):
+        r = tcp_transfer(a, b, nbytes)
+        rates.append(r["bytes"] / r["seconds"])
+    return statistics.median(rates)
+
+
+def timed_fanout(cluster: Cluster, readers: list, size_mb: float, *, star: bool,
+                 chunk_mib: float, trainer_host=None, log_dir: str) -> dict:
+    """Two versions to `readers`; the second timed: publish -> last reader holds it."""
+    n = len(readers)
+    flags = ("--whole-items",) if star else ()
+    with Fleet(cluster, chunk_mib=chunk_mib, max_readers_per_holder=n if star else 2,
+               log_dir=log_dir) as fleet:
+        procs = [fleet.replica(h, versions=2, extra=flags, pull_timeout=600) for h in readers]
+        time.sleep(1.0)  # registered before the first version
+        trainer = fleet.trainer(trainer_host or cluster.hosts[0], size_mb, versions=2,
+                                wait_replicas=n, extra=("--timeout", "900"))
+        first = trainer.next_json(120)
+        for p in procs:
+            assert p.next_json(900)["event"] == "pulled"
+        assert trainer.next_json(900)["event"] == "held"
+        wan0 = cluster.wan_traffic(1) if cluster.dcs > 1 else None
+        src0 = (trainer_host or cluster.hosts[0]).traffic().sent
+        second = trainer.next_json(120)
+        published = time.time()
+        events = [p.next_json(900) for p in procs]
+        assert all(e["event"] == "pulled" and e["version"] == second["version"] for e in events)
+        assert all(e["checksums"] == second["checksums"] for e in events)
+        seconds = max(e["ended_at"] for e in events) - published
+        out = {"seconds": seconds, "nbytes": first["nbytes"],
+               "trainer_sent": (trainer_host or cluster.hosts[0]).traffic().sent - src0}
+        if wan0 is not None:
+            out["wan_bytes"] = (cluster.wan_traffic(1) - wan0).received
+        return out
+
+
+def fanout(report: Report, sizes: list[int], size_mb: float, egress: str, chunk_mib: float,
+           log_root: str) -> None:
+    for n in sizes:
+        with Cluster(n + 1, egress=egress) as cluster:
+            goodput = link_goodput(cluster, 64 << 20)
+            ours = timed_fanout(cluster, cluster.hosts[1:], size_mb, star=False,
+                                chunk_mib=chunk_mib, log_dir=f"{log_root}/fanout{n}")
+            star = timed_fanout(cluster, cluster.hosts[1:], size_mb, star=True,
+                                chunk_mib=chunk_mib, log_dir=f"{log_root}/star{n}")
+        bound = ours["nbytes"] / goodput
+        name = f"fan-out {size_mb:g} MiB to {n} hosts, {egress} egress"
+        report.add(f"{name}: time to all / lower bound", ours["seconds"] / bound, "x",
+                   "star / lower bound", star["seconds"] / bound, higher_is_better=False)
+        report.add(f"{name}: time to all", ours["seconds"], "s", "star", star["seconds"],
+                   higher_is_better=False)
+        report.add(f"{name}: trainer egress / model bytes", ours["trainer_sent"] / ours["nbytes"],
+                   "x", "star", star["trainer_sent"] / star["nbytes"], higher_is_better=False)
+        print(f"{n} hosts: ours {ours['seconds']:.2f} s, star {star['seconds']:.2f} s, bound "
+              f"{bound:.2f} s ({goodput * 8 / 1e6:.0f} Mbit/s goodput): "
+              f"{ours['seconds'] / bound:.2f} x / {star['seconds'] / bound:.2f} x", flush=True)
+
+
+def elastic_join(report: Report, fleet_size: int, joiners: int, size_mb: float, egress: str,
+                 chunk_mib: float, log_root: str) -> None:
+    """`joiners` replicas start at once while `fleet_size` replicas (and the trainer) hold
+    the version; baseline: the same joiners with only the trainer holding it, reading
+    whole items (every joiner from the trainer)."""
+    results = {}
+    for mode in ("tensorhub", "trainer only"):
+        holders = fleet_size if mode == "tensorhub" else 0
+        with Cluster(1 + holders + joiners, egress=egress) as cluster, \
+                Fleet(cluster, chunk_mib=chunk_mib, log_dir=f"{log_root}/join-{holders}",
+                      max_readers_per_holder=2 if holders else joiners) as fleet:
+            h0, rest = cluster.hosts[0], cluster.hosts[1:]
+            olds = [fleet.replica(h, extra=("--pull-timeout", "600")) for h in rest[:holders]]
+            trainer = fleet.trainer(h0, size_mb, wait_replicas=holders,
+                                    extra=("--timeout", "900"))
+            published = trainer.next_json(120)
+            for p in olds:
+                assert p.next_json(900)["event"] == "pulled"
+            if holders:
+                assert trainer.next_json(900)["event"] == "held"
+            flags = () if holders else ("--whole-items",)
+            news = [fleet.replica(h, extra=flags, pull_timeout=900) for h in rest[holders:]]
+            events = [p.next_json(900) for p in news]
+            assert all(e["event"] == "pulled" and e["checksums"] == published["checksums"]
+                       for e in events), events
+            results[mode] = max(e["ended_at"] for e in events) - \
+                min(e["started_at"] for e in events)
+    name = (f"elastic join: {joiners} joiners, {size_mb:g} MiB, {fleet_size} replicas hold "
+            f"it, {egress} egress")
+    report.add(f"{name}: time until all hold it", results["tensorhub"], "s",
+               "every joiner from the trainer", results["trainer only"],
+               higher_is_better=False)
+    print(f"{name}: {results['tensorhub']:.2f} s vs {results['trainer only']:.2f} s "
+          f"({results['trainer only'] / results['tensorhub']:.2f} x)", flush=True)
+
+
+def cross_dc(report: Report, readers: int, size_mb: float, nic: str, chunk_mib: float,
+             log_root: str) -> None:
+    wan = parse_rate(nic) // 10
+    specs = [HostSpec("a0", dc=0), *(HostSpec(f"b{i}", dc=1) for i in range(readers))]
+    runs = {}
+    for mode in ("tensorhub", "every reader over the WAN"):
+        with Cluster(specs, egress=nic, wan=wan) as cluster:
+            runs[mode] = timed_fanout(cluster, cluster.hosts[1:], size_mb,
+                                      star=mode != "tensorhub", chunk_mib=chunk_mib,
+                                      log_dir=f"{log_root}/dc-{len(runs)}")
+            if not runs.get("goodput"):
+                wan_goodput = tcp_transfer(cluster.hosts[0], cluster.hosts[1], 16 << 20)
+                runs["goodput"] = wan_goodput["bytes"] / wan_goodput["seconds"]
+    ours, star = runs["tensorhub"], runs["every reader over the WAN"]
+    bound = ours["nbytes"] / runs["goodput"]
+    name = (f"cross-DC: {size_mb:g} MiB to {readers} readers in DC B, WAN {wan / 1e6:.0f} "
+            f"Mbit/s, NICs {nic}")
+    report.add(f"{name}: time to all", ours["seconds"], "s", "every reader over the WAN",
+               star["seconds"], higher_is_better=False)
+    report.add(f"{name}: time to all / one WAN copy", ours["seconds"] / bound, "x",
+               "every reader over the WAN", star["seconds"] / bound, higher_is_better=False)
+    report.add(f"{name}: WAN bytes / model bytes", ours["wan_bytes"] / ours["nbytes"], "x",
+               "every reader over the WAN", star["wan_bytes"] / star["nbytes"],
+               higher_is_better=False)
+    print(f"{name}: {ours['seconds']:.2f} s vs {star['seconds']:.2f} s; WAN "
+          f"{ours['wan_bytes'] / ours['nbytes']:.2f} vs {star['wan_bytes'] / star['nbytes']:.2f}"
+          f" copies", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=float, default=512)
+    parser.add_argument("--chunk-mib", type=float, default=64)
+    parser.add_argument("--egress", default="800mbit", help="every host's egress (tc rate)")
+    parser.add_argument("--sizes", default="2,4,8", help="reader hosts, comma-separated")
+    parser.add_argument("--only", nargs="+", choices=["fanout", "join", "dc"],
+                        default=["fanout", "join", "dc"])
+    parser.add_argument("--quick", action="store_true",
+                        help="small: 64 MiB in 8 MiB chunks, 2 and 4 hosts")
+    args = parser.parse_args(argv)
+    reason = available()
+    if reason is not None:
+        print(f"bench.hosts: cannot emulate hosts here: {reason}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.size_mb, args.chunk_mib, args.sizes = 64, 8, "2,4"
+    report = Report("hosts")
+    logs = tempfile.mkdtemp(prefix="tensorhub-bench-hosts-")
+    print(f"logs in {logs}", flush=True)
+    if "fanout" in args.only:
+        fanout(report, [int(x) for x in args.sizes.split(",")], args.size_mb, args.egress,
+               args.chunk_mib, logs)
+    if "join" in args.only:
+        elastic_join(report, 4, 4, args.size_mb, args.egress, args.chunk_mib, logs)
+    if "dc" in args.only:
+        dc_mb = args.size_mb / 4
+        cross_dc(report, 4, dc_mb, "1gbit", args.chunk_mib / 4, logs)
+    report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""vLLM across emulated hosts: an engine on one host joins from an engine on another, with no
+transport settings, and answers as HF transformers does on the same float32 weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from integration.tiny_model import Versions, pick_stable_prompts, save_version
+from integration.vllm_server import VLLMServer
+from tensorhub.testing.cluster import Cluster, available
+from tensorhub.testing.fleet import Fleet
+
+pytestmark = pytest.mark.skipif(available() is not None,
+                                reason=f"no emulated hosts here: {available()}")
+TOKENS = 12
+PLUGIN_ARGS = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
+
+
+def test_a_vllm_engine_joins_from_an_engine_on_another_host(tmp_path, vllm_python):
+    versions = Versions(tmp_path, count=2)
+    published = save_version(versions.dir, versions.state(2), tmp_path / "v2")  # not on disk
+    prompts, expected = pick_stable_prompts(versions.dir, 4, 12, TOKENS,
+                                            state_dicts=[versions.state(1), versions.state(2)])
+    assert expected[0] != expected[1], "the published weights must change the answers"
+    with Cluster(3, egress="800mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
+        h0, h1, h2 = cluster.hosts
+        env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": fleet.address,
+               "TENSORHUB_MODEL": "policy"}
+        # the trainer publishes, waits until one engine holds the version, and leaves
+        trainer = h0.tensorhub("--log-level", "INFO", "publish", str(published),
+                               "--coordinator", fleet.address, "--wait-replicas", "1",
+                               "--json", name="trainer",
+                               log_path=str(tmp_path / "trainer.log"))
+        assert trainer.next_json(120)["event"] == "published"
+        first = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
+                           log_path=tmp_path / "vllm-h1.log").on(h1)
+        late = VLLMServer(vllm_python, versions.weightless_dir(tmp_path),
+                          extra_args=[*PLUGIN_ARGS, "--load-format", "dummy"], env=env,
+                          log_path=tmp_path / "vllm-h2.log").on(h2)
+        try:
+            first.start(300)
+            first.wait_serving(1)
+            assert trainer.next_json(120)["event"] == "held"
+            assert trainer.wait(60) == 0  # gone: the engine on h1 is the only holder left
+            assert first.greedy(prompts, TOKENS) == expected[1]
+            late.start(300)  # healthy only once it joined at v1, from h1 across the network
+            assert late.tensorhub_status()["serving_version"] == 1
+            assert late.greedy(prompts, TOKENS) == expected[1]
+            pulls = [t for t in fleet.status()["transfers"] if t["ok"] and t["nbytes"]]
+            joined = [t for t in pulls if t["reader"].startswith("vllm-h2")]
+            assert joined and all(t["source"].startswith("vllm-h1") for t in joined), pulls
+        finally:
+            late.stop()
+            first.stop()
