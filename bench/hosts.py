@@ -41,7 +41,7 @@ def link_goodput(cluster: Cluster, nbytes: int) -> float:
 
 
 def timed_fanout(cluster: Cluster, readers: list, size_mb: float, *, star: bool,
-                 chunk_mib: float, trainer_host=None, log_dir: str) -> dict:
+                 chunk_mib: float | None, trainer_host=None, log_dir: str) -> dict:
     """Two versions to `readers`; the second timed: publish -> last reader holds it."""
     n = len(readers)
     flags = ("--whole-items",) if star else ()
@@ -70,7 +70,8 @@ def timed_fanout(cluster: Cluster, readers: list, size_mb: float, *, star: bool,
         return out
 
 
-def fanout(report: Report, sizes: list[int], size_mb: float, egress: str, chunk_mib: float,
+def fanout(report: Report, sizes: list[int], size_mb: float, egress: str,
+           chunk_mib: float | None,
            log_root: str) -> None:
     for n in sizes:
         with Cluster(n + 1, egress=egress) as cluster:
@@ -93,7 +94,7 @@ def fanout(report: Report, sizes: list[int], size_mb: float, egress: str, chunk_
 
 
 def elastic_join(report: Report, fleet_size: int, joiners: int, size_mb: float, egress: str,
-                 chunk_mib: float, log_root: str) -> None:
+                 chunk_mib: float | None, log_root: str) -> None:
     """`joiners` replicas start at once while `fleet_size` replicas (and the trainer) hold
     the version; baseline: the same joiners with only the trainer holding it, reading
     whole items (every joiner from the trainer)."""
@@ -128,7 +129,8 @@ def elastic_join(report: Report, fleet_size: int, joiners: int, size_mb: float, 
           f"({results['trainer only'] / results['tensorhub']:.2f} x)", flush=True)
 
 
-def cross_dc(report: Report, readers: int, size_mb: float, nic: str, chunk_mib: float,
+def cross_dc(report: Report, readers: int, size_mb: float, nic: str,
+             chunk_mib: float | None,
              log_root: str) -> None:
     wan = parse_rate(nic) // 10
     specs = [HostSpec("a0", dc=0), *(HostSpec(f"b{i}", dc=1) for i in range(readers))]
@@ -161,20 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=512)
-    parser.add_argument("--chunk-mib", type=float, default=64)
+    parser.add_argument("--chunk-mib", type=float, default=None,
+                        help="the coordinator's --chunk-mib (default: its own choice)")
     parser.add_argument("--egress", default="800mbit", help="every host's egress (tc rate)")
     parser.add_argument("--sizes", default="2,4,8", help="reader hosts, comma-separated")
     parser.add_argument("--only", nargs="+", choices=["fanout", "join", "dc"],
                         default=["fanout", "join", "dc"])
     parser.add_argument("--quick", action="store_true",
-                        help="small: 64 MiB in 8 MiB chunks, 2 and 4 hosts")
+                        help="small: 64 MiB, 2 and 4 hosts")
     args = parser.parse_args(argv)
     reason = available()
     if reason is not None:
         print(f"bench.hosts: cannot emulate hosts here: {reason}", file=sys.stderr)
         return 2
     if args.quick:
-        args.size_mb, args.chunk_mib, args.sizes = 64, 8, "2,4"
+        args.size_mb, args.sizes = 64, "2,4"
     report = Report("hosts")
     logs = tempfile.mkdtemp(prefix="tensorhub-bench-hosts-")
     print(f"logs in {logs}", flush=True)
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         elastic_join(report, 4, 4, args.size_mb, args.egress, args.chunk_mib, logs)
     if "dc" in args.only:
         dc_mb = args.size_mb / 4
-        cross_dc(report, 4, dc_mb, "1gbit", args.chunk_mib / 4, logs)
+        cross_dc(report, 4, dc_mb, "1gbit", args.chunk_mib and args.chunk_mib / 4, logs)
     report.write()
     return 0
 

@@ -13,10 +13,10 @@ import time
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"
 
 
-def _positive_seconds(text: str) -> float:
+def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -34,7 +34,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
         lease_ttl=args.lease_ttl, busy_retry=args.busy_retry,
         planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder,
-                              chunk_bytes=int(args.chunk_mib * 2**20)),
+                              **({} if args.chunk_mib is None else
+                                 {"chunk_bytes": int(args.chunk_mib * 2**20), "min_chunks": 1})),
     )  # fmt: skip
     if not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and token is None:
         logging.warning("binding %s beyond loopback without TENSORHUB_TOKEN: anyone who can "
@@ -287,15 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker silent this long loses its references (default 5)")
     p.add_argument("--lease-ttl", type=float, default=120.0,
                    help="longest a read may keep a holder from overwriting (default 120)")
-    p.add_argument("--busy-retry", type=_positive_seconds, default=0.05,
+    p.add_argument("--busy-retry", type=_positive, default=0.05,
                    help="seconds a reader refused as busy waits before asking again (default "
                         "0.05); on fast links about half a chunk time is best: 64 MiB at "
                         "100 Gb/s is 5.4 ms a chunk, so ~0.003")
     p.add_argument("--max-readers-per-holder", type=int, default=2,
                    help="concurrent readers per holder; forms trees, not stars (default 2)")
-    p.add_argument("--chunk-mib", type=float, default=64.0,
-                   help="size of the chunks a version is pulled and served in (default 64 MiB; "
-                        "smaller pipelines a small model across more hops)")
+    p.add_argument("--chunk-mib", type=_positive, default=None,
+                   help="size of the chunks a version is pulled and served in, in MiB (default: "
+                        "64, or less for a version under 2 GiB, which is cut into 32 chunks of "
+                        "at least 8 MiB: a fan-out's tail is a few chunk times)")
     p.add_argument("--curve-secret-file", default=None,
                    help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "
                    "this secret key (from `tensorhub keygen`; default: "

@@ -22,7 +22,7 @@ def _pulled(proc, timeout: float = 180.0) -> dict:
 
 def test_every_host_gets_the_version_bit_exact_with_default_settings(tmp_path):
     with Cluster(4, egress="400mbit") as cluster, \
-            Fleet(cluster, chunk_mib=8, log_dir=tmp_path) as fleet:
+            Fleet(cluster, log_dir=tmp_path) as fleet:
         h0, *readers = cluster.hosts
         replicas = [fleet.replica(h) for h in readers]
         trainer = fleet.trainer(h0, 64, wait_replicas=3)
@@ -39,7 +39,7 @@ def test_every_host_gets_the_version_bit_exact_with_default_settings(tmp_path):
 
 def test_a_host_that_dies_mid_pull_leaves_the_others_bit_exact(tmp_path):
     with Cluster(5, egress="200mbit") as cluster, \
-            Fleet(cluster, chunk_mib=8, log_dir=tmp_path,
+            Fleet(cluster, log_dir=tmp_path,
                   env={"TENSORHUB_STALL_TIMEOUT": "5"}) as fleet:
         h0, doomed, *others = cluster.hosts
         replicas = [fleet.replica(h) for h in (doomed, *others)]
@@ -54,7 +54,7 @@ def test_a_host_that_dies_mid_pull_leaves_the_others_bit_exact(tmp_path):
 
 def test_a_reader_that_cannot_reach_other_hosts_takes_no_version_away(tmp_path):
     with Cluster(4, egress="800mbit") as cluster, \
-            Fleet(cluster, chunk_mib=8, log_dir=tmp_path) as fleet:
+            Fleet(cluster, log_dir=tmp_path) as fleet:
         h0, h1, h2, h3 = cluster.hosts
         trainer = fleet.trainer(h0, 32)
         published = trainer.next_json(60)
@@ -72,7 +72,7 @@ def test_a_reader_that_cannot_reach_other_hosts_takes_no_version_away(tmp_path):
 
 def test_the_zmq_fallback_serves_across_hosts(tmp_path):
     with Cluster(3, egress="800mbit") as cluster, \
-            Fleet(cluster, chunk_mib=8, log_dir=tmp_path,
+            Fleet(cluster, log_dir=tmp_path,
                   env={"TENSORHUB_TRANSPORT": "zmq"}) as fleet:
         h0, h1, h2 = cluster.hosts
         trainer = fleet.trainer(h0, 32)
@@ -84,7 +84,7 @@ def test_the_zmq_fallback_serves_across_hosts(tmp_path):
 def test_about_one_copy_crosses_the_wan_per_version(tmp_path):
     specs = [HostSpec("a0", dc=0), *(HostSpec(f"b{i}", dc=1) for i in range(3))]
     with Cluster(specs, egress="2gbit", wan="200mbit") as cluster, \
-            Fleet(cluster, chunk_mib=8, log_dir=tmp_path) as fleet:
+            Fleet(cluster, log_dir=tmp_path) as fleet:
         a0, *far = cluster.hosts
         replicas = [fleet.replica(h) for h in far]
         trainer = fleet.trainer(a0, 64, wait_replicas=3)

@@ -284,13 +284,24 @@ def test_a_reader_with_every_chunk_gets_an_empty_complete_plan(fleet_of):
 
 
 def test_a_contended_source_gives_one_chunk_a_plan_so_the_reader_soon_replans(fleet_of):
-    fleet = fleet_of(rarest_first=False)  # max_chunks_per_source=1 by default
+    fleet = fleet_of(rarest_first=False, max_chunks_from_idle_source=2)
     busy = fleet.join("busy", dc="dc0")
-    fleet.plan(busy)  # the trainer is serving someone now
-    reader = fleet.join("r", dc="dc0")
-    plan = fleet.plan(reader)
-    assert source_by_item(plan) == {0: fleet.trainer}
+    assert source_by_item(fleet.plan(busy)) == {0: fleet.trainer, 1: fleet.trainer}
+    reader = fleet.join("r", dc="dc0")  # the trainer is serving someone now
+    plan = fleet.plan(reader)  # max_chunks_per_source=1 by default
+    assert source_by_item(plan) == {2: fleet.trainer}
     assert not plan.complete  # when peers free up, the rest may come from them
+
+
+def test_a_busy_sole_publisher_sends_only_chunks_nobody_has_or_is_reading(fleet_of):
+    fleet = fleet_of(rarest_first=False, max_chunks_from_idle_source=4)
+    busy = fleet.join("busy", dc="dc0")
+    assert len(fleet.plan(busy).ranges) == 4  # every chunk is on its way to `busy`
+    reader = fleet.join("r", dc="dc0")
+    refused = fleet.plan(reader)  # a copy from the trainer would slow `busy` down
+    assert refused.code == "busy"
+    fleet.progress(busy, [0])  # `busy` serves chunk 0 as soon as it has it
+    assert set(source_by_item(fleet.plan(reader)).values()) == {busy}
 
 
 def test_an_idle_holder_gives_more_chunks_while_no_reader_waits_for_a_first(fleet_of):

@@ -45,7 +45,20 @@ class PlannerConfig:
     # makes fewer plan round trips for the same bytes. (Given by any idle holder, it cost
     # the simulated fleet 0.01-0.02 of the lower bound at N = 64-512: less agility.)
     max_chunks_from_idle_source: int = 4
-    chunk_bytes: int = CHUNK_BYTES
+    chunk_bytes: int = CHUNK_BYTES  # the largest chunk
+    # A version is cut into at least this many chunks (each at least `min_chunk_bytes`): a
+    # fan-out's tail after the publisher's last byte is a few chunk times (log2 of the
+    # fleet), so a small version cut into a handful of large chunks waits mostly on its
+    # tail. 1: always `chunk_bytes`.
+    min_chunks: int = 32
+    min_chunk_bytes: int = 8 << 20
+
+    def chunk_bytes_for(self, nbytes: int) -> int:
+        """The chunk size of a version of `nbytes`: `chunk_bytes`, or less for a small one
+        (whole MiB, at least `min_chunk_bytes`)."""
+        wanted = -(-nbytes // max(1, self.min_chunks))
+        wanted = -(-wanted // (1 << 20)) << 20
+        return min(self.chunk_bytes, max(self.min_chunk_bytes, wanted))
     scan_limit: int = 16  # usable holders examined before taking the best seen
     scan_budget: int = 4096  # holders examined per plan in all: bounds a plan's cost
     rarest_first: bool = True  # offer the chunks fewest peers have first (more to trade)
@@ -130,12 +143,13 @@ def plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader_id: str,
     uploads idled, and made the fleet a chain that grew by two readers per chunk time.
     """
     reader = table.workers[reader_id]
-    chunks = layout.chunks(config.chunk_bytes)
+    chunk_bytes = config.chunk_bytes_for(layout.nbytes)
+    chunks = layout.chunks(chunk_bytes)
     if missing is None:
         have = layout.partial[reader_id].chunks if reader_id in layout.partial else set()
         pieces = [(c.index, s) for c in chunks if c.index not in have for s in c.segments]
     else:
-        pieces = chunks_in(chunks, missing, layout.segments_by_item(config.chunk_bytes))
+        pieces = chunks_in(chunks, missing, layout.segments_by_item(chunk_bytes))
     if not pieces:
         return ChunkPlan([], {}, True, None)
     my_dc = reader.labels.get("dc", "")
@@ -197,20 +211,20 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
             return None
         if rec is None and partial[hid].chunks.isdisjoint(want):
             return None  # nothing this reader lacks
-        if worker.role == "trainer" and load and not sends_fresh():
-            return None  # a busy publisher sends no copy of what the fleet already has
+        if worker.role == "trainer" and load and len(holders) <= 1 and not sends_fresh():
+            return None  # a busy sole publisher sends no copy of what the fleet already has
         return (dist == 2, worker.role == "trainer", load, dist)
 
     fresh: list[bool] = []
 
     def sends_fresh() -> bool:
         """Whether a chunk this reader lacks is nowhere in the fleet yet (no replica has
-        it, none is reading it). A publisher's upload is what a fan-out waits on (every
-        byte leaves it at least once): while it is busy sending such chunks, a copy of a
-        chunk others already hold would only slow them down."""
+        it, none is reading it). While the publisher is the only complete holder, its
+        upload is what a fan-out waits on (every byte leaves it at least once): while it
+        is busy, a copy of a chunk others already hold would only slow the rest down."""
         if not fresh:
-            fresh.append(len(holders) <= 1 and any(
-                not partial.having(c) and not reads[(layout_id, c)] for c in want))
+            fresh.append(any(not partial.having(c) and not reads[(layout_id, c)]
+                             for c in want))
         return fresh[0]
 
     # A bounded scan from a rotating start: plans spread over the fleet, cost stays flat.
@@ -245,6 +259,8 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
             remote_chosen = True
         has = want if hid in holders else partial[hid].chunks
         offer = [c for c in has if c in want and c not in taken]
+        if key[1] and key[2] and len(holders) <= 1:  # a busy sole publisher: fresh chunks only
+            offer = [c for c in offer if not partial.having(c) and not reads[(layout_id, c)]]
         if config.rarest_first:  # counting copies in flight: two readers fetch two chunks
             offer.sort(key=lambda c: (len(layout.partial.having(c)) + reads[(layout_id, c)],
                                       c))

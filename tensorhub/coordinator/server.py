@@ -559,7 +559,8 @@ class Coordinator:
         return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
                      float(self.config.lease_ttl),
                      [(workers[sid], rec) for sid, rec in chunked.sources.items()],
-                     chunked.ranges, self.config.planner.chunk_bytes, chunked.complete)
+                     chunked.ranges, self.config.planner.chunk_bytes_for(layout.nbytes),
+                     chunked.complete)
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
@@ -577,7 +578,7 @@ class Coordinator:
         else:
             raise Reject("bad_request", f"the first progress report of {req.model!r} "
                                         f"v{vrec.version} must carry the reader's memory")
-        count = len(layout.chunks(self.config.planner.chunk_bytes))
+        count = len(layout.chunks(self.config.planner.chunk_bytes_for(layout.nbytes)))
         bad = [c for c in req.chunks if c >= count]
         if bad:
             raise Reject("bad_request", f"chunks {bad[:8]} do not exist (the layout has "

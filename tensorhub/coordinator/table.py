@@ -160,6 +160,13 @@ class LayoutRec:
     # the planner's list of holder ids (complete, then partial), kept while membership stays
     _serving: tuple[tuple[int, int], list[str]] | None = None
     _packed: tuple[Packed, Packed] | None = None  # manifest and checksums, msgpack-encoded
+    _nbytes: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self._nbytes is None:
+            self._nbytes = sum(i.nbytes for i in self.items)
+        return self._nbytes
 
     def packed_manifest(self) -> tuple[Packed, Packed]:
         """The manifest and checksums as plans carry them, encoded once (both immutable):

@@ -287,6 +287,7 @@ class FleetSim:
                               busy_retry=chunk_time * config.busy_retry_chunks,
                               planner=PlannerConfig(**{
                                   **config.planner.__dict__, "chunk_bytes": config.chunk_bytes,
+                                  "min_chunks": 1,  # exactly the configured chunks
                                   # as the coordinator's defaults: twice the busy retry
                                   "starving_ttl": 2 * chunk_time * config.busy_retry_chunks})),
             clock=lambda: self.loop.now)

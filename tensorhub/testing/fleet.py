@@ -22,8 +22,9 @@ COORDINATOR_PORT = 5555
 
 class Fleet:
     def __init__(self, cluster: Cluster, coordinator_host: Host | None = None, *,
-                 chunk_mib: float = 64.0, max_readers_per_holder: int = 2,
-                 log_dir: str | Path | None = None, env: dict[str, str] | None = None):
+                 chunk_mib: float | None = None, max_readers_per_holder: int = 2,
+                 log_dir: str | Path | None = None, env: dict[str, str] | None = None,
+                 coordinator_args: tuple[str, ...] = ()):
         self.cluster = cluster
         self.host = coordinator_host or cluster.hosts[0]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tensorhub-fleet-"))
@@ -34,8 +35,8 @@ class Fleet:
         self.coordinator = self._start(
             self.host, "coordinator",
             ["coordinator", "--bind", f"tcp://0.0.0.0:{COORDINATOR_PORT}",
-             "--chunk-mib", str(chunk_mib),
-             "--max-readers-per-holder", str(max_readers_per_holder)])
+             *(["--chunk-mib", str(chunk_mib)] if chunk_mib else []),
+             "--max-readers-per-holder", str(max_readers_per_holder), *coordinator_args])
         self.coordinator.next_line(timeout=60)  # "tensorhub coordinator: requests on ..."
 
     def host_env(self, host: Host, env: dict[str, str] | None = None) -> dict[str, str]:
