@@ -289,14 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=120.0,
                    help="longest a read may keep a holder from overwriting (default 120)")
     p.add_argument("--busy-retry", type=_positive, default=0.05,
-                   help="seconds a reader refused as busy waits before asking again (default "
-                        "0.05); on fast links about half a chunk time is best: 64 MiB at "
-                        "100 Gb/s is 5.4 ms a chunk, so ~0.003")
+                   help="the longest a reader refused as busy waits before asking again "
+                        "(default 0.05 s); the coordinator asks for less, a quarter of a "
+                        "chunk's time at the rate reads have had lately, down to 5 ms")
     p.add_argument("--max-readers-per-holder", type=int, default=2,
                    help="concurrent readers per holder; forms trees, not stars (default 2)")
     p.add_argument("--chunk-mib", type=_positive, default=None,
                    help="size of the chunks a version is pulled and served in, in MiB (default: "
-                        "64, or less for a version under 2 GiB, which is cut into 32 chunks of "
+                        "64, or less for a version under 4 GiB, which is cut into 64 chunks of "
                         "at least 8 MiB: a fan-out's tail is a few chunk times)")
     p.add_argument("--curve-secret-file", default=None,
                    help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "

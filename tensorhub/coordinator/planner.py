@@ -50,7 +50,7 @@ class PlannerConfig:
     # fan-out's tail after the publisher's last byte is a few chunk times (log2 of the
     # fleet), so a small version cut into a handful of large chunks waits mostly on its
     # tail. 1: always `chunk_bytes`.
-    min_chunks: int = 32
+    min_chunks: int = 64
     min_chunk_bytes: int = 8 << 20
 
     def chunk_bytes_for(self, nbytes: int) -> int:

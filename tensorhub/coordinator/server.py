@@ -92,7 +92,7 @@ class CoordinatorConfig:
     heartbeat_interval: float = 1.0
     worker_ttl: float = 5.0
     lease_ttl: float = 120.0
-    busy_retry: float = 0.05
+    busy_retry: float = 0.05  # the longest a busy reader waits; less on links seen faster
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
@@ -106,6 +106,7 @@ class Reject(Exception):
         self.reply = ErrorReply(code=code, message=message, retry_after=retry_after)
 
 
+BUSY_RETRY_MIN = 0.005  # s: a floor, so a fleet on fast links does not poll in a loop
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 # Every Ack is the same: one model, encoded once (heartbeats alone are thousands a second).
 _ACK = Ack()
@@ -175,6 +176,7 @@ class Coordinator:
         self.clock = clock
         self.table = Table(clock=clock)
         self.trust = Trust(config.trust, clock)
+        self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -536,9 +538,18 @@ class Coordinator:
                 f"(UCX_NET_DEVICES, UCX_TLS, TENSORHUB_TRANSPORT, firewalls). They are "
                 f"offered to it again after {self.config.trust.window:.0f} s")
         if exc.busy:
-            return Reject("busy", busy, retry_after=self.config.busy_retry)
+            return Reject("busy", busy, retry_after=self._busy_retry(layout))
         return Reject("no_holder", f"no live holder of {model!r} v{version} is left; the "
                       f"trainer must publish it again", retry_after=1.0)
+
+    def _busy_retry(self, layout: LayoutRec) -> float:
+        """How long a busy reader waits: a quarter of a chunk's time at the rate reads have
+        had lately (a holder frees once a chunk is read; waiting longer idles it), at least
+        `BUSY_RETRY_MIN`, at most the configured `busy_retry`."""
+        if self._stream_rate is None:
+            return self.config.busy_retry
+        chunk_time = self.config.planner.chunk_bytes_for(layout.nbytes) / self._stream_rate
+        return min(self.config.busy_retry, max(BUSY_RETRY_MIN, chunk_time / 4))
 
     def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
                       layout: LayoutRec) -> _Plan:
@@ -603,6 +614,10 @@ class Coordinator:
                 error=req.error))
         if req.ok:
             self.trust.read_ok(req.worker_id)
+            if req.nbytes >= 1 << 20 and req.seconds > 0:
+                rate = req.nbytes / req.seconds
+                self._stream_rate = rate if self._stream_rate is None \
+                    else 0.9 * self._stream_rate + 0.1 * rate
         elif not req.failed_holders:
             # The reader gave up (not a source failure it will re-plan around): its partial
             # buffers may be reused, so it serves none of them any more.
