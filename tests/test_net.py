@@ -1,0 +1,61 @@
+"""Defaults that reach other hosts: UCX settings by what the host has, addresses peers can
+connect to, topology labels from where a worker runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub.core import topology
+from tensorhub.core.net import local_address_towards, reachable_announce, ucx_defaults
+
+
+def _sysfs(tmp_path, nets: dict[str, str], rdma: list[str] = ()):
+    net, ib = tmp_path / "net", tmp_path / "ib"
+    for name, state in nets.items():
+        (net / name).mkdir(parents=True)
+        (net / name / "operstate").write_text(state + "\n")
+    for name in rdma:
+        (ib / name).mkdir(parents=True)
+    return net, ib
+
+
+def test_loopback_is_forced_only_where_it_is_the_only_interface(tmp_path):
+    net, ib = _sysfs(tmp_path, {"lo": "unknown"})
+    assert ucx_defaults(sys_net=net, sys_ib=ib) == {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+
+
+def test_a_host_with_a_network_keeps_every_device_and_a_down_one_does_not_count(tmp_path):
+    net, ib = _sysfs(tmp_path / "a", {"lo": "unknown", "eth0": "up"})
+    assert ucx_defaults(sys_net=net, sys_ib=ib) == {"UCX_TLS": "tcp,cma"}
+    net, ib = _sysfs(tmp_path / "b", {"lo": "unknown", "eth0": "down"})
+    assert ucx_defaults(sys_net=net, sys_ib=ib)["UCX_NET_DEVICES"] == "lo"
+
+
+def test_rdma_hosts_keep_ucx_s_own_transport_choice(tmp_path):
+    net, ib = _sysfs(tmp_path, {"lo": "unknown", "ib0": "up"}, rdma=["mlx5_0"])
+    assert ucx_defaults(sys_net=net, sys_ib=ib) == {}
+
+
+def test_a_wildcard_announcement_becomes_the_address_the_client_used():
+    assert reachable_announce("tcp://0.0.0.0:5556", "tcp://10.1.2.3:5555") == \
+        "tcp://10.1.2.3:5556"
+    assert reachable_announce("tcp://*:5556", "tcp://coord.local:5555") == \
+        "tcp://coord.local:5556"
+    assert reachable_announce("tcp://10.9.9.9:7", "tcp://10.1.2.3:5555") == "tcp://10.9.9.9:7"
+
+
+def test_the_advertised_address_is_loopback_for_a_loopback_coordinator(monkeypatch):
+    monkeypatch.delenv("TENSORHUB_HOST_ADDRESS", raising=False)
+    assert local_address_towards("tcp://127.0.0.1:5555") == "127.0.0.1"
+    monkeypatch.setenv("TENSORHUB_HOST_ADDRESS", "10.0.0.7")
+    assert local_address_towards("tcp://10.0.0.1:5555") == "10.0.0.7"
+
+
+def test_labels_default_to_the_host_and_the_environment_and_code_override(monkeypatch):
+    monkeypatch.setattr(topology.socket, "gethostname", lambda: "node-17")
+    monkeypatch.setenv("TENSORHUB_LABELS", "dc=us-east, rack=r3")
+    assert topology.worker_labels() == {"node": "node-17", "dc": "us-east", "rack": "r3"}
+    assert topology.worker_labels({"dc": "eu"})["dc"] == "eu"
+    monkeypatch.setenv("TENSORHUB_LABELS", "dc")
+    with pytest.raises(ValueError, match="not key=value"):
+        topology.worker_labels()
