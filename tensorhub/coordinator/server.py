@@ -20,7 +20,6 @@ import msgpack
 import zmq
 
 from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
-from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.coordinator.table import (
     HolderRec,
     LayoutRec,
@@ -32,6 +31,7 @@ from tensorhub.coordinator.table import (
     load_memory,
     store_memory,
 )
+from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.core import curve
 from tensorhub.core.data_types import (
     Ack,

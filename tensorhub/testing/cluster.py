@@ -203,19 +203,21 @@ def _children_in_pid_namespace(target: int | None) -> Iterator[None]:
     status the program's own."""
     own = os.open("/proc/thread-self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        rc = _libc.unshare(_CLONE_NEWPID) if target is None else _libc.setns(target,
-                                                                              _CLONE_NEWPID)
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"entering a PID namespace: {os.strerror(err)}")
+        _check(_libc.unshare(_CLONE_NEWPID) if target is None
+               else _libc.setns(target, _CLONE_NEWPID), "entering a PID namespace")
         try:
             yield
         finally:
-            if _libc.setns(own, _CLONE_NEWPID) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"leaving a PID namespace: {os.strerror(err)}")
+            _check(_libc.setns(own, _CLONE_NEWPID), "leaving a PID namespace")
     finally:
         os.close(own)
+
+
+def _check(rc: int, what: str) -> None:
+    """Raise `OSError` with errno's text for a failed libc call (`rc` != 0)."""
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 # One TCP connection: the server sends its hostname, reads until EOF, and prints what it
@@ -395,15 +397,11 @@ class Host:
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         target = os.open(NETNS_DIR / self.namespace, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if _libc.setns(target, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"entering {self.namespace}: {os.strerror(err)}")
+            _check(_libc.setns(target, _CLONE_NEWNET), f"entering {self.namespace}")
             try:
                 yield
             finally:
-                if _libc.setns(own, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"leaving {self.namespace}: {os.strerror(err)}")
+                _check(_libc.setns(own, _CLONE_NEWNET), f"leaving {self.namespace}")
         finally:
             os.close(target)
             os.close(own)
