@@ -32,6 +32,22 @@ def test_two_credible_readers_agree_and_the_holder_is_dropped():
     assert trust.report("r2", "h", protected=False) is True
 
 
+def test_readers_on_one_node_are_one_witness():
+    trust = Trust(TrustConfig(quorum=2), Clock())
+    trust.report("engine-tp0", "h", protected=False, node="host-a")
+    assert trust.report("engine-tp1", "h", protected=False, node="host-a") is False
+    assert trust.report("other", "h", protected=False, node="host-b") is True
+
+
+def test_a_departed_holder_no_longer_counts_against_its_readers():
+    trust = Trust(TrustConfig(broken_after=2), Clock())
+    trust.report("r", "dead1", protected=False)
+    trust.report("r", "dead2", protected=False)
+    assert trust.suspects() == ["r"]
+    trust.forget("dead1")
+    assert trust.suspects() == []
+
+
 def test_a_publisher_is_never_dropped_on_reports():
     trust = Trust(TrustConfig(quorum=2), Clock())
     assert [trust.report(r, "trainer", protected=True) for r in ("r1", "r2", "r3")] == \

@@ -223,9 +223,12 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
         upload is what a fan-out waits on (every byte leaves it at least once): while it
         is busy, a copy of a chunk others already hold would only slow the rest down."""
         if not fresh:
-            fresh.append(any(not partial.having(c) and not reads[(layout_id, c)]
-                             for c in want))
+            fresh.append(any(nowhere(c) for c in want))
         return fresh[0]
+
+    def nowhere(chunk: int) -> bool:
+        """No replica has the chunk and none is reading it."""
+        return not partial.having(chunk) and not reads[(layout_id, chunk)]
 
     # A bounded scan from a rotating start: plans spread over the fleet, cost stays flat.
     table.plans += 1
@@ -260,7 +263,7 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
         has = want if hid in holders else partial[hid].chunks
         offer = [c for c in has if c in want and c not in taken]
         if key[1] and key[2] and len(holders) <= 1:  # a busy sole publisher: fresh chunks only
-            offer = [c for c in offer if not partial.having(c) and not reads[(layout_id, c)]]
+            offer = [c for c in offer if nowhere(c)]
         if config.rarest_first:  # counting copies in flight: two readers fetch two chunks
             offer.sort(key=lambda c: (len(layout.partial.having(c)) + reads[(layout_id, c)],
                                       c))

@@ -489,7 +489,8 @@ class Coordinator:
             raise Reject("bad_request", str(exc)) from None
         except NoSource as exc:
             raise self._no_source(exc, req.worker_id, req.model, vrec.version, layout, avoid,
-                                  "every holder is serving its maximum of readers") from None
+                                  "every holder is serving its maximum of readers",
+                                  chunked=False) from None
         source_ids = {r.source for r in ranges}
         lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
                                      self.config.lease_ttl)
@@ -522,11 +523,13 @@ class Coordinator:
         return not (req.known_manifest and req.version != "latest")
 
     def _no_source(self, exc: NoSource, reader: str, model: str, version: int,
-                   layout: LayoutRec, avoid, busy: str) -> Reject:
+                   layout: LayoutRec, avoid, busy: str, chunked: bool = True) -> Reject:
         """`unreachable` when this reader failed on every holder there is (its own fault,
         most likely: the others read them); `busy` (retry soon) when holders exist but are
         all serving; else `no_holder`."""
-        serving = layout.serving()
+        serving = [h for h in (layout.serving() if chunked else
+                               [h.worker_id for h in layout.holders.values() if not h.withdrawn])
+                   if h != reader]
         if avoid and serving and all(h in avoid for h in serving):
             names = ", ".join(sorted(self.table.workers[h].name for h in serving
                                      if h in self.table.workers)[:8])
@@ -626,8 +629,10 @@ class Coordinator:
             if failed not in lease.sources:
                 continue
             holder = self.table.workers.get(failed)
-            if self.trust.report(req.worker_id, failed,
-                                 protected=holder is not None and holder.role == "trainer"):
+            protected = (holder is not None and holder.role == "trainer") \
+                or self._complete_holders(lease.model, lease.version) <= 1
+            if self.trust.report(req.worker_id, failed, protected,
+                                 node=reader.labels.get("node", "")):
                 log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
                             "dropping its reference", lease.model, lease.version,
                             holder.name if holder else failed, reader.name, req.error)
@@ -638,6 +643,15 @@ class Coordinator:
                             holder.name if holder else failed, req.error)
         self._finish_withdrawals(lease.sources, lease.model, lease.version)
         return _ACK
+
+    def _complete_holders(self, model: str, version: int) -> int:
+        """Complete holders of a version that have not withdrawn (any layout)."""
+        mrec = self.table.models.get(model)
+        vrec = mrec.versions.get(version) if mrec else None
+        if vrec is None:
+            return 0
+        return sum(1 for layout in vrec.layouts.values()
+                   for h in layout.holders.values() if not h.withdrawn)
 
     def _finish_withdrawals(self, holders, model: str, version: int) -> None:
         mrec = self.table.models.get(model)

@@ -3,11 +3,13 @@
 A reader that fails to read from a holder reports it (`ReadDone.failed_holders`). That report
 alone only steers the reader: it stops being planned onto that holder for `window` seconds
 and is re-planned elsewhere. The holder itself is dropped when it stops heartbeating (the
-table's expiry), or when `quorum` distinct readers that are themselves credible report it
-within `window`. A reader that has failed against `broken_after` distinct holders since its
+table's expiry), or when credible readers on `quorum` distinct nodes report it within
+`window` (the ranks of one engine, or the workers of one misconfigured host, are one
+witness, not several). A reader that has failed against `broken_after` distinct holders since its
 last good read is the likelier fault (its transport, its network): its reports stop
-counting. A version's publisher (a trainer) is never dropped on reports: one
-misconfigured reader could otherwise make a version vanish for the whole fleet.
+counting. A version's publisher (a trainer) and its last complete holder are never dropped
+on reports: one misconfigured reader could otherwise make a version vanish for the whole
+fleet.
 
 Pure bookkeeping with an injected clock: no I/O, so the coordinator and the simulator run it
 the same way.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TrustConfig:
-    quorum: int = 2  # distinct credible readers whose failed reads drop a holder
+    quorum: int = 2  # distinct nodes whose credible readers' failed reads drop a holder
     window: float = 30.0  # seconds a report counts, and a reader avoids the holder it reported
     broken_after: int = 2  # distinct holders a reader failed on (no good read since): suspect
 
@@ -31,8 +33,8 @@ class TrustConfig:
 class Trust:
     config: TrustConfig = field(default_factory=TrustConfig)
     clock: Callable[[], float] = time.monotonic
-    # holder -> {reader: when it reported the holder}
-    _reports: dict[str, dict[str, float]] = field(default_factory=dict)
+    # holder -> {reader: (its node, when it reported the holder)}
+    _reports: dict[str, dict[str, tuple[str, float]]] = field(default_factory=dict)
     # reader -> {holder: until when the reader is not planned onto it}
     _avoid: dict[str, dict[str, float]] = field(default_factory=dict)
     # reader -> holders it failed on since its last good read
@@ -58,19 +60,21 @@ class Trust:
         """Readers whose own failures make them the likely fault."""
         return sorted(r for r in self._failed if not self.credible(r))
 
-    def report(self, reader: str, holder: str, protected: bool) -> bool:
-        """`reader` failed to read from `holder`. True: drop the holder now (a quorum of
-        credible readers agrees, and it is not `protected`, i.e. not a publisher)."""
+    def report(self, reader: str, holder: str, protected: bool, node: str = "") -> bool:
+        """`reader` (on `node`; its id if unknown) failed to read from `holder`. True: drop
+        the holder now (credible readers on a quorum of nodes agree, and it is not
+        `protected`: a publisher, or the last complete holder)."""
         now = self.clock()
         self._avoid.setdefault(reader, {})[holder] = now + self.config.window
         self._failed.setdefault(reader, set()).add(holder)
         reports = self._reports.setdefault(holder, {})
-        reports[reader] = now
-        for r in [r for r, when in reports.items() if when <= now - self.config.window]:
+        reports[reader] = (node or reader, now)
+        for r in [r for r, (_, when) in reports.items() if when <= now - self.config.window]:
             del reports[r]
         if protected:
             return False
-        return sum(1 for r in reports if self.credible(r)) >= self.config.quorum
+        nodes = {n for r, (n, _) in reports.items() if self.credible(r)}
+        return len(nodes) >= self.config.quorum
 
     def read_ok(self, reader: str) -> None:
         """A good read clears the reader's record: it is not the broken one."""
@@ -83,3 +87,7 @@ class Trust:
         self._failed.pop(worker, None)
         for avoid in self._avoid.values():
             avoid.pop(worker, None)
+        for failed in self._failed.values():  # a dead holder says nothing of its readers
+            failed.discard(worker)
+        for reports in self._reports.values():
+            reports.pop(worker, None)

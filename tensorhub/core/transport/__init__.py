@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tensorhub.core.transport.base import Peer, ReadOp, Transport
 
+log = logging.getLogger("tensorhub.transport")
 TRANSPORTS = ("nixl", "zmq", "cma", "auto")
 
 
@@ -31,8 +33,13 @@ def make_transport(name: str | None = None, worker_name: str | None = None,
 
         return NixlTransport(agent_name=worker_name)
     if name == "zmq":
+        from tensorhub.core.net import is_loopback, network_interfaces
         from tensorhub.core.transport.zmq import ZmqTransport
 
+        if is_loopback(host) and network_interfaces():
+            log.info("the zmq fallback serves on %s: only workers on this host can read from "
+                     "it. For peers on other hosts, reach the coordinator at a routable "
+                     "address or set TENSORHUB_HOST_ADDRESS", host)
         return ZmqTransport(host=host)
     if name == "cma":
         from tensorhub.core.transport.cma import CmaTransport

@@ -49,7 +49,8 @@ class ZmqTransport(Transport):
         self._buffers_lock = threading.Lock()
         self._buffers: dict[int, torch.Tensor] = {}  # addr -> uint8 buffer
         self._clients_lock = threading.Lock()
-        self._clients: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        # worker id -> (socket, its lock, the address it is connected to)
+        self._clients: dict[str, tuple[zmq.Socket, threading.Lock, str]] = {}
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         host = f"[{host}]" if ":" in host else host
@@ -123,23 +124,26 @@ class ZmqTransport(Transport):
 
     # ----------------------------------------------------------------- reader side
     def _client(self, peer: Peer) -> tuple[zmq.Socket, threading.Lock]:
-        """The peer's client socket and its lock (made on first use, or again when the
-        peer's address changed)."""
+        """The peer's client socket and its lock (made on first use, or anew when the
+        peer's address changed; the old one is closed under its own lock, never while
+        `_clients_lock` is held)."""
         address = peer.endpoint.address
         if peer.endpoint.transport != "zmq" or not address:
             raise TransferError(f"holder {peer.worker_id} has no zmq endpoint", peer.worker_id)
+        stale = None
         with self._clients_lock:
             entry = self._clients.get(peer.worker_id)
-            if entry is None or entry[0].getsockopt(zmq.LAST_ENDPOINT) != address.encode():
-                if entry is not None:
-                    with entry[1]:
-                        entry[0].close(0)
+            if entry is None or entry[2] != address:
+                stale = entry
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
                 sock.connect(address)
-                entry = self._clients[peer.worker_id] = (sock, threading.Lock())
-            return entry
+                entry = self._clients[peer.worker_id] = (sock, threading.Lock(), address)
+        if stale is not None:
+            with stale[1]:
+                stale[0].close(0)
+        return entry[0], entry[1]
 
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
         check_ops(ops)
@@ -198,7 +202,7 @@ class ZmqTransport(Transport):
         with self._clients_lock:
             if self._clients.get(worker_id, (None,))[0] is sock:
                 del self._clients[worker_id]
-        sock.close(0)
+        sock.close(0)  # (`_clients_lock` is never held while waiting for a peer lock)
 
     def forget_peer(self, worker_id: str) -> None:
         with self._clients_lock:
