@@ -26,6 +26,7 @@ CORE = {
     "fanout": ([], ["--size-mb", "256", "--versions", "2"]),
     "plan_latency": ([], ["--workers", "512", "--rates", "250", "--seconds", "3"]),
     "simulate": ([], ["--max", "256"]),
+    "hosts": ([], ["--quick"]),  # emulated hosts: needs root and iproute2
 }
 ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
