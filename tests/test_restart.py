@@ -105,3 +105,27 @@ def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_a
         assert len(reads) > 2  # the coordinator died mid-pull, the reads went on
         wait_until(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
                    30, "the reader announces v1 to the restarted coordinator")
+
+
+def test_heartbeats_do_not_wait_behind_a_slow_call(coordinator):
+    """A plan or withdrawal stuck on the session's connection for longer than the TTL
+    (2 s here) must not get a healthy worker evicted."""
+    with Replica(coordinator.address, "policy", transport="zmq", name="slow") as rep:
+        worker_id = rep.session.worker_id
+        with rep.session.client._lock:  # the request connection is busy for 3 s
+            time.sleep(3.0)
+        assert worker_id in coordinator.table.workers
+        assert rep.session.worker_id == worker_id  # never had to register again
+
+
+def test_a_plan_request_carrying_messages_of_an_older_registration_is_accepted(coordinator):
+    from tensorhub.core.data_types import PlanRequest, ReadDone
+
+    state = synthetic_state_dict(4, n_tiny=10, seed=5)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="r") as rep:
+        pub.publish(state)
+        stale = ReadDone(worker_id="reader-before-a-restart", lease_id="gone", ok=True)
+        plan = rep.session.call(PlanRequest(worker_id=rep.session.worker_id, model="policy",
+                                            version=1, chunked=True, done=stale))
+        assert plan.ranges  # the old id was restamped, not refused

@@ -43,6 +43,9 @@ class WorkerSession:
                                 host=local_address_towards(coordinator))
         )
         self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
+        # Heartbeats have a connection of their own: behind a slow plan or withdrawal on
+        # `client` they could miss the coordinator's TTL and get a healthy worker evicted.
+        self._beat_client = CoordinatorClient(coordinator, token=token, timeout=timeout)
         self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
         self._unannounced: set[tuple[str, int]] = set()  # held, coordinator was unreachable
         self._lock = threading.RLock()
@@ -85,10 +88,18 @@ class WorkerSession:
                         self._holds.pop((model, version), None)
 
     def _as_me(self, request):
-        """`request` sent as this worker (requests that name no worker go as they are)."""
+        """`request` sent as this worker (requests that name no worker go as they are),
+        with the `Progress` and `ReadDone` it carries too: after the coordinator restarted
+        and we registered again, a pull in flight still carries ones made under our old id
+        (its leases are gone with the old coordinator; its progress is worth keeping)."""
         if "worker_id" not in type(request).model_fields:
             return request
-        return request.model_copy(update={"worker_id": self.worker_id})
+        update: dict = {"worker_id": self.worker_id}
+        for key in ("progress", "done"):
+            carried = getattr(request, key, None)
+            if carried is not None and carried.worker_id != self.worker_id:
+                update[key] = carried.model_copy(update={"worker_id": self.worker_id})
+        return request.model_copy(update=update)
 
     def call(self, request, timeout: float | None = None):
         """Call the coordinator as this worker; recover once if it has forgotten us."""
@@ -103,9 +114,15 @@ class WorkerSession:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
-                self.call(Heartbeat(worker_id=self.worker_id),
-                          timeout=max(2.0, 2 * self.heartbeat_interval))
-                self._announce_pending()
+                try:
+                    self._beat_client.call(Heartbeat(worker_id=self.worker_id),
+                                           timeout=max(2.0, 2 * self.heartbeat_interval))
+                except CoordinatorError as exc:
+                    if exc.code != "unknown_worker":
+                        raise
+                    self._recover()
+                if self._unannounced:
+                    self._announce_pending()
             except (CoordinatorUnavailable, CoordinatorError) as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             except Exception:  # never let the thread die silently
@@ -192,3 +209,4 @@ class WorkerSession:
             pass
         self.transport.close()
         self.client.close()
+        self._beat_client.close()
