@@ -134,6 +134,8 @@ class Replica:
                 return plan
             except CoordinatorError as exc:
                 retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
+                if known is not None and exc.code in ("unknown_model", "unknown_version"):
+                    retry = 0.2  # mid-pull: a restarted coordinator, holders re-registering
                 if retry is not None and exc.code == "busy":
                     retry = busy_wait(retry)
                 limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)

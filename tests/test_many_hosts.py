@@ -95,3 +95,15 @@ def test_about_one_copy_crosses_the_wan_per_version(tmp_path):
         crossed = (cluster.wan_traffic(1) - before).received
         # every reader crossing the WAN would be 3 copies; the far side seeds itself
         assert crossed < 1.5 * published["nbytes"], crossed / published["nbytes"]
+
+
+def test_a_pull_in_flight_survives_a_coordinator_kill_and_restart(tmp_path):
+    with Cluster(3, egress="200mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
+        h0, h1, h2 = cluster.hosts
+        replica = fleet.replica(h2, pull_timeout=180)
+        trainer = fleet.trainer(h1, 64)  # 8 chunks, ~2.8 s at 200 Mbit/s
+        published = trainer.next_json(60)
+        time.sleep(0.8)  # a few chunks in
+        fleet.restart_coordinator()  # kill -9, then a new one at the same address
+        event = _pulled(replica)
+        assert event["checksums"] == published["checksums"]

@@ -32,12 +32,23 @@ class Fleet:
         self.env = dict(env or {})
         self.procs: list[ChildProcess] = []
         self.address = f"tcp://{self.host.address}:{COORDINATOR_PORT}"
-        self.coordinator = self._start(
-            self.host, "coordinator",
-            ["coordinator", "--bind", f"tcp://0.0.0.0:{COORDINATOR_PORT}",
-             *(["--chunk-mib", str(chunk_mib)] if chunk_mib else []),
-             "--max-readers-per-holder", str(max_readers_per_holder), *coordinator_args])
-        self.coordinator.next_line(timeout=60)  # "tensorhub coordinator: requests on ..."
+        self._coordinator_args = [
+            "coordinator", "--bind", f"tcp://0.0.0.0:{COORDINATOR_PORT}",
+            *(["--chunk-mib", str(chunk_mib)] if chunk_mib else []),
+            "--max-readers-per-holder", str(max_readers_per_holder), *coordinator_args]
+        self.coordinator = self._start_coordinator()
+
+    def _start_coordinator(self) -> ChildProcess:
+        proc = self._start(self.host, "coordinator", self._coordinator_args)
+        proc.next_line(timeout=60)  # "tensorhub coordinator: requests on ..."
+        return proc
+
+    def restart_coordinator(self) -> None:
+        """SIGKILL the coordinator and start a new one at the same address: it knows
+        nothing until the workers register again (soft state)."""
+        self.coordinator.kill()
+        self.procs.remove(self.coordinator)
+        self.coordinator = self._start_coordinator()
 
     def host_env(self, host: Host, env: dict[str, str] | None = None) -> dict[str, str]:
         """What a launch script would set on `host`: its datacenter, where there are several."""
