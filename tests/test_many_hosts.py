@@ -14,8 +14,13 @@ pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
 
 
-def _pulled(proc, timeout: float = 180.0) -> dict:
-    event = proc.next_json(timeout)
+def _pulled(proc, timeout: float = 180.0, retries: int = 0) -> dict:
+    """The replica's next pull; with `retries`, up to that many failed pulls before it (the
+    replica process pulls again by itself) are tolerated."""
+    for _ in range(retries + 1):
+        event = proc.next_json(timeout)
+        if event["event"] != "error" or event["code"] != "transfer_failed":
+            break
     assert event["event"] == "pulled", event
     return event
 
@@ -48,8 +53,8 @@ def test_a_host_that_dies_mid_pull_leaves_the_others_bit_exact(tmp_path):
         time.sleep(1.5)  # ~40% of one copy at 200 Mbit/s: everyone is mid-pull
         doomed.set_link(False)  # falls silent, as a host losing power does...
         doomed.kill()  # ...and every process on it is gone
-        for r in replicas[1:]:
-            assert _pulled(r)["checksums"] == published["checksums"]
+        for r in replicas[1:]:  # (a survivor whose reads failed too often pulls again)
+            assert _pulled(r, retries=1)["checksums"] == published["checksums"]
 
 
 def test_a_reader_that_cannot_reach_other_hosts_takes_no_version_away(tmp_path):
@@ -99,7 +104,7 @@ def test_about_one_copy_crosses_the_wan_per_version(tmp_path):
 
 def test_a_pull_in_flight_survives_a_coordinator_kill_and_restart(tmp_path):
     with Cluster(3, egress="200mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
-        h0, h1, h2 = cluster.hosts
+        _, h1, h2 = cluster.hosts  # the coordinator's host, the trainer's, the reader's
         replica = fleet.replica(h2, pull_timeout=180)
         trainer = fleet.trainer(h1, 64)  # 8 chunks, ~2.8 s at 200 Mbit/s
         published = trainer.next_json(60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tensorhub.core import net as net_mod
 from tensorhub.core import topology
 from tensorhub.core.net import local_address_towards, reachable_announce, ucx_defaults
 
@@ -19,21 +20,28 @@ def _sysfs(tmp_path, nets: dict[str, str], rdma: list[str] = ()):
     return net, ib
 
 
-def test_loopback_is_forced_only_where_it_is_the_only_interface(tmp_path):
-    net, ib = _sysfs(tmp_path, {"lo": "unknown"})
-    assert ucx_defaults(sys_net=net, sys_ib=ib) == {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+def test_a_fleet_on_one_host_uses_loopback(tmp_path):
+    net, ib = _sysfs(tmp_path, {"lo": "unknown", "eth0": "up"})
+    assert ucx_defaults(host="127.0.0.1", sys_net=net, sys_ib=ib) == \
+        {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
 
 
-def test_a_host_with_a_network_keeps_every_device_and_a_down_one_does_not_count(tmp_path):
-    net, ib = _sysfs(tmp_path / "a", {"lo": "unknown", "eth0": "up"})
-    assert ucx_defaults(sys_net=net, sys_ib=ib) == {"UCX_TLS": "tcp,cma"}
-    net, ib = _sysfs(tmp_path / "b", {"lo": "unknown", "eth0": "down"})
-    assert ucx_defaults(sys_net=net, sys_ib=ib)["UCX_NET_DEVICES"] == "lo"
+def test_across_hosts_ucx_uses_the_interface_towards_the_coordinator(tmp_path, monkeypatch):
+    monkeypatch.setattr(net_mod, "interface_of", lambda address: {"10.0.0.5": "ens5"}.get(address))
+    net, ib = _sysfs(tmp_path, {"lo": "unknown", "eth0": "up", "ens5": "up"})
+    assert ucx_defaults(host="10.0.0.5", sys_net=net, sys_ib=ib)["UCX_NET_DEVICES"] == "ens5"
+    # an address no interface holds (NAT, an override): every interface that is up
+    assert ucx_defaults(host="203.0.113.9", sys_net=net, sys_ib=ib)["UCX_NET_DEVICES"] == \
+        "ens5,eth0"
 
 
 def test_rdma_hosts_keep_ucx_s_own_transport_choice(tmp_path):
     net, ib = _sysfs(tmp_path, {"lo": "unknown", "ib0": "up"}, rdma=["mlx5_0"])
-    assert ucx_defaults(sys_net=net, sys_ib=ib) == {}
+    assert ucx_defaults(host="10.0.0.5", sys_net=net, sys_ib=ib) == {}
+
+
+def test_the_loopback_interface_holds_127_0_0_1():
+    assert net_mod.interface_of("127.0.0.1") == "lo"
 
 
 def test_a_wildcard_announcement_becomes_the_address_the_client_used():

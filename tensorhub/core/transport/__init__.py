@@ -31,7 +31,7 @@ def make_transport(name: str | None = None, worker_name: str | None = None,
     if name == "nixl":
         from tensorhub.core.transport.nixl import NixlTransport
 
-        return NixlTransport(agent_name=worker_name)
+        return NixlTransport(agent_name=worker_name, host=host)
     if name == "zmq":
         from tensorhub.core.net import is_loopback, network_interfaces
         from tensorhub.core.transport.zmq import ZmqTransport
@@ -48,7 +48,7 @@ def make_transport(name: str | None = None, worker_name: str | None = None,
     if name == "auto":
         from tensorhub.core.transport.auto import AutoTransport
 
-        return AutoTransport(agent_name=worker_name)
+        return AutoTransport(agent_name=worker_name, host=host)
     raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
 
 

@@ -42,8 +42,8 @@ log = logging.getLogger("tensorhub.transport.auto")
 class AutoTransport(Transport):
     name = "auto"
 
-    def __init__(self, agent_name: str | None = None):
-        self._nixl = NixlTransport(agent_name=agent_name)
+    def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1"):
+        self._nixl = NixlTransport(agent_name=agent_name, host=host)
         try:
             self._cma: CmaTransport | None = CmaTransport()
         except CmaUnavailable as exc:

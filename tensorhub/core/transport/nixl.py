@@ -37,14 +37,15 @@ _agent_lock = threading.Lock()
 log = logging.getLogger("tensorhub.transport.nixl")
 
 
-def apply_ucx_defaults() -> None:
-    """UCX settings that fit this host (`net.ucx_defaults`: loopback only where there is no
-    other interface, tcp+cma where there is no RDMA), for the variables the user left unset.
+def apply_ucx_defaults(host: str = "127.0.0.1") -> None:
+    """UCX settings that fit this host (`net.ucx_defaults`: tcp+cma over the interface that
+    holds `host`, the address this worker advertises, unless there is RDMA), for the
+    variables the user left unset.
     They go into the environment because that is how UCX is configured; a variable the user
     set is never touched, and TENSORHUB_UCX_DEFAULTS=0 turns this off."""
     if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") == "0":
         return
-    applied = {k: v for k, v in ucx_defaults(CUDA_IPC).items() if k not in os.environ}
+    applied = {k: v for k, v in ucx_defaults(CUDA_IPC, host).items() if k not in os.environ}
     os.environ.update(applied)
     if applied:
         log.debug("UCX defaults for this host: %s", applied)
@@ -53,8 +54,8 @@ def apply_ucx_defaults() -> None:
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None):
-        apply_ucx_defaults()
+    def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1"):
+        apply_ucx_defaults(host)
         self.agent_name = agent_name or f"tensorhub-{uuid.uuid4().hex[:12]}"
         self._agent = make_agent(self.agent_name)
         if "UCX" not in self._agent.backends:
