@@ -630,7 +630,7 @@ class Coordinator:
                 continue
             holder = self.table.workers.get(failed)
             protected = (holder is not None and holder.role == "trainer") \
-                or self._complete_holders(lease.model, lease.version) <= 1
+                or self._last_complete_holder(failed, lease.model, lease.version)
             if self.trust.report(req.worker_id, failed, protected,
                                  node=reader.labels.get("node", "")):
                 log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
@@ -644,14 +644,16 @@ class Coordinator:
         self._finish_withdrawals(lease.sources, lease.model, lease.version)
         return _ACK
 
-    def _complete_holders(self, model: str, version: int) -> int:
-        """Complete holders of a version that have not withdrawn (any layout)."""
+    def _last_complete_holder(self, worker_id: str, model: str, version: int) -> bool:
+        """Whether `worker_id` holds `version` completely and nobody else does (a partial
+        holder never is: the version survives it)."""
         mrec = self.table.models.get(model)
         vrec = mrec.versions.get(version) if mrec else None
         if vrec is None:
-            return 0
-        return sum(1 for layout in vrec.layouts.values()
-                   for h in layout.holders.values() if not h.withdrawn)
+            return False
+        complete = {h.worker_id for layout in vrec.layouts.values()
+                    for h in layout.holders.values() if not h.withdrawn}
+        return complete == {worker_id}
 
     def _finish_withdrawals(self, holders, model: str, version: int) -> None:
         mrec = self.table.models.get(model)

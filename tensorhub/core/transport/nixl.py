@@ -33,34 +33,43 @@ CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
 # holder's progress thread paces every read of it; at 1 ms an engine-to-engine pull of
 # 686 MiB took 22 s instead of 3.6 s (50 us) on this busy 2-core machine.
 PROGRESS_DELAY_US = int(os.environ.get("TENSORHUB_NIXL_PROGRESS_US", "100"))
-_agent_lock = threading.Lock()
+_creation_lock = threading.RLock()  # agent creation: UCX's environment, NIXL's wrapper
 log = logging.getLogger("tensorhub.transport.nixl")
 
 
-def apply_ucx_defaults(host: str = "127.0.0.1") -> None:
+def apply_ucx_defaults(host: str = "127.0.0.1") -> dict[str, str]:
     """UCX settings that fit this host (`net.ucx_defaults`: tcp+cma over the interface that
     holds `host`, the address this worker advertises, unless there is RDMA), for the
     variables the user left unset.
     They go into the environment because that is how UCX is configured; a variable the user
     set is never touched, and TENSORHUB_UCX_DEFAULTS=0 turns this off."""
     if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") == "0":
-        return
+        return {}
     applied = {k: v for k, v in ucx_defaults(CUDA_IPC, host).items() if k not in os.environ}
     os.environ.update(applied)
     if applied:
         log.debug("UCX defaults for this host: %s", applied)
+    return applied
 
 
 class NixlTransport(Transport):
     name = "nixl"
 
     def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1"):
-        apply_ucx_defaults(host)
         self.agent_name = agent_name or f"tensorhub-{uuid.uuid4().hex[:12]}"
-        self._agent = make_agent(self.agent_name)
+        with _creation_lock:
+            applied = apply_ucx_defaults(host)
+            try:
+                self._agent = make_agent(self.agent_name)
+            finally:
+                # UCX has read them: they were this agent's, not settings for the processes
+                # this one starts (a worker on another host must choose its own)
+                for key in applied:
+                    os.environ.pop(key, None)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL could not create its UCX backend; check UCX_TLS")
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # our maps
+        self._agent_lock = threading.Lock()  # one agent call at a time (taken after _lock)
         self._registered: dict[tuple[int, int], object] = {}
         self._peers: dict[str, tuple[str, str]] = {}  # worker_id -> (agent name, metadata hash)
         self._peer_locks: dict[str, threading.Lock] = {}  # worker_id -> held for a read
@@ -71,17 +80,19 @@ class NixlTransport(Transport):
             if not fresh:
                 return
             for b in fresh:
-                self._registered[_key(b)] = self._agent.register_memory([b])
+                with self._agent_lock:
+                    self._registered[_key(b)] = self._agent.register_memory([b])
 
     def deregister(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
             for b in buffers:
                 descs = self._registered.pop(_key(b), None)
                 if descs is not None:
-                    self._agent.deregister_memory(descs)
+                    with self._agent_lock:
+                        self._agent.deregister_memory(descs)
 
     def endpoint(self) -> Endpoint:
-        with self._lock:
+        with self._lock, self._agent_lock:
             return Endpoint(
                 transport="nixl",
                 agent_name=self.agent_name,
@@ -114,13 +125,16 @@ class NixlTransport(Transport):
 
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
         """Reads from one peer run one at a time (its connection state is theirs); reads
-        from different peers overlap: the agent is created thread-safe (`make_agent`), so
-        only our own maps are locked, not the transfer."""
+        from different peers overlap: each agent call is made under `_agent_lock`, but a
+        read's wait for completion is not, so two reads are in flight at once. (NIXL's own
+        strict locking would also hold off the agent's progress thread while one call
+        blocks, e.g. connecting to a host that fell silent, and this worker would stop
+        serving its readers meanwhile.)"""
         if not ops:
             return
         check_ops(ops)
         with self._peer_lock(peer.worker_id):
-            with self._lock:
+            with self._lock, self._agent_lock:
                 remote_agent = self._connect(peer)
             groups: dict[tuple[str, str], list[ReadOp]] = {}
             for op in ops:
@@ -136,15 +150,17 @@ class NixlTransport(Transport):
                         [(op.remote.addr, op.remote.nbytes, op.remote.device) for op in group],
                         dtype=np.uint64,
                     )
-                    handle = self._agent.initialize_xfer(
-                        "READ",
-                        self._agent.get_xfer_descs(local, local_mem),
-                        self._agent.get_xfer_descs(remote, remote_mem),
-                        remote_agent,
-                        b"tensorhub-read",
-                    )
-                    handles.append(handle)
-                    if self._agent.transfer(handle) == "ERR":
+                    with self._agent_lock:
+                        handle = self._agent.initialize_xfer(
+                            "READ",
+                            self._agent.get_xfer_descs(local, local_mem),
+                            self._agent.get_xfer_descs(remote, remote_mem),
+                            remote_agent,
+                            b"tensorhub-read",
+                        )
+                        handles.append(handle)
+                        started = self._agent.transfer(handle)
+                    if started == "ERR":
                         raise TransferError(f"NIXL READ from {peer.worker_id} failed to start",
                                             peer.worker_id)
                 self._wait(handles, peer, timeout)
@@ -156,7 +172,8 @@ class NixlTransport(Transport):
             finally:
                 for h in handles:
                     try:
-                        h.release()
+                        with self._agent_lock:
+                            h.release()
                     except Exception:  # a handle still in flight after a timeout
                         pass
 
@@ -165,7 +182,8 @@ class NixlTransport(Transport):
         pending = list(handles)
         spins = 0
         while pending:
-            state = self._agent.check_xfer_state(pending[0])
+            with self._agent_lock:
+                state = self._agent.check_xfer_state(pending[0])
             if state == "DONE":
                 pending.pop(0)
                 continue
@@ -181,7 +199,7 @@ class NixlTransport(Transport):
                 time.sleep(0.0002)
 
     def forget_peer(self, worker_id: str) -> None:
-        with self._peer_lock(worker_id), self._lock:  # never under a read in flight
+        with self._peer_lock(worker_id), self._lock, self._agent_lock:  # no read in flight
             known = self._peers.pop(worker_id, None)
             if known is not None:
                 try:
@@ -192,7 +210,7 @@ class NixlTransport(Transport):
     def close(self) -> None:
         for worker_id in list(self._peers):
             self.forget_peer(worker_id)
-        with self._lock:
+        with self._lock, self._agent_lock:
             for descs in self._registered.values():
                 try:
                     self._agent.deregister_memory(descs)
@@ -202,12 +220,10 @@ class NixlTransport(Transport):
 
 
 def make_agent(name: str):
-    """A NIXL agent with a UCX backend, a progress thread that sleeps between polls, and
-    NIXL's own locking on every call (`NIXL_THREAD_SYNC_STRICT`): several threads of a
-    worker (striped streams, a holder registering) use it at once."""
+    """A NIXL agent with a UCX backend and a progress thread that sleeps between polls."""
     import importlib
 
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    from nixl._api import nixl_agent, nixl_agent_config
 
     api = importlib.import_module(nixl_agent.__module__)
     create = api.nixlBind.nixlAgent
@@ -216,11 +232,10 @@ def make_agent(name: str):
         config.pthrDelay = PROGRESS_DELAY_US
         return create(agent_name, config)
 
-    with _agent_lock:  # the wrapper hard-codes pthrDelay=0; set ours just before creation
+    with _creation_lock:  # the wrapper hard-codes pthrDelay=0; set ours just before creation
         api.nixlBind.nixlAgent = create_with_delay
         try:
-            return nixl_agent(name, nixl_agent_config(
-                backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         finally:
             api.nixlBind.nixlAgent = create
 
