@@ -1,34 +1,64 @@
-"""Simulated fan-out of one version to 8 ... 4096 replicas through the real planner, beside a
-star and a ring, as completion time / lower bound; writes bench/results/simulate.{jsonl,md}
-and simulate.png.  `python -m bench.simulate [--max N]`."""
+"""Simulated fan-out of one version to 8 ... 4096 replicas by the striped protocol, with the
+coordinator modelled as a queue (its real handlers, timed here, one message at a time),
+beside a star, a ring, the binomial-pipeline optimum and the per-chunk design it replaced;
+also 1 TiB. Writes bench/results/simulate.{jsonl,md} and simulate.png.
+`python -m bench.simulate [--max N] [--per-chunk-max N] [--tib-readers N]`."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from bench.results import RESULTS, Report
+from tensorhub.sim.coordinator_queue import measure_socket_cost
 from tensorhub.sim.fleet import SimConfig
 from tensorhub.sim.sweep import plot, run_sweep
+
+
+def _report(report: Report, rows, label: str = "") -> None:
+    for r in rows:
+        lb, n = r.lower_bound, f"{label}N={r.workers}"
+        report.add(f"{n} worst / lower bound (vs star)", r.tensorhub / lb, "x", "star",
+                   r.star / lb, higher_is_better=False)
+        report.add(f"{n} worst / lower bound (vs ring)", r.tensorhub / lb, "x", "ring",
+                   r.ring / lb, higher_is_better=False)
+        report.add(f"{n} worst / lower bound (vs optimum)", r.tensorhub / lb, "x", "optimum",
+                   r.optimum / lb, higher_is_better=False)
+        if r.per_chunk:
+            report.add(f"{n} worst / lower bound (vs per-chunk plans)", r.tensorhub / lb, "x",
+                       "per-chunk plans, coordinator modelled", r.per_chunk / lb,
+                       higher_is_better=False)
+            report.add(f"{n} coordinator messages per reader (vs per-chunk plans)",
+                       r.messages_per_reader, "msgs", "per-chunk plans",
+                       r.per_chunk_messages, higher_is_better=False)
+        else:
+            report.add(f"{n} coordinator messages per reader", r.messages_per_reader, "msgs")
+        report.add(f"{n} median / lower bound", r.tensorhub_median / lb, "x")
+        report.add(f"{n} coordinator busy fraction", r.coordinator_busy, "")
+        report.add(f"{n} deepest stripe tree", r.depth, "hops")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max", type=int, default=4096, help="largest fleet (power of two)")
     parser.add_argument("--model-gib", type=float, default=8.0)
+    parser.add_argument("--per-chunk-max", type=int, default=256,
+                        help="run the per-chunk design up to this fleet size (it is slow to "
+                             "simulate: its messages grow with readers x chunks)")
+    parser.add_argument("--tib-readers", type=int, default=64,
+                        help="readers of the 1 TiB fan-out (0: skip it)")
     args = parser.parse_args(argv)
     sizes = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= args.max]
     base = SimConfig(model_bytes=int(args.model_gib * 2**30))
-    rows = run_sweep(base, sizes)
+    socket_cost = measure_socket_cost()
     report = Report("simulate")
-    for r in rows:
-        lb = r.lower_bound
-        report.add(f"N={r.workers} worst / lower bound (vs star)", r.tensorhub / lb, "x",
-                   "star", r.star / lb, higher_is_better=False)
-        report.add(f"N={r.workers} worst / lower bound (vs ring)", r.tensorhub / lb, "x",
-                   "ring", r.ring / lb, higher_is_better=False)
-        report.add(f"N={r.workers} median / lower bound", r.tensorhub_median / lb, "x")
-        report.add(f"N={r.workers} worst / lower bound (vs optimum)", r.tensorhub / lb, "x",
-                   "optimum", r.optimum / lb, higher_is_better=False)
+    report.add("coordinator socket cost per message (measured)", socket_cost * 1e6, "us")
+    rows = run_sweep(base, sizes, per_chunk_max=args.per_chunk_max, socket_cost=socket_cost)
+    _report(report, rows)
+    if args.tib_readers:
+        tib = replace(base, model_bytes=1 << 40, tensor_bytes=8 << 30, time_limit=3600.0)
+        _report(report, run_sweep(tib, [args.tib_readers], socket_cost=socket_cost),
+                label="1 TiB ")
     report.write()
     print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
 

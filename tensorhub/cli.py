@@ -32,7 +32,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(
         bind=args.bind, announce=args.announce, token=token, curve_secret=secret,
         heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
-        lease_ttl=args.lease_ttl, busy_retry=args.busy_retry,
+        lease_ttl=args.lease_ttl, busy_retry=args.busy_retry, stripes=args.stripes,
         planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder,
                               **({} if args.chunk_mib is None else
                                  {"chunk_bytes": int(args.chunk_mib * 2**20), "min_chunks": 1})),
@@ -119,7 +119,7 @@ def _replica(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
-                      chunked=not args.whole_items, streams=args.streams)
+                      chunked=not args.whole_items)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pulled = 0
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk's time at the rate reads have had lately, down to 5 ms")
     p.add_argument("--max-readers-per-holder", type=int, default=2,
                    help="concurrent readers per holder; forms trees, not stars (default 2)")
+    p.add_argument("--stripes", type=int, default=2, choices=range(1, 65), metavar="K",
+                   help="a version's chunks are dealt into K stripes, each pulled from its "
+                        "own parent (a tree per stripe; default 2)")
     p.add_argument("--chunk-mib", type=_positive, default=None,
                    help="size of the chunks a version is pulled and served in, in MiB (default: "
                         "64, or less for a version under 4 GiB, which is cut into 64 chunks of "
@@ -336,11 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
     p.add_argument("--whole-items", action="store_true",
                    help="ask for whole-item plans from one holder (no pipelining: peers are "
-                        "used only once they hold the whole version); default: chunked plans, "
-                        "serving each finished chunk at once")
-    p.add_argument("--streams", type=int, default=2,
-                   help="holders a chunked pull reads from at once, each its own plan "
-                        "(default 2; 1: one plan at a time)")
+                        "used only once they hold the whole version); default: striped "
+                        "pulls, a parent per stripe, serving each finished chunk at once")
     p.set_defaults(func=_replica)
 
     p = sub.add_parser("publish", help="a trainer process: publish a checkpoint or synthetic "

@@ -10,44 +10,44 @@ failed pull leaves it holding nothing (`version is None`). With `staging=True` i
 into a shadow copy while it keeps serving the old version, and a failed pull leaves it
 exactly on its previous version; the price is a second copy of the weights in memory.
 
-Chunked (default): the replica asks for chunk plans, reports each chunk it has finished
-(`Progress`) and serves it to other readers at once, while it pulls the next ones, and asks
-again until it has every chunk (pipelined replication: a fleet pulls a version in about the
-time one reader does). `chunked=False` asks for one whole-item plan per pull instead.
+Striped (default, `chunked=True`): the coordinator names one parent per stripe of the
+version once (`coordinator/forest.py`); the replica reads each chunk from its parent as
+soon as the parent has it (it polls the parent's progress bytes one-sided), marks it in its
+own progress bytes, and so serves it to its own children while it pulls the next ones
+(pipelined replication: a fleet pulls a version in about the time one reader does, and
+the coordinator hears from each reader a few times a version, not once a chunk; see
+`striped.py`). `chunked=False` asks for one whole-item plan per pull instead.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.chunks import CHUNK_BYTES, ChunkTracker, chunks_of
 from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
     ByteRange,
+    GetManifest,
     PlanRequest,
-    Progress,
     ReadDone,
     ReadPlan,
-    ReadRange,
 )
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
-from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of, plan_items
+from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import describe
 from tensorhub.core.puller import PullStats, Verifier, read_plan, split
 from tensorhub.core.session import WorkerSession
+from tensorhub.core.stripes import Replan
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
-from tensorhub.streams import PullStreams, merge_stats
+from tensorhub.striped import StripedReader
 
 log = logging.getLogger("tensorhub.replica")
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
-PROGRESS_TIMEOUT = 1.0  # a Progress report is an optimisation: never wait long for it
 
 
 class Replica:
@@ -67,19 +67,15 @@ class Replica:
         labels: dict[str, str] | None = None,
         device: str = "cpu",
         chunked: bool = True,
-        streams: int = 2,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
-        joining with no weights of its own). `streams`: holders a chunked pull reads from at
-        once (each its own plan and lease; 1: one plan at a time)."""
-        if streams < 1:
-            raise ValueError(f"streams must be at least 1, got {streams}")
+        joining with no weights of its own). `chunked=False`: whole-item plans, no
+        striping (one source a pull)."""
         self.model = model
         self.staging = staging
         self.verify = verify
         self.chunked = chunked
-        self.streams = streams
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout)
         self._device = device
@@ -111,20 +107,21 @@ class Replica:
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
-              progress: Progress | None = None, done: ReadDone | None = None,
-              known: ReadPlan | None = None) -> ReadPlan:
-        """Ask for a plan (carrying the previous plan's last `progress` and its lease's end,
-        `done`; with `known`, an earlier plan of this pull, the manifest and checksums are
-        not sent again); wait while holders are busy, and briefly (a few heartbeats, in case
-        holders are re-registering with a restarted coordinator) while none is left."""
+              done: ReadDone | None = None, known: ReadPlan | None = None,
+              **striped) -> ReadPlan:
+        """Ask for a plan (carrying the previous plan's lease's end, `done`; with `known`,
+        an earlier plan of this pull, the manifest and checksums are not sent again; with
+        `striped`, the striped request's fields); wait while holders are busy, and briefly
+        (a few heartbeats, in case holders are re-registering with a restarted
+        coordinator) while none is left."""
         no_holder_until = time.monotonic() + NO_HOLDER_GRACE
         while True:
             try:
                 plan = self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
                     layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked, progress=progress, done=done,
-                    known_manifest=known is not None))
+                    chunked=self.chunked, done=done, known_manifest=known is not None,
+                    **striped))
                 if plan.manifest is None or plan.checksums is None:
                     if known is None or plan.layout_id != known.layout_id:
                         raise CoordinatorError(f"a plan for {self.model} v{plan.version} came "
@@ -144,116 +141,72 @@ class Replica:
                 time.sleep(retry)
 
     def _read_done(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
-                   error: str | None = None, failed: list[str] | None = None) -> ReadDone:
+                   error: str | None = None, failed: list[str] | None = None,
+                   by_source: dict[str, int] | None = None) -> ReadDone:
         return ReadDone(worker_id=self.session.worker_id, lease_id=plan.lease_id, ok=ok,
                         nbytes=stats.nbytes if stats else 0,
                         seconds=stats.seconds if stats else 0.0, error=error,
-                        failed_holders=failed or [])
+                        failed_holders=failed or [], by_source=by_source or {})
 
     def _end_lease(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
-                   error: str | None = None, failed: list[str] | None = None) -> None:
+                   error: str | None = None, failed: list[str] | None = None,
+                   by_source: dict[str, int] | None = None) -> None:
         try:
-            self.session.call(self._read_done(plan, ok, stats, error, failed))
+            self.session.call(self._read_done(plan, ok, stats, error, failed, by_source))
         except TensorHubError as exc:  # the lease expires on its own
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
     def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
               max_replans: int, verifier: Verifier | None = None,
               ) -> tuple[ReadPlan, PullStats]:
-        """Read plans until every chunk is here (a whole-item plan covers them all at once);
-        when chunked, report each finished chunk so other readers can pull it from us
-        meanwhile, and read from up to `streams` holders at once (`tensorhub/streams.py`).
-        Every plan but the last ends its lease here; the last one's lease is left to the
-        caller, to end after `Hold`. A failed source is reported and the bytes not yet read
-        are planned again elsewhere, up to `max_replans` failures."""
-        tracker = ChunkTracker(chunks_of(plan_items(plan.manifest),
-                                         chunk_bytes=plan.chunk_bytes or CHUNK_BYTES))
+        """Read a whole-item plan; a failed source is reported and the bytes not yet read
+        are planned again elsewhere, up to `max_replans` failures. The last plan's lease is
+        left to the caller, to end after `Hold`."""
         done: set[tuple[int, int, int]] = set()
         total = PullStats(self.model, plan.version, [], 0, 0.0)
-        # A staging copy is not served: it is overwritten by the next pull with no withdrawal.
-        reporter = _ProgressReporter(self.session, plan, dest) \
-            if self.chunked and not self.staging else None
-        shared = PullStreams(tracker, reporter, verifier, self.model, plan.version)
-        first = plan
-        started = time.perf_counter()
         failures = 0
-        plan_left = 0  # bytes of the current plan not landed yet
-
-        def on_batch(ranges: list[ReadRange]) -> None:
-            nonlocal plan_left
-            plan_left -= sum(r.nbytes for r in ranges)
-            # The plan's last chunks travel with the next plan request instead.
-            shared.landed(ranges, report_now=plan_left > 0)
-
-        def ask(missing: list[ByteRange]) -> ReadPlan:  # a further stream's plan: no waiting
-            return self._plan(first.version, time.monotonic(), missing, known=first)
-
-        shared.planned(plan.ranges)
-        if self.chunked and self.streams > 1 and not plan.complete:
-            shared.start(self.streams - 1, lambda: shared.run_stream(
-                self.session.transport, dest, deadline, ask, self._end_lease, max_replans),
-                self.session.name)
-        try:
-            while True:
-                plan_left = sum(r.nbytes for r in split(plan) if r.key() not in done)
-                before = total.nbytes, total.seconds
-                carried: ReadDone | None = None
-                try:
-                    read_plan(self.session.transport, plan, dest,
-                              timeout=max(0.001, deadline - time.monotonic()), done=done,
-                              stats=total, verifier=verifier, on_batch=on_batch)
-                except TransferError as exc:
-                    self._end_lease(plan, ok=False, error=str(exc),
-                                    failed=[exc.source] if exc.source else None)
-                    failures += 1
-                    if failures > max_replans or time.monotonic() > deadline:
-                        raise
-                    unread = [r for r in split(plan) if r.key() not in done]
-                    log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f "
-                                "MiB again", self.session.name, self.model, plan.version, exc,
-                                sum(r.nbytes for r in unread) / 2**20)
-                except BaseException as exc:
-                    self._end_lease(plan, ok=False, error=str(exc))
+        while True:
+            try:
+                read_plan(self.session.transport, plan, dest,
+                          timeout=max(0.001, deadline - time.monotonic()), done=done,
+                          stats=total, verifier=verifier)
+                return plan, total
+            except TransferError as exc:
+                self._end_lease(plan, ok=False, error=str(exc),
+                                failed=[exc.source] if exc.source else None)
+                failures += 1
+                if failures > max_replans or time.monotonic() > deadline:
                     raise
-                else:
-                    unread = []
-                    carried = self._read_done(plan, ok=True, stats=PullStats(
-                        self.model, plan.version, [], total.nbytes - before[0],
-                        total.seconds - before[1]))
-                    if shared.complete:
-                        break
-                # One plan request at a time across streams (no chunk is planned twice);
-                # the lock is let go before anything waits for the further streams to end.
-                with shared.plan_lock:
-                    missing = shared.missing(unread)
-                    if not missing:  # the rest is in further streams' hands: wait for them
-                        shared.report_held_back()  # (serving our last chunks meanwhile)
-                        missing = shared.wait_for_work(deadline)
-                    finished = shared.complete
-                    if not finished and missing and time.monotonic() <= deadline:
-                        plan = self._plan(plan.version, deadline, missing,
-                                          progress=shared.take_progress(), done=carried,
-                                          known=plan)
-                        shared.planned(plan.ranges)
-                        continue
-                if finished:
-                    break
-                if carried is not None:
-                    self._end_lease(plan, ok=True)
-                why = "after the pull timeout" if missing else \
-                    "with nothing left to plan (a chunk planned and never read)"
-                raise TransferError(f"{self.model} v{plan.version}: not complete {why} "
-                                    f"({total.nbytes} bytes read by the first stream)")
-        finally:  # no further stream may still write into `dest` once we return or fail
-            shared.close(timeout=max(1.0, deadline - time.monotonic()))
-            if reporter is not None:
-                reporter.close()
-        # The first stream's stats plus the further streams' bytes; when those read anything,
-        # the pull's seconds are its wall time (streams overlap).
-        if shared.extra.nbytes:
-            merge_stats(total, shared.extra)
-            total.seconds = time.perf_counter() - started
-        return plan, total
+                unread = [r for r in split(plan) if r.key() not in done]
+                log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f MiB "
+                            "again", self.session.name, self.model, plan.version, exc,
+                            sum(r.nbytes for r in unread) / 2**20)
+                plan = self._plan(plan.version, deadline,
+                                  [ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes)
+                                   for r in unread], known=plan)
+            except BaseException as exc:
+                self._end_lease(plan, ok=False, error=str(exc))
+                raise
+
+    def _first_request(self, dest: list[torch.Tensor]) -> dict:
+        """A striped pull's first plan request: our memory, when we serve what we pull."""
+        if not self.chunked:
+            return {}
+        self._registrations = self.session.registrations
+        relay = not self.staging
+        return {"striped": True, "relay": relay,
+                "memory": [describe(b) for b in dest] if relay else None,
+                "endpoint": self.session.transport.endpoint() if relay else None}
+
+    def _ask_again(self, plan: ReadPlan, dest: list[torch.Tensor], action: Replan,
+                   deadline: float) -> ReadPlan:
+        """A striped pull's later plan request: parents for `action.stripes` (our memory
+        again only if the coordinator restarted since and does not know it)."""
+        again = self.session.registrations != self._registrations
+        first = self._first_request(dest) if again else {"striped": True,
+                                                         "relay": not self.staging}
+        return self._plan(plan.version, deadline, known=plan, stripes=list(action.stripes),
+                          failed=list(action.failed), behind=list(action.behind), **first)
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:
@@ -265,7 +218,14 @@ class Replica:
         left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
         for what a failure leaves behind."""
         deadline = time.monotonic() + timeout
-        plan = self._plan(version, deadline)
+        if self.layout is None and self.chunked:
+            # A striped pull's first request carries our buffers: allocate them first.
+            reply = self.session.call(GetManifest(model=self.model, version=version))
+            self._bind(BoundLayout.allocate(reply.manifest, self._device))
+        dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
+        if self.chunked and not self.staging:
+            self.session.progress.zero_()  # no byte of an older pull may pass for this one
+        plan = self._plan(version, deadline, **self._first_request(dest))
         if plan.version == self.version:
             self._end_lease(plan, ok=True)
             return plan.version
@@ -281,13 +241,21 @@ class Replica:
                               f"this replica {self.layout.layout_id}")
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
+        by_source: dict[str, int] | None = None
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             verifier = Verifier(plan, dest) if self.verify else None
             try:
-                plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
+                if self.chunked:
+                    reader = StripedReader(
+                        self.session, plan, dest, not self.staging, verifier,
+                        lambda action: self._ask_again(reader.plan, dest, action, deadline))
+                    plan = reader.run(deadline, max_replans)
+                    stats, by_source = reader.stats, reader.by_source
+                else:
+                    plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
             except BaseException:
                 if verifier is not None:
                     verifier.close()
@@ -295,6 +263,8 @@ class Replica:
             if verifier is not None:
                 stats.verify_seconds = verifier.finish()
         except BaseException as exc:
+            if self.chunked and not self.staging:
+                self.session.progress.zero_()  # our children stop reading from us
             self._end_lease(plan, ok=False, error=str(exc))
             if self.chunked and not self.staging:
                 self._stop_serving_partial(plan.version, deadline)
@@ -313,7 +283,8 @@ class Replica:
             self.session.hold(self.model, plan.version, self.layout, plan.checksums)
             self.version = plan.version
         finally:
-            self._end_lease(plan, ok=self.version == plan.version, stats=stats)
+            self._end_lease(plan, ok=self.version == plan.version, stats=stats,
+                            by_source=by_source)
         self.last_pull = stats
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
@@ -348,61 +319,3 @@ class Replica:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _ProgressReporter:
-    """Tells the coordinator which chunks of a version this reader has finished, so others
-    can read them from it at once. Reports go out on a thread of their own while the next
-    batch is read; a plan's last chunks are instead carried by the next plan request
-    (`take`), which saves a round trip per plan. Best effort: if the coordinator does not
-    answer, the pull goes on without further reports (others then wait for our `Hold`)."""
-
-    def __init__(self, session: WorkerSession, plan: ReadPlan, dest: list[torch.Tensor]):
-        self.session = session
-        self.progress = Progress(worker_id=session.worker_id, model=plan.model,
-                                 version=plan.version, layout_id=plan.layout_id,
-                                 memory=[describe(b) for b in dest], chunks=[],
-                                 endpoint=session.transport.endpoint())
-        self.enabled = True
-        self._pending: list[int] = []
-        self._sending: Future | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorhub-progress")
-
-    def report(self, chunks: list[int], now: bool = True) -> None:
-        """Report `chunks` (with any held back) unless a report is still in flight; with
-        `now=False` hold them back for `take`."""
-        self._pending.extend(chunks)
-        if not now or not self.enabled or (self._sending and not self._sending.done()):
-            return
-        message = self._message()
-        if message is not None:
-            self._sending = self._pool.submit(self._send, message)
-
-    def take(self) -> Progress | None:
-        """The chunks not reported yet, as a Progress to carry with the next request (after
-        the report in flight, so the coordinator learns of chunks in order)."""
-        if self._sending is not None:
-            self._sending.result()
-            self._sending = None
-        return self._message() if self.enabled else None
-
-    def _message(self) -> Progress | None:
-        if not self._pending:
-            return None
-        message = self.progress.model_copy(update={"chunks": self._pending})
-        self._pending = []
-        # Memory and endpoint are sent once: they only change when memory is registered.
-        self.progress = self.progress.model_copy(update={"endpoint": None, "memory": None})
-        return message
-
-    def _send(self, message: Progress) -> None:
-        try:
-            self.session.call(message, timeout=PROGRESS_TIMEOUT)
-        except TensorHubError as exc:
-            log.warning("%s: could not report progress of %s v%d (%s); not serving its "
-                        "chunks before it is complete", self.session.name, message.model,
-                        message.version, exc)
-            self.enabled = False
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

@@ -9,7 +9,6 @@ import pytest
 
 from tensorhub import Publisher, Replica
 from tensorhub.chaos import CoordinatorProcess, replica_process
-from tensorhub.core import puller
 from tensorhub.core.checksum import checksum
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
@@ -85,14 +84,13 @@ def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_a
             Replica(coordinator_proc.address, "policy", transport=transport,
                     name="reader") as reader:
         pub.publish(state)
-        monkeypatch.setattr(puller, "BATCH_BYTES", 8 << 20)
         real_read = reader.session.transport.read
         reads = []
         restarted = threading.Event()
 
         def read_while_the_coordinator_dies(peer, ops, timeout):
             reads.append(1)
-            if len(reads) == 2:
+            if len(reads) == 1:
                 coordinator_proc.kill()
                 threading.Thread(target=lambda: (coordinator_proc.start(), restarted.set()),
                                  daemon=True).start()
@@ -102,7 +100,7 @@ def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_a
         assert reader.pull(timeout=120) == 1
         assert restarted.wait(60)
         assert sums(reader.tensors) == sums(state)
-        assert len(reads) > 2  # the coordinator died mid-pull, the reads went on
+        assert len(reads) >= 2  # the coordinator died mid-pull, the reads went on
         wait_until(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
                    30, "the reader announces v1 to the restarted coordinator")
 

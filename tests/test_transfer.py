@@ -87,7 +87,7 @@ def test_an_in_place_replica_whose_pull_fails_holds_nothing(coordinator, transpo
         assert rep.version is None
 
 
-def test_a_chunked_reader_stripes_over_two_holders_at_once(transport):
+def test_a_striped_reader_takes_each_stripe_from_a_different_holder(transport):
     from tensorhub.coordinator.planner import PlannerConfig
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 
@@ -100,13 +100,13 @@ def test_a_chunked_reader_stripes_over_two_holders_at_once(transport):
                        name="trainer") as pub, \
                 Replica(coordinator.address, "policy", transport=transport,
                         name="first") as first, \
-                Replica(coordinator.address, "policy", transport=transport, name="second",
-                        streams=2) as second:
+                Replica(coordinator.address, "policy", transport=transport,
+                        name="second") as second:
             version = pub.publish(state)
             assert first.pull(timeout=30) == version
             assert second.pull(timeout=30) == version
             assert _equal(second.tensors, state)
-            # one stream from each holder; every byte read once, from one of them
+            # one stripe from each holder; every byte read once, from one of them
             assert set(second.last_pull.sources) == {"first", "trainer"}
             assert sum(second.last_pull.by_source.values()) == \
                 sum(b.numel() for b in second.layout.item_bytes)

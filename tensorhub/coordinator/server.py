@@ -13,12 +13,14 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import zmq
 
+from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
 from tensorhub.coordinator.table import (
     HolderRec,
@@ -68,6 +70,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
+from tensorhub.core.stripes import PROGRESS_BYTES
 from tensorhub.core.wire import (
     MAX_MESSAGE_BYTES,
     Packed,
@@ -93,6 +96,12 @@ class CoordinatorConfig:
     worker_ttl: float = 5.0
     lease_ttl: float = 120.0
     busy_retry: float = 0.05  # the longest a busy reader waits; less on links seen faster
+    # Striped pulls (`forest.py`): stripes per version, and how a reader with no parent yet
+    # for a stripe is told to wait (`pending_retry`), and for how long at most before it
+    # takes any slot (`pending_grace`).
+    stripes: int = 2
+    pending_retry: float = 0.02
+    pending_grace: float = 0.5
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
@@ -133,10 +142,18 @@ class _Plan:
     ranges: list[ReadRange]
     chunk_bytes: int | None = None  # chunked plans only
     complete: bool = True
+    stripes: list[str | None] | None = None  # striped plans: a parent per stripe
+    retry_after: float | None = None
+    progress: dict[str, MemoryDesc] | None = None  # striped: sources still pulling
+
+    def _progress_of(self, worker_id: str) -> MemoryDesc | None:
+        return self.progress.get(worker_id) if self.progress else None
 
     def reply(self) -> ReadPlan:
         chunked = {} if self.chunk_bytes is None else {"complete": self.complete,
                                                         "chunk_bytes": self.chunk_bytes}
+        if self.stripes is not None:
+            chunked.update(stripes=self.stripes, retry_after=self.retry_after)
         layout = self.layout
         return ReadPlan(
             model=self.model, version=self.version, layout_id=self.layout_id,
@@ -144,7 +161,8 @@ class _Plan:
             checksums=layout.checksums if self.manifest else None,
             lease_id=self.lease_id, lease_ttl=self.lease_ttl,
             sources=[Source(worker_id=w.worker_id, name=w.name, role=w.role,
-                            endpoint=w.endpoint, memory=load_memory(rec.memory))
+                            endpoint=w.endpoint, memory=load_memory(rec.memory),
+                            progress=self._progress_of(w.worker_id))
                      for w, rec in self.sources],
             ranges=self.ranges, **chunked)
 
@@ -156,10 +174,12 @@ class _Plan:
             "lease_id": self.lease_id, "lease_ttl": self.lease_ttl,
             "sources": encode_array([
                 encode_map({"worker_id": w.worker_id, "name": w.name, "role": w.role,
-                            "endpoint": w.endpoint, "memory": Packed(rec.packed_memory())})
+                            "endpoint": w.endpoint, "memory": Packed(rec.packed_memory()),
+                            "progress": self._progress_of(w.worker_id)})
                 for w, rec in self.sources]),
             "ranges": [r.__dict__ for r in self.ranges],  # (what `encode` packs, sooner)
             "complete": self.complete, "chunk_bytes": self.chunk_bytes,
+            "stripes": self.stripes, "retry_after": self.retry_after,
         })
 
 
@@ -177,6 +197,7 @@ class Coordinator:
         self.table = Table(clock=clock)
         self.trust = Trust(config.trust, clock)
         self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
+        self._workers_in_dc: Counter[str] = Counter()  # striped pulls: readers to expect
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -356,8 +377,9 @@ class Coordinator:
     def _register(self, req: Register) -> Registered:
         worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
         self.table.workers[worker_id] = WorkerRec(
-            worker_id, req.name, req.role, req.endpoint, dict(req.labels), self.clock()
-        )
+            worker_id, req.name, req.role, req.endpoint, dict(req.labels), self.clock(),
+            progress=req.progress)
+        self._workers_in_dc[req.labels.get("dc", "")] += 1
         log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
         return Registered(worker_id=worker_id,
                           heartbeat_interval=self.config.heartbeat_interval,
@@ -429,6 +451,8 @@ class Coordinator:
             mrec.versions[req.version] = vrec
             mrec.latest = max(mrec.latest, req.version)
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        if layout.forest is not None:
+            layout.forest.add_root(worker.worker_id, worker.labels.get("dc", ""))
         return _ACK
 
     def _withdraw(self, req: Withdraw) -> Withdrawn:
@@ -479,6 +503,8 @@ class Coordinator:
             raise Reject("layout_mismatch",
                          f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                          f"known layouts: {', '.join(vrec.layouts)}")
+        if req.striped:
+            return self._plan_striped(req, vrec.version, lid, layout)
         if req.chunked:
             return self._plan_chunked(req, vrec.version, lid, layout)
         avoid = self.trust.avoided(req.worker_id)
@@ -576,6 +602,93 @@ class Coordinator:
                      chunked.ranges, self.config.planner.chunk_bytes_for(layout.nbytes),
                      chunked.complete)
 
+    def _forest(self, layout: LayoutRec) -> Forest:
+        """The layout's forest, begun at its first striped reader with the complete holders
+        there are as roots."""
+        if layout.forest is None:
+            layout.forest = Forest(self.config.stripes, self.config.planner.max_readers_per_holder,
+                                   self.config.pending_grace)
+            for h in layout.holders.values():
+                worker = self.table.workers.get(h.worker_id)
+                if worker is not None and not h.withdrawn:
+                    layout.forest.add_root(h.worker_id, worker.labels.get("dc", ""))
+        return layout.forest
+
+    def _plan_striped(self, req: PlanRequest, version: int, lid: str,
+                      layout: LayoutRec) -> _Plan:
+        """A parent per stripe for the whole version (see `forest.py`): at a reader's first
+        request, or for the `stripes` it names again (no parent yet, or a parent that
+        failed or fell behind)."""
+        reader = self.table.workers[req.worker_id]
+        forest = self._forest(layout)
+        chunk_bytes = self.config.planner.chunk_bytes_for(layout.nbytes)
+        nchunks = len(layout.chunks(chunk_bytes))
+        if nchunks > PROGRESS_BYTES:
+            raise Reject("bad_request", f"{nchunks} chunks of {chunk_bytes} bytes: a striped "
+                                        f"pull takes at most {PROGRESS_BYTES} (--chunk-mib)")
+        dc, now = reader.labels.get("dc", ""), self.clock()
+        member = forest.members.get(req.worker_id)
+        if not any(not h.withdrawn and h.worker_id != req.worker_id
+                   for h in layout.holders.values()):
+            # Nobody has every chunk: readers of it could never complete.
+            raise Reject("no_holder", f"no live holder of {req.model!r} v{version} is left; "
+                                      f"the trainer must publish it again", retry_after=1.0)
+        if member is not None and member.root:
+            # It holds the version already (a second pull of it): nothing to read.
+            parents: list[str | None] = [None] * forest.stripes
+        elif member is None:
+            if req.relay and req.memory is None:
+                raise Reject("bad_request", "the first striped plan request of a reader that "
+                                            "serves what it pulls must carry its memory")
+            if req.memory is not None:
+                self._check_memory(layout, req.memory)
+                self._update_endpoint(reader, req.endpoint)
+                layout.partial.add(req.worker_id, store_memory(req.memory), [])
+            parents = forest.join(req.worker_id, dc, self._workers_in_dc[dc], now,
+                                  relay=req.relay)
+        else:
+            for failed in req.failed:
+                self._report_failed(reader, failed, req.model, version,
+                                    "a striped read failed", protected_sources=None)
+            gone = set(req.failed) | set(req.behind)
+            avoid = gone | set(self.trust.avoided(req.worker_id))
+            for s in req.stripes or ():
+                if s < forest.stripes and member.parents[s] in gone:
+                    forest.replace(req.worker_id, s, avoid, now)
+            parents = forest.fill(req.worker_id, now, self._workers_in_dc[dc], avoid)
+            if None in parents:
+                avoid = self.trust.avoided(req.worker_id)
+                serving = [h for h in layout.serving() if h != req.worker_id]
+                if avoid and serving and all(h in avoid for h in serving):
+                    raise self._no_source(NoSource(busy=True), req.worker_id, req.model,
+                                          version, layout, avoid, "")
+        sources = {p for p in parents if p is not None}
+        lease_id = layout.striped_leases.get(req.worker_id)
+        lease = self.table.leases.get(lease_id) if lease_id else None
+        if lease is None:
+            lease = self.table.new_lease(req.worker_id, req.model, version, lid, sources,
+                                         self.config.lease_ttl)
+            layout.striped_leases[req.worker_id] = lease.lease_id
+        elif lease.sources != sources:
+            dropped = lease.sources - sources
+            self.table.leases[lease.lease_id] = replace(lease, sources=sources)
+            self._finish_withdrawals(dropped, req.model, version)
+        workers = self.table.workers
+        chosen = []
+        progress: dict[str, MemoryDesc] = {}
+        for sid in sorted(sources):
+            m = forest.members[sid]
+            rec = layout.holders.get(sid) if m.root else layout.partial.get(sid)
+            if rec is None or sid not in workers:
+                continue
+            chosen.append((workers[sid], rec))
+            if not m.root and workers[sid].progress is not None:
+                progress[sid] = workers[sid].progress
+        pending = any(p is None for p in parents) and not (member is not None and member.root)
+        return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
+                     float(self.config.lease_ttl), chosen, [], chunk_bytes, not pending,
+                     parents, self.config.pending_retry if pending else None, progress)
+
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
         worker = self._worker(req.worker_id)
@@ -609,12 +722,15 @@ class Coordinator:
         if lease is None or lease.reader != req.worker_id:
             return _ACK  # expired, released, or not this worker's: nothing to do
         del self.table.leases[req.lease_id]
-        for sid in sorted(lease.sources):
+        layout = self._layout_of(lease)
+        if layout is not None and layout.striped_leases.get(req.worker_id) == req.lease_id:
+            del layout.striped_leases[req.worker_id]
+        for sid in sorted(req.by_source or lease.sources):
             source = self.table.workers.get(sid)
             self.table.record(TransferRecord(
                 reader=reader.name, source=source.name if source else sid, model=lease.model,
-                version=lease.version, nbytes=req.nbytes, seconds=req.seconds, ok=req.ok,
-                error=req.error))
+                version=lease.version, nbytes=req.by_source.get(sid, req.nbytes),
+                seconds=req.seconds, ok=req.ok, error=req.error))
         if req.ok:
             self.trust.read_ok(req.worker_id)
             if req.nbytes >= 1 << 20 and req.seconds > 0:
@@ -626,23 +742,35 @@ class Coordinator:
             # buffers may be reused, so it serves none of them any more.
             self.table.drop_partial(req.worker_id, lease.model, lease.version)
         for failed in req.failed_holders:
-            if failed not in lease.sources:
-                continue
-            holder = self.table.workers.get(failed)
-            protected = (holder is not None and holder.role == "trainer") \
-                or self._last_complete_holder(failed, lease.model, lease.version)
-            if self.trust.report(req.worker_id, failed, protected,
-                                 node=reader.labels.get("node", "")):
-                log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
-                            "dropping its reference", lease.model, lease.version,
-                            holder.name if holder else failed, reader.name, req.error)
-                self.table.drop_holder(failed, lease.model, lease.version)
-            else:
-                log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
-                            reader.name, lease.model, lease.version,
-                            holder.name if holder else failed, req.error)
+            self._report_failed(reader, failed, lease.model, lease.version, req.error,
+                                protected_sources=lease.sources)
         self._finish_withdrawals(lease.sources, lease.model, lease.version)
         return _ACK
+
+    def _layout_of(self, lease) -> LayoutRec | None:
+        mrec = self.table.models.get(lease.model)
+        vrec = mrec.versions.get(lease.version) if mrec else None
+        return vrec.layouts.get(lease.layout_id) if vrec else None
+
+    def _report_failed(self, reader: WorkerRec, failed: str, model: str, version: int,
+                       error: str | None, protected_sources: set[str] | None) -> None:
+        """A reader could not read from `failed`: it is avoided by that reader, and dropped
+        only when credible readers on distinct nodes agree (`trust.py`). A source outside
+        the reader's lease (`protected_sources`) is not its to report."""
+        if protected_sources is not None and failed not in protected_sources:
+            return
+        holder = self.table.workers.get(failed)
+        protected = (holder is not None and holder.role == "trainer") \
+            or self._last_complete_holder(failed, model, version)
+        if self.trust.report(reader.worker_id, failed, protected,
+                             node=reader.labels.get("node", "")):
+            log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
+                        "dropping its reference", model, version,
+                        holder.name if holder else failed, reader.name, error)
+            self.table.drop_holder(failed, model, version)
+        else:
+            log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
+                        reader.name, model, version, holder.name if holder else failed, error)
 
     def _last_complete_holder(self, worker_id: str, model: str, version: int) -> bool:
         """Whether `worker_id` holds `version` completely and nobody else does (a partial
@@ -735,8 +863,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ expiry
     def _forget_worker(self, worker_id: str, why: str) -> None:
-        if self.table.workers.pop(worker_id, None) is None:
+        worker = self.table.workers.pop(worker_id, None)
+        if worker is None:
             return
+        self._workers_in_dc[worker.labels.get("dc", "")] -= 1
         log.info("worker %s %s: dropping its references and reads", worker_id, why)
         self.trust.forget(worker_id)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:

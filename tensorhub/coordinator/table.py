@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgpack
 from pydantic import TypeAdapter
 
+from tensorhub.coordinator.forest import Forest
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
 from tensorhub.core.data_types import Endpoint, Item, Manifest, MemoryDesc, TransferRecord
 from tensorhub.core.wire import Packed, encode
@@ -60,6 +61,7 @@ class WorkerRec:
     labels: dict[str, str]
     last_seen: float
     seq: int = field(default_factory=lambda: next(_seq))
+    progress: MemoryDesc | None = None  # its progress bytes (striped pulls)
 
 
 class _PackedMemory:
@@ -161,6 +163,9 @@ class LayoutRec:
     _serving: tuple[tuple[int, int], list[str]] | None = None
     _packed: tuple[Packed, Packed] | None = None  # manifest and checksums, msgpack-encoded
     _nbytes: int | None = None
+    # Striped pulls: who reads which stripe from whom, and each reader's one lease.
+    forest: Forest | None = None
+    striped_leases: dict[str, str] = field(default_factory=dict)  # reader -> lease id
 
     @property
     def nbytes(self) -> int:
@@ -371,6 +376,8 @@ class Table:
                 for lrec in vrec.layouts.values():
                     lrec.holders.pop(worker_id, None)
                     lrec.partial.drop(worker_id)
+                    if lrec.forest is not None:
+                        lrec.forest.remove(worker_id)
         self.prune()
 
     def drop_partial(self, worker_id: str, model: str, version: int) -> None:
@@ -378,6 +385,8 @@ class Table:
         vrec = self.models[model].versions.get(version) if model in self.models else None
         for lrec in vrec.layouts.values() if vrec else []:
             lrec.partial.drop(worker_id)
+            if lrec.forest is not None:
+                lrec.forest.remove(worker_id)
 
     def prune(self) -> None:
         """Forget versions nobody holds any more, except each model's latest."""

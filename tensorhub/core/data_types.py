@@ -105,6 +105,8 @@ class Register(Strict):
     role: Literal["trainer", "replica"]
     endpoint: Endpoint
     labels: dict[Name, Name] = Field(default_factory=dict, max_length=32)
+    # Its progress bytes (`core/stripes.py`): what its striped readers poll one-sided.
+    progress: MemoryDesc | None = None
 
 
 class Heartbeat(Strict):
@@ -188,6 +190,9 @@ class ReadDone(Strict):
     seconds: float = 0.0
     error: str | None = Field(default=None, max_length=4096)
     failed_holders: list[Name] = Field(default_factory=list, max_length=64)
+    # Striped pulls: bytes read from each source (worker id), for the transfer records.
+    by_source: dict[Name, Annotated[int, Field(ge=0)]] = Field(default_factory=dict,
+                                                               max_length=64)
 
 
 class GetManifest(Strict):
@@ -245,6 +250,17 @@ class PlanRequest(Strict):
     # pull): the reply leaves them out (for a model of thousands of tensors they are most of
     # a plan's bytes). Only with a numbered version.
     known_manifest: bool = False
+    # Striped pulls (`coordinator/forest.py`): one parent per stripe for the whole version.
+    # The first request carries the reader's destination `memory` (and a fresh `endpoint`);
+    # a later one names the `stripes` to re-plan and why (`failed` / `behind` sources).
+    striped: bool = False
+    relay: bool = True  # the reader serves the chunks it has (False: a staging copy)
+    memory: list[MemoryDesc] | None = Field(default=None, max_length=MAX_TENSORS)
+    endpoint: Endpoint | None = None
+    stripes: list[Annotated[int, Field(ge=0, lt=64)]] | None = Field(default=None,
+                                                                      max_length=64)
+    failed: list[Name] = Field(default_factory=list, max_length=64)
+    behind: list[Name] = Field(default_factory=list, max_length=64)
 
 
 Request = Annotated[
@@ -324,6 +340,8 @@ class Source(Strict):
     role: Literal["trainer", "replica"]
     endpoint: Endpoint
     memory: list[MemoryDesc]
+    # Striped plans: where its progress bytes are (None: it holds every chunk).
+    progress: MemoryDesc | None = None
 
 
 class ReadPlan(Strict):
@@ -345,6 +363,10 @@ class ReadPlan(Strict):
     # `Progress` in these (a coordinator run with another size than the default would
     # otherwise be told of chunks that are not the ones it planned).
     chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)] | None = None
+    # Striped plans: the parent (worker id) of each stripe; None: none yet, ask again after
+    # `retry_after` seconds for those stripes.
+    stripes: list[Name | None] | None = None
+    retry_after: float | None = None
 
 
 class ManifestReply(Strict):

@@ -12,15 +12,22 @@ import threading
 import time
 import uuid
 
+import torch
+
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import Heartbeat, Hold, Register, Unregister, Withdraw
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
+from tensorhub.core.memory import describe
 from tensorhub.core.net import local_address_towards, reachable_announce
+from tensorhub.core.stripes import POLL_WINDOW, PROGRESS_BYTES
 from tensorhub.core.topology import worker_labels
 from tensorhub.core.transport import Transport, make_transport
 
 log = logging.getLogger("tensorhub.session")
+POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
+
+
 
 
 class WorkerSession:
@@ -42,6 +49,12 @@ class WorkerSession:
             else make_transport(transport, worker_name=f"{name}-{uuid.uuid4().hex[:8]}",
                                 host=local_address_towards(coordinator))
         )
+        # Progress bytes (what striped readers of our pulls poll one-sided), then one poll
+        # buffer per stripe for our own polls of others: registered once, for good.
+        self._progress = torch.zeros(PROGRESS_BYTES + POLL_SLOTS * POLL_WINDOW,
+                                     dtype=torch.uint8)
+        self.progress = self._progress[:PROGRESS_BYTES]
+        self.transport.register([self._progress])
         self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
         # Heartbeats have a connection of their own: behind a slow plan or withdrawal on
         # `client` they could miss the coordinator's TTL and get a healthy worker evicted.
@@ -50,6 +63,7 @@ class WorkerSession:
         self._unannounced: set[tuple[str, int]] = set()  # held, coordinator was unreachable
         self._lock = threading.RLock()
         self.worker_id = ""
+        self.registrations = 0  # times registered: a new coordinator knows nothing of ours
         self.heartbeat_interval = 1.0
         self.announce_address = ""
         self._register()
@@ -58,12 +72,18 @@ class WorkerSession:
                                       name=f"tensorhub-heartbeat-{name}")
         self._beat.start()
 
+    def poll_buffer(self, stripe: int) -> torch.Tensor:
+        """Registered scratch for polls of stripe `stripe`'s parent (one poll at a time)."""
+        start = PROGRESS_BYTES + stripe * POLL_WINDOW
+        return self._progress[start:start + POLL_WINDOW]
+
     # ------------------------------------------------------------------ membership
     def _register(self) -> None:
         reply = self.client.call(
             Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
-                     labels=self.labels)
+                     labels=self.labels, progress=describe(self.progress))
         )
+        self.registrations += 1
         self.worker_id = reply.worker_id
         self.heartbeat_interval = reply.heartbeat_interval
         self.announce_address = reachable_announce(reply.announce_address,

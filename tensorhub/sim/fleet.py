@@ -46,6 +46,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.layout import layout_id, plan_items
 from tensorhub.core.wire import decode_reply, encode
+from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
 from tensorhub.sim.links import EventLoop, Network, Nic, Transfer
 
 GB = 1e9
@@ -92,6 +93,8 @@ class FleetResult:
     unfinished: list[str]  # alive workers that never completed (should be none)
     plans: int
     busy: int
+    coordinator_busy: float = 0.0  # simulated seconds the coordinator served (queue only)
+    messages: dict[str, int] = field(default_factory=dict)  # by type (queue only)
 
     @property
     def worst(self) -> float:
@@ -171,7 +174,9 @@ class _Worker:
     def _maybe_ask(self) -> None:
         if self._want_plan():
             self.asking = True
-            self.sim.loop.at(self.sim.loop.now + self.sim.config.rpc / 2, self.ask)
+            # (a modelled queue adds the half round trip itself)
+            delay = 0.0 if self.sim.queue is not None else self.sim.config.rpc / 2
+            self.sim.loop.at(self.sim.loop.now + delay, self.ask)
 
     def ask(self) -> None:
         """Send a PlanRequest (the reply arrives half a round trip later)."""
@@ -184,9 +189,19 @@ class _Worker:
             missing = merge(s for c in sim.chunks
                             if c.index not in self.done and c.index not in self.planned
                             for s in c.segments)
-        reply = sim.call(PlanRequest(worker_id=self.id, model="m", version=1,
-                                     missing=missing, chunked=True))
         sim.plans += 1
+        if sim.queue is not None:
+            sim.queue.send(PlanRequest(worker_id=self.id, model="m", version=1,
+                                       missing=missing, chunked=True), self._answered)
+            return
+        self._answered(sim.call(PlanRequest(worker_id=self.id, model="m", version=1,
+                                            missing=missing, chunked=True)))
+
+    def _answered(self, reply) -> None:
+        sim = self.sim
+        if not self.alive:
+            self.asking = False
+            return
         if isinstance(reply, ErrorReply):
             if reply.code == "busy":
                 sim.busy += 1
@@ -201,7 +216,10 @@ class _Worker:
             else:
                 pending.append((index, r.source, r.nbytes))
         lease = _Lease(reply.lease_id, pending)
-        sim.loop.at(sim.loop.now + sim.config.rpc / 2, lambda: self._got(lease))
+        if sim.queue is not None:  # the queue delivered the reply after its round trip
+            self._got(lease)
+        else:
+            sim.loop.at(sim.loop.now + sim.config.rpc / 2, lambda: self._got(lease))
 
     def _got(self, lease: _Lease) -> None:
         self.asking = False
@@ -245,7 +263,7 @@ class _Worker:
         self.done.add(index)
         self.planned.discard(index)
         # memory with the first report only, as a real replica (the coordinator keeps it)
-        self.sim.call(Progress(worker_id=self.id, model="m", version=1,
+        self.sim.tell(Progress(worker_id=self.id, model="m", version=1,
                                layout_id=self.sim.layout_id,
                                memory=None if len(self.done) > 1 else self.sim.memory,
                                chunks=[index]))
@@ -265,17 +283,17 @@ class _Worker:
         sim = self.sim
         del self.leases[lease.lease_id]
         ok = not lease.failed
-        sim.call(ReadDone(worker_id=self.id, lease_id=lease.lease_id, ok=ok,
+        sim.tell(ReadDone(worker_id=self.id, lease_id=lease.lease_id, ok=ok,
                           failed_holders=sorted(lease.failed),
                           error=None if ok else "source died"))
         if len(self.done) == len(sim.chunks) and not self.leases:
-            sim.call(Hold(worker_id=self.id, model="m", version=1, layout_id=sim.layout_id,
+            sim.tell(Hold(worker_id=self.id, model="m", version=1, layout_id=sim.layout_id,
                           memory=sim.memory))
             self.finished = sim.loop.now
 
 
 class FleetSim:
-    def __init__(self, config: SimConfig):
+    def __init__(self, config: SimConfig, socket_cost: float | None = None):
         self.config = config
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
@@ -291,6 +309,10 @@ class FleetSim:
                                   # as the coordinator's defaults: twice the busy retry
                                   "starving_ttl": 2 * chunk_time * config.busy_retry_chunks})),
             clock=lambda: self.loop.now)
+        # The coordinator as one server with a queue (its real time per message), or None:
+        # every call served at once, for free (how this simulator first ran).
+        self.queue = CoordinatorQueue(self.loop, self.coordinator, config.rpc, socket_cost) \
+            if socket_cost is not None else None
         self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
         manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
         items = plan_items(manifest)
@@ -315,6 +337,13 @@ class FleetSim:
             self.net.add(w.id, Nic(nic, nic, labels["dc"], labels["node"]))
             self.workers.append(w)
 
+    def tell(self, request) -> None:
+        """A message whose reply nobody waits for (through the queue, when modelled)."""
+        if self.queue is not None:
+            self.queue.send(request)
+        else:
+            self.call(request)
+
     def call(self, request):
         """One request to the real coordinator, as the socket loop would hand it over."""
         if self.config.wire:
@@ -335,9 +364,12 @@ class FleetSim:
         """Heartbeats of the living and the coordinator's expiry sweep, once a second."""
         for w in self.workers:
             if w.alive:
-                self.call(Heartbeat(worker_id=w.id))
-        self.call(Heartbeat(worker_id=self.trainer))
-        self.coordinator._expire()
+                self.tell(Heartbeat(worker_id=w.id))
+        self.tell(Heartbeat(worker_id=self.trainer))
+        if self.queue is not None:
+            self.queue.send(Expiry())
+        else:
+            self.coordinator._expire()
         if any(w.alive and w.finished is None for w in self.workers):
             self.loop.at(self.loop.now + self.coordinator.config.heartbeat_interval, self._tick)
 
@@ -361,8 +393,11 @@ class FleetSim:
             finished={w.name: w.finished for w in self.workers if w.finished is not None},
             killed=[w.name for w in self.workers if not w.alive],
             unfinished=[w.name for w in self.workers if w.alive and w.finished is None],
-            plans=self.plans, busy=self.busy)
+            plans=self.plans, busy=self.busy,
+            coordinator_busy=self.queue.busy if self.queue else 0.0,
+            messages=dict(self.queue.messages) if self.queue else {})
 
 
-def simulate(config: SimConfig) -> FleetResult:
-    return FleetSim(config).run()
+def simulate(config: SimConfig, socket_cost: float | None = None) -> FleetResult:
+    """`socket_cost`: model the coordinator as a queue (see `coordinator_queue.py`)."""
+    return FleetSim(config, socket_cost).run()

@@ -1,4 +1,8 @@
-"""Fleet sizes 8 ... 4096: the simulated planner against a star and a ring, per lower bound.
+"""Fleet sizes 8 ... 4096: the striped protocol against a star, a ring and the per-chunk
+design it replaced, per lower bound, with the coordinator modelled as a queue.
+
+Both designs run the real coordinator through `CoordinatorQueue`: every message costs what
+its handler takes on this machine plus the socket's measured cost, one at a time.
 
 The baselines are closed forms on the same links: a *star* sends every byte from the
 trainer (its NIC is split N ways), a *ring* (a chain) pipelines chunks through the workers
@@ -15,7 +19,9 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tensorhub.sim.fleet import GB, FleetResult, SimConfig, simulate
+from tensorhub.sim.coordinator_queue import measure_socket_cost
+from tensorhub.sim.fleet import GB, SimConfig, simulate
+from tensorhub.sim.swarm import SwarmResult, simulate_swarm
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,13 @@ class SweepRow:
     busy: int
     unfinished: int
     wall: float  # seconds the simulation took on this machine
+    coordinator_busy: float = 0.0  # the coordinator's busy time over the fan-out's
+    messages_per_reader: float = 0.0  # heartbeats aside
+    depth: int = 0  # the deepest a reader was in a stripe's tree
+    longest_wait: float = 0.0  # the longest a message queued at the coordinator
+    socket_cost: float = 0.0
+    per_chunk: float | None = None  # the per-chunk design's worst (seconds), if run
+    per_chunk_messages: float | None = None  # its messages per reader
 
 
 def star_time(c: SimConfig) -> float:
@@ -49,31 +62,48 @@ def optimum_time(c: SimConfig) -> float:
             + (math.ceil(math.log2(c.workers + 1)) - 1) * chunk + c.latency + c.rpc)
 
 
-def run_sweep(base: SimConfig, sizes: list[int], echo=print) -> list[SweepRow]:
+def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int = 0,
+              socket_cost: float | None = None) -> list[SweepRow]:
+    """The striped protocol at each size (and the per-chunk design up to `per_chunk_max`
+    readers: its plans grow with readers x chunks, so it takes long to simulate)."""
     import logging
     import time
 
     # simulated deaths make the coordinator log warnings by the hundred: keep errors only
     logging.getLogger("tensorhub.coordinator").setLevel(logging.ERROR)
+    if socket_cost is None:
+        socket_cost = measure_socket_cost()
+    echo(f"coordinator socket cost per message, measured here: {socket_cost * 1e6:.1f} us")
     rows = []
     for n in sizes:
         config = replace(base, workers=n)
         started = time.perf_counter()
-        result: FleetResult = simulate(config)
+        result: SwarmResult = simulate_swarm(config, socket_cost)
         wall = time.perf_counter() - started
         times = sorted(result.finished.values())
+        old = old_messages = None
+        if n <= per_chunk_max:
+            today = simulate(config, socket_cost)
+            old = today.worst
+            old_messages = sum(v for k, v in today.messages.items()
+                               if k not in ("heartbeat", "expiry")) / n
         row = SweepRow(n, config.lower_bound, result.worst,
                        times[len(times) // 2] if times else float("inf"),
                        star_time(config), ring_time(config), optimum_time(config),
-                       result.plans, result.busy,
-                       len(result.unfinished), wall)
+                       result.reader_messages.get("plan", 0), result.replans,
+                       len(result.unfinished), wall, result.busy_fraction,
+                       result.messages_per_reader, result.max_depth, result.longest_wait,
+                       socket_cost, old, old_messages)
         rows.append(row)
-        echo(f"N={n:5d}  tensorhub {row.tensorhub / row.lower_bound:6.3f}x "
-             f"(median {row.tensorhub_median / row.lower_bound:.3f}x)  "
-             f"star {row.star / row.lower_bound:8.1f}x  ring {row.ring / row.lower_bound:7.2f}x"
-             f"  optimum {row.optimum / row.lower_bound:.3f}x"
-             f"  lower bound {row.lower_bound * 1e3:.0f} ms  [{row.plans} plans, "
-             f"{row.busy} busy, {row.unfinished} unfinished, {wall:.1f}s wall]")
+        lb = row.lower_bound
+        today_text = "" if old is None else \
+            f"  per-chunk design {old / lb:.2f}x ({old_messages:.0f} msgs/reader)"
+        echo(f"N={n:5d}  tensorhub {row.tensorhub / lb:6.3f}x "
+             f"(median {row.tensorhub_median / lb:.3f}x)  star {row.star / lb:8.1f}x  "
+             f"ring {row.ring / lb:7.2f}x  optimum {row.optimum / lb:.3f}x{today_text}  "
+             f"lower bound {lb * 1e3:.0f} ms  [coordinator busy {row.coordinator_busy:.2f}, "
+             f"{row.messages_per_reader:.2f} msgs/reader, depth {row.depth}, longest queue "
+             f"{row.longest_wait * 1e3:.1f} ms, {row.unfinished} unfinished, {wall:.1f}s wall]")
     return rows
 
 
@@ -93,6 +123,10 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
         a.plot(n, [r.optimum / r.lower_bound for r in rows], "k:",
                label="optimum (binomial pipeline, same chunks)")
         a.plot(n, [r.ring / r.lower_bound for r in rows], "s-", label="ring (chain pipeline)")
+        old = [(r.workers, r.per_chunk / r.lower_bound) for r in rows if r.per_chunk]
+        if old:
+            a.plot(*zip(*old, strict=True), "x-",
+                   label="per-chunk plans (the design before), coordinator modelled")
         a.plot(n, [r.star / r.lower_bound for r in rows], "^-", label="star (all from trainer)")
         a.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
         a.set_xscale("log", base=2)
@@ -100,7 +134,7 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
         a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
     ax.set_ylabel("completion time / lower bound")
-    ax.set_title("Simulated fan-out of one version (real planner)")
+    ax.set_title("Simulated fan-out of one version (real coordinator, as a queue)")
     ax.legend()
     zoom.set_ylim(0.98, 1.32)
     zoom.set_title("close up: 1.0 - 1.3 x the lower bound")

@@ -1,0 +1,285 @@
+"""Striped forests: from whom a reader pulls each stripe of a version, decided once.
+
+A version's chunks are dealt into `stripes` stripes (chunk c is in stripe c % stripes).
+When a reader first asks for a version it gets one parent per stripe and pulls that stripe's
+chunks from it as the parent gets them, learning what the parent has by reading the
+parent's progress bytes one-sided (`core/stripes.py`). So the coordinator hears from a
+reader a constant number of times per version, whatever the number of chunks; it hears
+again only when a parent fails or falls behind.
+
+The shape is SplitStream's: interior-node-disjoint trees. Every reader has a *home* stripe
+and forwards only that one, to at most `fanout` children; in the other stripes it is a
+leaf. Each reader then uploads at most one model's worth, every reader receives every
+stripe at the rate of its parent's share, and each stripe's tree has depth about
+log_fanout(readers / stripes), so the pipeline's tail is a few chunk times however many
+readers there are. (If every reader forwarded every stripe, with as many parents as
+children each, the trees would be chains.)
+
+Online, readers arrive one by one and a leaf must not take a slot that a later interior
+reader needs near the root: the forest is told how many readers to expect (the replicas
+registered in the datacenter) and a leaf takes a free slot only while more slots are free
+than interior readers are still to come, the deepest one. A leaf refused for now is told to
+ask again (`pending`); after `grace` seconds it takes any slot, or the least-loaded parent.
+
+Complete holders (the publisher, replicas that hold the version) are roots: they have
+every chunk, so they serve any stripe, `fanout // stripes` children in each. Each
+datacenter has a forest of its own; the first reader of a datacenter with no root in it
+becomes its gateway, pulling every stripe from across the WAN once and feeding its
+datacenter as a root would. No I/O here: the coordinator and the simulator both drive it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+ROOT_DEPTH = 0
+UNSET = 1 << 30  # depth in a stripe with no parent yet
+
+
+@dataclass(slots=True)
+class Member:
+    """A reader of the version, or a complete holder (`root`)."""
+
+    worker_id: str
+    dc: str
+    root: bool  # holds every chunk: serves any stripe, needs nothing
+    home: int | None  # the stripe it forwards (None: none, or all if `gateway`)
+    seq: int
+    gateway: bool = False  # the first reader of its datacenter: forwards every stripe there
+    parents: list[str | None] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)  # per stripe
+    children: list[int] = field(default_factory=list)  # per stripe
+    since: float = 0.0  # when it joined (a pending stripe waits `grace` from here)
+
+
+class Forest:
+    """One forest per (model, version, layout): every datacenter's trees in it. Choosing a
+    parent costs O(log readers) (heaps of free slots per datacenter and stripe)."""
+
+    def __init__(self, stripes: int = 2, fanout: int = 2, grace: float = 0.5):
+        if stripes < 1 or fanout < 1:
+            raise ValueError("stripes and fanout must be at least 1")
+        self.stripes = stripes
+        self.fanout = fanout
+        self.grace = grace
+        self.members: dict[str, Member] = {}
+        self._homes: dict[str, list[int]] = {}  # dc -> interior readers per stripe so far
+        self._gateways: dict[str, int] = {}  # dc -> gateways
+        self._arrived: dict[str, int] = {}  # dc -> readers that joined
+        self._held: dict[str, int] = {}  # dc -> roots that never joined (held it already)
+        self._free: dict[tuple[str, int], int] = {}  # (dc, stripe) -> free slots
+        # (dc, stripe) -> heaps of (depth or -depth, seq, id): members with a free slot
+        # (lazily cleaned: an entry is checked when it comes to the top)
+        self._shallow: dict[tuple[str, int], list] = {}
+        self._deep: dict[tuple[str, int], list] = {}
+        self._seq = 0
+        self.deepest = 0  # the deepest any reader has been, in any stripe
+
+    # ------------------------------------------------------------------ membership
+    def add_root(self, worker_id: str, dc: str = "") -> None:
+        """A complete holder (the publisher, or a reader that now holds everything)."""
+        m = self.members.get(worker_id)
+        if m is None:
+            self._seq += 1
+            m = Member(worker_id, dc, True, None, self._seq, parents=[None] * self.stripes,
+                       depth=[ROOT_DEPTH] * self.stripes, children=[0] * self.stripes)
+            self.members[worker_id] = m
+            self._held[dc] = self._held.get(dc, 0) + 1
+            for s in range(self.stripes):
+                self._offer(m, s, +self._capacity(m, s))
+            return
+        self.complete(worker_id)
+
+    def remove(self, worker_id: str) -> None:
+        """A member left or failed: its slots at its parents free up. Its children find out
+        when their reads fail, and ask for another parent (`replace`)."""
+        m = self.members.get(worker_id)
+        if m is None:
+            return
+        for s in range(self.stripes):
+            if m.root:
+                self._offer(m, s, -max(0, self._capacity(m, s) - m.children[s]))
+            else:
+                self._detach(m, s)
+        del self.members[worker_id]
+        if m.gateway:
+            self._gateways[m.dc] -= 1
+
+    def join(self, worker_id: str, dc: str, expected: int, now: float,
+             relay: bool = True) -> list[str | None]:
+        """Parents for a new reader, one per stripe (None: pending, ask again). `expected`:
+        workers the datacenter has in all, those that held the version before the forest
+        began included (a slot reserve for interior readers still to come);
+        `relay=False`: a reader that forwards nothing (it reads into a staging copy)."""
+        if worker_id in self.members:
+            return self.fill(worker_id, now, expected)
+        homes = self._homes.setdefault(dc, [0] * self.stripes)
+        self._arrived[dc] = self._arrived.get(dc, 0) + 1
+        self._seq += 1
+        m = Member(worker_id, dc, False, None, self._seq, parents=[None] * self.stripes,
+                   depth=[UNSET] * self.stripes, children=[0] * self.stripes, since=now)
+        local = any(self._free.get((dc, s), 0) for s in range(self.stripes)) \
+            or self._gateways.get(dc, 0) or sum(homes)
+        if relay and not local:
+            m.gateway = True  # this datacenter's entry: every stripe from the nearest roots
+            self._gateways[dc] = self._gateways.get(dc, 0) + 1
+        elif relay:
+            m.home = min(range(self.stripes), key=lambda s: (homes[s], s))
+            homes[m.home] += 1
+        self.members[worker_id] = m
+        for s in range(self.stripes):
+            self._assign(m, s, expected, now)
+        return list(m.parents)
+
+    def fill(self, worker_id: str, now: float, expected: int = 0,
+             avoid: Collection[str] = ()) -> list[str | None]:
+        """Try again for the stripes a reader still has no parent for (from none in
+        `avoid`: parents it failed to read)."""
+        m = self.members[worker_id]
+        for s in range(self.stripes):
+            if m.parents[s] is None:
+                self._assign(m, s, expected, now, avoid)
+        return list(m.parents)
+
+    def replace(self, worker_id: str, stripe: int, avoid: set[str], now: float) -> str | None:
+        """A new parent for `stripe`: the old one failed or fell behind. Only a member
+        shallower than this reader qualifies (never one of its own descendants): the
+        shallowest free slot, else the least-loaded such member."""
+        m = self.members[worker_id]
+        old = m.parents[stripe]
+        limit = m.depth[stripe]
+        self._detach(m, stripe)
+        avoid = avoid | ({old} if old else set())
+        best = self._top(m.dc, stripe, deep=False)
+        if best is None or best is m or best.worker_id in avoid or best.depth[stripe] >= limit:
+            best = self._scan(m, stripe, avoid, limit)
+        if best is not None:
+            self._attach(m, stripe, best)
+        return m.parents[stripe]
+
+    def complete(self, worker_id: str) -> None:
+        """A reader holds every chunk now: a root from here on (its children stay)."""
+        m = self.members.get(worker_id)
+        if m is None or m.root:
+            return
+        for s in range(self.stripes):
+            self._detach(m, s)
+        m.root = True
+        for s in range(self.stripes):
+            m.depth[s] = ROOT_DEPTH
+            self._offer(m, s, max(0, self._capacity(m, s) - m.children[s]))
+
+    def max_depth(self) -> int:
+        return max((max(d for d in m.depth if d < UNSET) for m in self.members.values()
+                    if not m.root and any(d < UNSET for d in m.depth)), default=0)
+
+    # ------------------------------------------------------------------ choosing
+    def _capacity(self, m: Member, stripe: int) -> int:
+        if m.root or m.gateway:
+            return max(1, self.fanout // self.stripes)
+        return self.fanout if m.home == stripe else 0
+
+    def _assign(self, m: Member, stripe: int, expected: int, now: float,
+                avoid: Collection[str] = ()) -> None:
+        besides = tuple(m.parents)
+        if m.gateway:  # the shallowest slot in any datacenter
+            best = min((p for p in (self._top(dc, stripe, deep=False, besides=besides)
+                                    for dc in {d for d, s in self._free if s == stripe})
+                        if p is not None), key=lambda p: (p.depth[stripe], p.seq),
+                       default=None) or self._scan(m, stripe, set(), UNSET, any_dc=True)
+        elif m.home == stripe:
+            best = self._top(m.dc, stripe, deep=False, besides=besides) \
+                or self._scan(m, stripe, set(), UNSET)
+        else:
+            late = now - m.since >= self.grace
+            best = None
+            if self._free.get((m.dc, stripe), 0) > self._reserve(m.dc, stripe, expected):
+                best = self._top(m.dc, stripe, deep=True, besides=besides)
+            if best is None and late:
+                best = self._top(m.dc, stripe, deep=True, besides=besides) \
+                    or self._scan(m, stripe, set(), UNSET)
+        if best is not None and best.worker_id in avoid:
+            best = self._scan(m, stripe, set(avoid), UNSET, any_dc=m.gateway)
+        if best is not None:
+            self._attach(m, stripe, best)
+
+    def _reserve(self, dc: str, stripe: int, expected: int) -> int:
+        """Interior readers of `stripe` still to come in `dc` (each needs a slot). Homes go
+        round robin (to the stripe with the fewest), so after h of them stripe s has
+        ceil((h - s) / stripes)."""
+        homes = sum(self._homes.get(dc, ()))
+        coming = homes + max(0, expected - self._arrived.get(dc, 0) - self._held.get(dc, 0))
+        k = self.stripes
+        return -(-(coming - stripe) // k) - -(-(homes - stripe) // k)
+
+    def _top(self, dc: str, stripe: int, deep: bool,
+             besides: tuple[str | None, ...] = ()) -> Member | None:
+        """The shallowest (or deepest) member of `dc` with a free slot in `stripe`, one not
+        in `besides` if there is such (a reader's parents in its other stripes: two
+        parents share the load, and one death costs one stripe)."""
+        heap = (self._deep if deep else self._shallow).get((dc, stripe))
+        skipped, found = [], None
+        while heap:
+            key, _, wid = heap[0]
+            p = self.members.get(wid)
+            if p is None or (-key if deep else key) != p.depth[stripe] \
+                    or p.children[stripe] >= self._capacity(p, stripe):
+                heapq.heappop(heap)  # stale
+            elif wid in besides and len(skipped) < 8:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = p
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if found is None and skipped:
+            found = self.members[skipped[0][2]]
+        return found
+
+    def _scan(self, m: Member, stripe: int, avoid: set[str], limit: int,
+              any_dc: bool = False) -> Member | None:
+        """Any member shallower than `limit` serving `stripe`, free slots first, then the
+        least loaded (a slot over its share): the fallback, O(members)."""
+        best_key, best = None, None
+        for p in self.members.values():
+            if p is m or p.worker_id in avoid or p.depth[stripe] >= limit:
+                continue
+            if (not any_dc and p.dc != m.dc) or self._capacity(p, stripe) == 0:
+                continue
+            over = p.children[stripe] - self._capacity(p, stripe)
+            key = (max(0, over + 1), p.dc != m.dc, p.depth[stripe], p.seq)
+            if best_key is None or key < best_key:
+                best_key, best = key, p
+        return best
+
+    def _offer(self, m: Member, stripe: int, delta: int) -> None:
+        """Count `delta` more free slots of `m` in `stripe`, and list it if it has any."""
+        key = (m.dc, stripe)
+        self._free[key] = self._free.get(key, 0) + delta
+        if m.children[stripe] < self._capacity(m, stripe) and m.depth[stripe] < UNSET:
+            heapq.heappush(self._shallow.setdefault(key, []), (m.depth[stripe], m.seq,
+                                                               m.worker_id))
+            heapq.heappush(self._deep.setdefault(key, []), (-m.depth[stripe], m.seq,
+                                                            m.worker_id))
+
+    def _attach(self, m: Member, stripe: int, parent: Member) -> None:
+        m.parents[stripe] = parent.worker_id
+        m.depth[stripe] = parent.depth[stripe] + 1
+        self.deepest = max(self.deepest, m.depth[stripe])
+        parent.children[stripe] += 1
+        if parent.children[stripe] <= self._capacity(parent, stripe):
+            self._free[(parent.dc, stripe)] -= 1
+        self._offer(m, stripe, max(0, self._capacity(m, stripe) - m.children[stripe]))
+
+    def _detach(self, m: Member, stripe: int) -> None:
+        """`m` stops reading `stripe` from its parent (its own depth there is unset)."""
+        p = self.members.get(m.parents[stripe]) if m.parents[stripe] else None
+        m.parents[stripe] = None
+        if m.depth[stripe] < UNSET and not m.root:
+            self._offer(m, stripe, -max(0, self._capacity(m, stripe) - m.children[stripe]))
+            m.depth[stripe] = UNSET
+        if p is not None:
+            p.children[stripe] -= 1
+            self._offer(p, stripe, 1 if p.children[stripe] < self._capacity(p, stripe) else 0)

@@ -1,0 +1,302 @@
+"""A fleet of simulated readers pulling one version by the striped protocol.
+
+What runs for real: the coordinator (every handler, through `CoordinatorQueue`: one server
+whose time per message is what the real handler takes here, so a busy coordinator shows
+in the figures) and each reader's logic (`core/stripes.py`, the state machine `Replica`
+drives). What is simulated: the network (`links.py`, fluid NICs) and the reads themselves.
+A poll of a parent's progress bytes costs a round trip of the link latency and sees what
+the parent had landed when it arrived.
+
+Every worker heartbeats once a `heartbeat_interval` (random phase) and the coordinator
+sweeps for expiry every 0.1 s, in the same queue as the plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tensorhub.coordinator.planner import PlannerConfig
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+from tensorhub.core.chunks import chunks_of
+from tensorhub.core.data_types import (
+    Endpoint,
+    ErrorReply,
+    Heartbeat,
+    Hold,
+    MemoryDesc,
+    PlanRequest,
+    Publish,
+    ReadDone,
+    Register,
+)
+from tensorhub.core.layout import layout_id, plan_items
+from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, progress_tag
+from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
+from tensorhub.sim.fleet import GB, SimConfig, synthetic_manifest
+from tensorhub.sim.links import EventLoop, Network, Nic
+
+EXPIRY_PERIOD = 0.1
+
+
+@dataclass
+class SwarmResult:
+    config: SimConfig
+    finished: dict[str, float]
+    killed: list[str]
+    unfinished: list[str]
+    messages: dict[str, int]  # coordinator messages by type (heartbeats included)
+    coordinator_busy: float  # simulated seconds the coordinator served
+    longest_wait: float  # the longest a message queued at the coordinator
+    socket_cost: float
+    max_depth: int
+    replans: int
+    polls: int = 0
+    reader_messages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def worst(self) -> float:
+        return max(self.finished.values()) if self.finished else math.inf
+
+    @property
+    def ratio(self) -> float:
+        return self.worst / self.config.lower_bound
+
+    @property
+    def median_ratio(self) -> float:
+        times = sorted(self.finished.values())
+        return times[len(times) // 2] / self.config.lower_bound if times else math.inf
+
+    @property
+    def busy_fraction(self) -> float:
+        """The coordinator's busy time over the fan-out's duration."""
+        return self.coordinator_busy / self.worst if self.finished else math.nan
+
+    @property
+    def messages_per_reader(self) -> float:
+        """Coordinator messages per reader for the version, heartbeats aside."""
+        n = sum(self.reader_messages.values())
+        return n / max(1, self.config.workers)
+
+
+class _Reader:
+    def __init__(self, sim: SwarmSim, name: str, labels: dict[str, str]):
+        self.sim, self.name = sim, name
+        reply = sim.queue.call_now(Register(name=name, role="replica", endpoint=sim.endpoint,
+                                            labels=labels, progress=sim.progress))
+        self.id = reply.worker_id
+        self.alive = True
+        self.pull: StripedPull | None = None
+        self.finished: float | None = None
+        self.lease_id = ""
+        self._wake: float | None = None
+
+    def send(self, request, on_reply=None) -> None:
+        self.sim.reader_messages[request.type] += 1
+        self.sim.queue.send(request, on_reply)
+
+    def start(self) -> None:
+        self.send(PlanRequest(worker_id=self.id, model="m", version=1, chunked=True,
+                              striped=True, memory=self.sim.memory), self._plan)
+
+    def _plan(self, reply) -> None:
+        if not self.alive:
+            return
+        now = self.sim.loop.now
+        if isinstance(reply, ErrorReply):
+            if self.pull is None:
+                self.sim.loop.at(now + (reply.retry_after or 0.05), self.start)
+            else:
+                self.pull.asked_failed(now, reply.retry_after or 0.05)
+                self.step()
+            return
+        if self.pull is None:
+            self.pull = StripedPull(len(self.sim.chunks), len(reply.stripes), 1,
+                                    stall=self.sim.stall, poll_min=self.sim.poll_min,
+                                    poll_max=self.sim.poll_max)
+        self.lease_id = reply.lease_id
+        self.pull.assign(list(reply.stripes),
+                         {s.worker_id for s in reply.sources if s.progress is None}, now,
+                         reply.retry_after)
+        self.step()
+
+    def step(self) -> None:
+        if not self.alive or self.pull is None or self.finished is not None:
+            return
+        sim, now = self.sim, self.sim.loop.now
+        for action in self.pull.actions(now):
+            if isinstance(action, Replan):
+                sim.replans += 1
+                self.send(PlanRequest(worker_id=self.id, model="m", version=1, chunked=True,
+                                      striped=True, known_manifest=True,
+                                      stripes=list(action.stripes),
+                                      failed=list(action.failed), behind=list(action.behind)),
+                          self._plan)
+            elif isinstance(action, Read):
+                sim.read(self, action)
+            elif isinstance(action, Poll):
+                sim.poll(self, action)
+        wake = self.pull.wake_at(now)
+        if wake is not None and (self._wake is None or wake < self._wake or self._wake <= now):
+            self._wake = wake
+            sim.loop.at(wake, self._woken)
+
+    def _woken(self) -> None:
+        if self._wake is not None and self._wake <= self.sim.loop.now:
+            self._wake = None
+        self.step()
+
+    def read_done(self, action: Read, ok: bool) -> None:
+        if not self.alive:
+            return
+        self.pull.read_done(action, ok, self.sim.loop.now)
+        if self.pull.done and self.finished is None:
+            self.finished = self.sim.loop.now
+            self.send(Hold(worker_id=self.id, model="m", version=1,
+                           layout_id=self.sim.layout_id, memory=self.sim.memory))
+            self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
+            return
+        self.step()
+
+    def polled(self, action: Poll, progress: bytes | None) -> None:
+        if not self.alive:
+            return
+        self.pull.polled(action, progress, self.sim.loop.now)
+        self.step()
+
+
+class SwarmSim:
+    def __init__(self, config: SimConfig, socket_cost: float = 0.0,
+                 stripes: int = 2, stall: float = 5.0):
+        self.config = config
+        self.loop = EventLoop()
+        self.rng = random.Random(config.seed)
+        self.net = Network(self.loop, config.wan_gbps * GB / 8)
+        chunk_time = config.chunk_bytes * 8 / (config.nic_gbps * GB)
+        self.stall = max(stall, 8 * chunk_time)
+        self.poll_min, self.poll_max = max(config.latency, chunk_time / 16), chunk_time
+        self.coordinator = Coordinator(
+            CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
+                              worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
+                              stripes=stripes, pending_retry=max(0.002, chunk_time / 4),
+                              planner=PlannerConfig(
+                                  max_readers_per_holder=config.planner.max_readers_per_holder,
+                                  chunk_bytes=config.chunk_bytes, min_chunks=1)),
+            clock=lambda: self.loop.now)
+        self.queue = CoordinatorQueue(self.loop, self.coordinator, config.rpc, socket_cost)
+        self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
+        self.progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
+        manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
+        items = plan_items(manifest)
+        self.layout_id = layout_id(manifest)
+        self.chunks = chunks_of(items, config.chunk_bytes)
+        base = itertools.count(1 << 30, 1 << 40)
+        self.memory = [MemoryDesc(addr=next(base), nbytes=it.nbytes) for it in items]
+        self.replans = self.polls = 0
+        self.reader_messages: Counter[str] = Counter()
+        nic = config.nic_gbps * GB / 8
+        trainer = self.queue.call_now(Register(name="trainer", role="trainer",
+                                               endpoint=self.endpoint,
+                                               labels={"dc": "dc0", "node": "trainer"}))
+        self.trainer = trainer.worker_id
+        self.net.add(self.trainer, Nic(nic, nic, "dc0", "trainer"))
+        self._publish = Publish(worker_id=self.trainer, model="m", version=1,
+                                manifest=manifest, checksums=["x"] * len(items),
+                                memory=self.memory)
+        self.readers: list[_Reader] = []
+        self.by_id: dict[str, _Reader] = {}
+        for i in range(config.workers):
+            labels = {"dc": f"dc{i % config.dcs}",
+                      "node": f"n{i // config.dcs // config.per_node}"}
+            r = _Reader(self, f"w{i}", labels)
+            self.net.add(r.id, Nic(nic, nic, labels["dc"], labels["node"]))
+            self.readers.append(r)
+            self.by_id[r.id] = r
+        self._tag = progress_tag(1)
+
+    # ------------------------------------------------------------------ the network
+    def _latency(self, a: str, b: str) -> float:
+        far = self.net.nics[a].dc != self.net.nics[b].dc
+        return self.config.wan_latency if far else self.config.latency
+
+    def read(self, reader: _Reader, action: Read) -> None:
+        nbytes = sum(self.chunks[c].nbytes for c in action.chunks)
+        start = self.loop.now + self._latency(action.source, reader.id)
+
+        def begin() -> None:
+            self.net.start(action.source, reader.id, nbytes,
+                           lambda t: reader.read_done(action, True),
+                           lambda t: reader.read_done(action, False))
+        self.loop.at(start, begin)
+
+    def poll(self, reader: _Reader, action: Poll) -> None:
+        """The parent's bytes as they are half a round trip from now, back after a full."""
+        self.polls += 1
+        one_way = self._latency(action.source, reader.id)
+
+        def look() -> None:
+            src = self.by_id.get(action.source)
+            if not self.net.nics[action.source].alive:
+                self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, None))
+                return
+            if src is None:  # the trainer: it has everything
+                seen = bytes([self._tag]) * (action.hi - action.lo)
+            else:
+                landed = src.pull.landed if src.pull is not None else set()
+                seen = bytes(self._tag if c in landed else 0
+                             for c in range(action.lo, action.hi))
+            self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, seen))
+        self.loop.at(self.loop.now + one_way, look)
+
+    # ------------------------------------------------------------------ the run
+    def _beat(self, worker_id: str) -> None:
+        if worker_id != self.trainer and not self.by_id[worker_id].alive:
+            return
+        self.queue.send(Heartbeat(worker_id=worker_id))
+        if self._running():
+            self.loop.at(self.loop.now + 1.0, lambda: self._beat(worker_id))
+
+    def _expire(self) -> None:
+        self.queue.send(Expiry())
+        if self._running():
+            self.loop.at(self.loop.now + EXPIRY_PERIOD, self._expire)
+
+    def _running(self) -> bool:
+        return any(r.alive and r.finished is None for r in self.readers)
+
+    def _kill(self, r: _Reader) -> None:
+        r.alive = False
+        self.net.kill(r.id)
+
+    def run(self) -> SwarmResult:
+        try:
+            self.queue.send(self._publish,
+                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
+                                                    r.start) for r in self.readers])
+            for wid in [self.trainer, *self.by_id]:
+                self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
+            self.loop.at(EXPIRY_PERIOD, self._expire)
+            for i in self.config.kill:
+                self.loop.at(self.config.kill_at * self.config.lower_bound,
+                             lambda r=self.readers[i]: self._kill(r))
+            self.loop.run(until=self.config.time_limit)
+        finally:
+            self.coordinator.stop()
+        layout = next(iter(self.coordinator.table.models["m"].versions[1].layouts.values()))
+        return SwarmResult(
+            self.config,
+            finished={r.name: r.finished for r in self.readers if r.finished is not None},
+            killed=[r.name for r in self.readers if not r.alive],
+            unfinished=[r.name for r in self.readers if r.alive and r.finished is None],
+            messages=dict(self.queue.messages), coordinator_busy=self.queue.busy,
+            longest_wait=self.queue.longest_wait, socket_cost=self.queue.socket_cost,
+            max_depth=layout.forest.deepest if layout.forest else 0,
+            replans=self.replans, polls=self.polls,
+            reader_messages=dict(self.reader_messages))
+
+
+def simulate_swarm(config: SimConfig, socket_cost: float = 0.0, **kwargs) -> SwarmResult:
+    return SwarmSim(config, socket_cost, **kwargs).run()

@@ -1,0 +1,173 @@
+"""A replica's striped pull over a real transport: `core/stripes.py` driven by real reads.
+
+The state machine says what to read, poll or ask; this runs each read and poll on a small
+pool of threads (reads from different parents overlap), marks each chunk in our own
+progress bytes once it has landed (so our children in the forest can read it from us at
+once), feeds the checksum verifier, and asks the coordinator again only when the state
+machine says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
+from tensorhub.core.data_types import MemoryDesc, ReadPlan, Source
+from tensorhub.core.errors import CoordinatorError, TransferError
+from tensorhub.core.layout import plan_items
+from tensorhub.core.puller import STALL_TIMEOUT, PullStats, Verifier
+from tensorhub.core.session import WorkerSession
+from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, progress_tag
+from tensorhub.core.transport import Peer, ReadOp
+
+log = logging.getLogger("tensorhub.striped")
+
+# A parent with no new chunk for this long, while we wait on it, counts as behind: at
+# least this, or a few chunk times at the rate seen so far.
+BEHIND_AFTER = 5.0
+
+
+class StripedReader:
+    def __init__(self, session: WorkerSession, plan: ReadPlan, dest: list[torch.Tensor],
+                 relay: bool, verifier: Verifier | None,
+                 ask: Callable[[Replan], ReadPlan]):
+        """`relay`: mark landed chunks in our progress bytes (a staging copy serves none);
+        `ask`: the coordinator round trip for a `Replan` (raises `CoordinatorError`)."""
+        self.session, self.dest, self.relay, self.verifier, self.ask = (
+            session, dest, relay, verifier, ask)
+        self.plan = plan
+        self.chunks: list[Chunk] = chunks_of(plan_items(plan.manifest),
+                                             plan.chunk_bytes or CHUNK_BYTES)
+        chunk_bytes = plan.chunk_bytes or CHUNK_BYTES
+        self.state = StripedPull(len(self.chunks), len(plan.stripes or [None]), plan.version,
+                                 batch=max(1, CHUNK_BYTES // chunk_bytes), stall=BEHIND_AFTER)
+        self.sources: dict[str, Source] = {}
+        self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
+        self.by_source: dict[str, int] = {}  # worker id -> bytes
+        self._tag = progress_tag(plan.version)
+        self._take(plan)
+
+    def _take(self, plan: ReadPlan) -> None:
+        self.plan = plan
+        self.sources.update({s.worker_id: s for s in plan.sources})
+        self.state.assign(list(plan.stripes or []),
+                          {s.worker_id for s in plan.sources if s.progress is None},
+                          time.monotonic(), plan.retry_after)
+
+    def run(self, deadline: float, max_replans: int) -> ReadPlan:
+        """Pull every chunk; return the last plan (its lease is the caller's to end)."""
+        started = time.perf_counter()
+        pool = ThreadPoolExecutor(2 * len(self.state.stripes) + 1,
+                                  thread_name_prefix=f"tensorhub-pull-{self.session.name}")
+        running: dict[Future, Read | Poll] = {}
+        try:
+            while not self.state.done:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TransferError(f"{self.plan.model} v{self.plan.version}: "
+                                        f"{len(self.state.landed)} of {len(self.chunks)} "
+                                        f"chunks after the pull timeout")
+                if self.state.failures > max_replans:
+                    raise TransferError(f"{self.plan.model} v{self.plan.version}: "
+                                        f"{self.state.failures} failed reads (at most "
+                                        f"{max_replans} re-plans)")
+                for action in self.state.actions(now):
+                    if isinstance(action, Replan):
+                        self._replan(action)
+                    else:
+                        run = self._read if isinstance(action, Read) else self._poll
+                        running[pool.submit(run, action, deadline)] = action
+                wake = self.state.wake_at(time.monotonic())
+                wait_for = min(1.0, deadline - time.monotonic()) if wake is None \
+                    else max(0.0, wake - time.monotonic())
+                if not running:
+                    time.sleep(min(wait_for, 0.05))
+                    continue
+                finished, _ = wait(running, timeout=wait_for, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    action = running.pop(future)
+                    self._land(action, future.result(), time.monotonic())
+        finally:
+            # No read may still write into `dest` once we return or raise.
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.stats.seconds = time.perf_counter() - started
+        return self.plan
+
+    # ------------------------------------------------------------------ actions
+    def _replan(self, action: Replan) -> None:
+        try:
+            self._take(self.ask(action))
+        except CoordinatorError as exc:
+            if exc.code not in ("busy", "no_holder", "unknown_model", "unknown_version"):
+                raise
+            self.state.asked_failed(time.monotonic(), exc.retry_after or 0.2)
+
+    def _read(self, action: Read, deadline: float) -> BaseException | None:
+        src = self.sources[action.source]
+        ops = []
+        for c in action.chunks:
+            for seg in self.chunks[c].segments:
+                m = src.memory[seg.item]
+                ops.append(ReadOp(
+                    local=self.dest[seg.item][seg.offset:seg.offset + seg.nbytes],
+                    remote=MemoryDesc(addr=m.addr + seg.offset, nbytes=seg.nbytes,
+                                      device=m.device, mem=m.mem)))
+        try:
+            self.session.transport.read(
+                Peer(src.worker_id, src.endpoint), ops,
+                timeout=max(0.001, min(STALL_TIMEOUT, deadline - time.monotonic())))
+        except TransferError as exc:
+            self.session.transport.forget_peer(src.worker_id)
+            return exc
+        return None
+
+    def _poll(self, action: Poll, deadline: float) -> bytes | BaseException:
+        src = self.sources[action.source]
+        if src.progress is None:  # (it holds everything: the coordinator said so)
+            return bytes([self._tag]) * (action.hi - action.lo)
+        buf = self.session.poll_buffer(action.stripe)[:action.hi - action.lo]
+        try:
+            self.session.transport.read(
+                Peer(src.worker_id, src.endpoint),
+                [ReadOp(local=buf, remote=MemoryDesc(addr=src.progress.addr + action.lo,
+                                                     nbytes=action.hi - action.lo))],
+                timeout=max(0.001, min(STALL_TIMEOUT, deadline - time.monotonic())))
+        except TransferError as exc:
+            self.session.transport.forget_peer(src.worker_id)
+            return exc
+        return bytes(buf.numpy())
+
+    def _land(self, action: Read | Poll, result, now: float) -> None:
+        if isinstance(action, Poll):
+            if isinstance(result, BaseException):
+                log.warning("%s: polling %s failed (%s)", self.session.name,
+                            self.sources[action.source].name, result)
+                result = None
+            self.state.polled(action, result, now)
+            return
+        if isinstance(result, BaseException):
+            log.warning("%s: reading %s v%d from %s failed (%s); asking for another parent",
+                        self.session.name, self.plan.model, self.plan.version,
+                        self.sources[action.source].name, result)
+            self.state.read_done(action, False, now)
+            return
+        nbytes = 0
+        for c in action.chunks:
+            for seg in self.chunks[c].segments:
+                nbytes += seg.nbytes
+                if self.verifier is not None:
+                    self.verifier.add(seg.item, seg.nbytes)
+            if self.relay:
+                self.session.progress[c] = self._tag  # after its bytes: children may read it
+        name = self.sources[action.source].name
+        if name not in self.stats.by_source:
+            self.stats.sources.append(name)
+        self.stats.by_source[name] = self.stats.by_source.get(name, 0) + nbytes
+        self.by_source[action.source] = self.by_source.get(action.source, 0) + nbytes
+        self.stats.nbytes += nbytes
+        self.state.read_done(action, True, now)
