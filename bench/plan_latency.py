@@ -12,7 +12,8 @@ process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
 
 Printed per offered rate: plan p50/p99 (chunked and whole-item) beside heartbeat latency
 (the socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
-Then the time inside `Coordinator.handle` per plan, free of scheduling on a shared machine.
+Then the time inside `Coordinator.handle` per plan, free of scheduling on a shared machine:
+per-chunk plans (8 GiB) and striped plans for a 1 TiB version (16,384 chunks).
 `python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000,2000] [--seconds 10]`.
 """
 
@@ -250,6 +251,60 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
         c.stop()
 
 
+TIB_TENSOR = 512 << 20
+TIB_MANIFEST = Manifest(
+    tensors=[TensorSpec(name=f"norm.{i}", dtype="uint8", shape=[4096], nbytes=4096)
+             for i in range(64)]
+    + [TensorSpec(name=f"layer.{i}", dtype="uint8", shape=[TIB_TENSOR], nbytes=TIB_TENSOR)
+       for i in range(2048)],  # 1 TiB: 2049 items, 16,384 chunks of 64 MiB
+    compact_threshold=1 << 20)
+
+
+def striped_service_times(workers: int) -> dict[str, list[float]]:
+    """Seconds inside `Coordinator.handle` per striped plan request, for a 1 TiB version
+    (16,384 chunks) and `workers` readers joining one after another: a reader's first
+    request (it carries its 2049 memory regions; the forest names its parents) and its
+    later ones (a stripe it asks for again: a parent that fell behind, replaced). Neither
+    carries anything per chunk."""
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+
+    items = plan_items(TIB_MANIFEST)
+    memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=it.nbytes) for k, it in enumerate(items)]
+    progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
+    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
+    try:
+        def call(request):
+            return c.handle(encode(Envelope(request=request)))
+
+        t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
+        call(Publish(worker_id=t, model="m", version=1, manifest=TIB_MANIFEST,
+                     checksums=["c"] * len(items), memory=memory))
+        ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
+                             progress=progress)).worker_id for i in range(workers)]
+        out: dict[str, list[float]] = {"plan_striped_first": [], "plan_striped_again": []}
+        parents: dict[str, list] = {}
+        for w in ids:
+            payload = encode(Envelope(request=PlanRequest(
+                worker_id=w, model="m", version=1, chunked=True, striped=True,
+                memory=memory)))
+            started = time.perf_counter()
+            reply = c.handle(payload)
+            out["plan_striped_first"].append(time.perf_counter() - started)
+            parents[w] = reply.stripes
+        for w in ids:
+            behind = [p for p in parents[w] if p is not None][:1]
+            payload = encode(Envelope(request=PlanRequest(
+                worker_id=w, model="m", version=1, chunked=True, striped=True,
+                known_manifest=True, stripes=[parents[w].index(behind[0])] if behind else [1],
+                behind=behind)))
+            started = time.perf_counter()
+            c.handle(payload)
+            out["plan_striped_again"].append(time.perf_counter() - started)
+        return out
+    finally:
+        c.stop()
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -311,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         report.add(f"{at}: error replies / unanswered", run["errors"] + run["unanswered"],
                    "requests")
     inside = service_times(n)
+    inside.update(striped_service_times(n))
     for kind, xs in inside.items():
         report.add(f"{n} workers: {kind} p99 inside the coordinator",
                    _pct(xs, 0.99) * 1e3, "ms", "goal", 10.0, higher_is_better=False)

@@ -30,6 +30,9 @@ log = logging.getLogger("tensorhub.striped")
 # A parent with no new chunk for this long, while we wait on it, counts as behind: at
 # least this, or a few chunk times at the rate seen so far.
 BEHIND_AFTER = 5.0
+# The longest gap between polls of a parent that has nothing new: a poll is one small
+# one-sided read, and each hop of a stripe's tree may lag its parent by this much.
+POLL_MAX = 0.01
 
 
 class StripedReader:
@@ -45,7 +48,11 @@ class StripedReader:
                                              plan.chunk_bytes or CHUNK_BYTES)
         chunk_bytes = plan.chunk_bytes or CHUNK_BYTES
         self.state = StripedPull(len(self.chunks), len(plan.stripes or [None]), plan.version,
-                                 batch=max(1, CHUNK_BYTES // chunk_bytes), stall=BEHIND_AFTER)
+                                 # a relay marks a chunk once its read ends: one chunk
+                                 # a read, or its children would wait for whole batches
+                                 batch=1 if relay else max(1, CHUNK_BYTES // chunk_bytes),
+                                 stall=BEHIND_AFTER,
+                                 poll_max=POLL_MAX)
         self.sources: dict[str, Source] = {}
         self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         self.by_source: dict[str, int] = {}  # worker id -> bytes
