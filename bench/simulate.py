@@ -1,4 +1,5 @@
-"""Simulated fan-out of one version to 8 ... 4096 replicas by the striped protocol, with the
+"""Simulated fan-out to 8 ... 4096 replicas by the striped protocol (a fleet's first version,
+and the next one pulled from the same parents), with the
 coordinator modelled as a queue (its real handlers, timed here, one message at a time),
 beside a star, a ring, the binomial-pipeline optimum and the per-chunk design it replaced;
 also 1 TiB. Writes bench/results/simulate.{jsonl,md} and simulate.png.
@@ -34,6 +35,13 @@ def _report(report: Report, rows, label: str = "") -> None:
         else:
             report.add(f"{n} coordinator messages per reader", r.messages_per_reader, "msgs")
         report.add(f"{n} median / lower bound", r.tensorhub_median / lb, "x")
+        if r.steady:
+            report.add(f"{n} next version, same parents: worst / lower bound (vs optimum)",
+                       r.steady / lb, "x", "optimum", r.optimum / lb, higher_is_better=False)
+            report.add(f"{n} next version: median / lower bound", r.steady_median / lb, "x")
+            report.add(f"{n} next version: coordinator busy fraction", r.steady_busy, "")
+            report.add(f"{n} next version: coordinator messages per reader",
+                       r.steady_messages, "msgs")
         report.add(f"{n} coordinator busy fraction", r.coordinator_busy, "")
         report.add(f"{n} deepest stripe tree", r.depth, "hops")
 
@@ -57,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     _report(report, rows)
     if args.tib_readers:
         tib = replace(base, model_bytes=1 << 40, tensor_bytes=8 << 30, time_limit=3600.0)
-        _report(report, run_sweep(tib, [args.tib_readers], socket_cost=socket_cost),
-                label="1 TiB ")
+        _report(report, run_sweep(tib, [args.tib_readers], socket_cost=socket_cost,
+                                  steady=False), label="1 TiB ")
     report.write()
     print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
 

@@ -22,7 +22,10 @@ the coordinator hears from each reader a few times a version, not once a chunk; 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -34,18 +37,31 @@ from tensorhub.core.data_types import (
     PlanRequest,
     ReadDone,
     ReadPlan,
+    Source,
 )
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
-from tensorhub.core.memory import describe
+from tensorhub.core.memory import describe, regions_digest
 from tensorhub.core.puller import PullStats, Verifier, read_plan, split
 from tensorhub.core.session import WorkerSession
-from tensorhub.core.stripes import Replan
+from tensorhub.core.stripes import Replan, warm_lease_id
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
 from tensorhub.striped import StripedReader
 
 log = logging.getLogger("tensorhub.replica")
+
+
+@dataclass(frozen=True)
+class _Parents:
+    """The parents a striped pull ended with: the next version of the same layout is
+    pulled from them again, with no plan request, if its announcement allows."""
+
+    layout_id: str
+    stripes: tuple[str, ...]
+    sources: dict[str, Source]
+    chunk_bytes: int
+    worker_id: str  # ours when we had them (the coordinator's leases name it)
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
 
@@ -91,7 +107,9 @@ class Replica:
                 raise
         self.version: int | None = None
         self.last_pull: PullStats | None = None
+        self.last_pull_planned = True  # False: the last pull needed no plan request
         self._watcher: VersionWatcher | None = None
+        self._parents: _Parents | None = None
 
     def _bind(self, layout: BoundLayout) -> None:
         """Register our buffers (and the staging copy) before anyone reads into or from them."""
@@ -202,7 +220,8 @@ class Replica:
                    deadline: float) -> ReadPlan:
         """A striped pull's later plan request: parents for `action.stripes` (our memory
         again only if the coordinator restarted since and does not know it)."""
-        again = self.session.registrations != self._registrations
+        again = self.session.registrations != self._registrations \
+            or not self.last_pull_planned  # (the coordinator may not expect us)
         first = self._first_request(dest) if again else {"striped": True,
                                                          "relay": not self.staging}
         return self._plan(plan.version, deadline, known=plan, stripes=list(action.stripes),
@@ -218,6 +237,8 @@ class Replica:
         left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
         for what a failure leaves behind."""
         deadline = time.monotonic() + timeout
+        warm = self._warm_plan(version)
+        self.last_pull_planned = warm is None
         if self.layout is None and self.chunked:
             # A striped pull's first request carries our buffers: allocate them first.
             reply = self.session.call(GetManifest(model=self.model, version=version))
@@ -225,7 +246,10 @@ class Replica:
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
         if self.chunked and not self.staging:
             self.session.progress.zero_()  # no byte of an older pull may pass for this one
-        plan = self._plan(version, deadline, **self._first_request(dest))
+        if warm is not None:
+            log.info("%s: pulling %s v%d from the parents of v%s (no plan to wait for)",
+                     self.session.name, self.model, warm.version, self.version)
+        plan = warm or self._plan(version, deadline, **self._first_request(dest))
         if plan.version == self.version:
             self._end_lease(plan, ok=True)
             return plan.version
@@ -242,6 +266,7 @@ class Replica:
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
         by_source: dict[str, int] | None = None
+        reader: StripedReader | None = None
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
@@ -251,7 +276,8 @@ class Replica:
                 if self.chunked:
                     reader = StripedReader(
                         self.session, plan, dest, not self.staging, verifier,
-                        lambda action: self._ask_again(reader.plan, dest, action, deadline))
+                        lambda action: self._ask_again(reader.plan, dest, action, deadline),
+                        confirm=self._confirm(plan, dest, deadline) if warm else None)
                     plan = reader.run(deadline, max_replans)
                     stats, by_source = reader.stats, reader.by_source
                 else:
@@ -282,6 +308,8 @@ class Replica:
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.hold(self.model, plan.version, self.layout, plan.checksums)
             self.version = plan.version
+            if reader is not None and not self.staging:
+                self._remember_parents(reader)
         finally:
             self._end_lease(plan, ok=self.version == plan.version, stats=stats,
                             by_source=by_source)
@@ -290,6 +318,62 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _remember_parents(self, reader: StripedReader) -> None:
+        """Keep the parents this pull ended with, for the next version (`_warm_plan`), and
+        listen for announcements from now on."""
+        stripes = reader.plan.stripes
+        if not stripes or None in stripes or self.layout is None:
+            self._parents = None
+            return
+        self._parents = _Parents(self.layout.layout_id, tuple(stripes),
+                                 {sid: reader.sources[sid] for sid in set(stripes)},
+                                 reader.plan.chunk_bytes or 0, self.session.worker_id)
+        if self._watcher is None:
+            self._watcher = VersionWatcher(self.session, self.model)
+
+    def _confirm(self, warm: ReadPlan, dest: list[torch.Tensor],
+                 deadline: float) -> Future:
+        """Tell the coordinator, while we already read, that we read by the carried
+        parents: it makes our lease hold those parents' bytes for us (and takes us in as a
+        new reader if it did not carry us). Its answer is the plan we would have had: the
+        pull takes it, and does not complete without it (a version withdrawn meanwhile by
+        every holder fails by name, `no_holder`)."""
+        future: Future = Future()
+
+        def send() -> None:
+            try:
+                future.set_result(self._ask_again(warm, dest, Replan(()), deadline))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=send, daemon=True,
+                         name=f"tensorhub-confirm-{self.session.name}").start()
+        return future
+
+    def _warm_plan(self, version: int | str) -> ReadPlan | None:
+        """A plan for `version` made here, with no coordinator call: the parents of our
+        last striped pull, if its announcement says the layout, the chunking and (where a
+        parent is the publisher) the publisher's memory are as they were. The coordinator
+        carried the same parents over and holds a lease for us by a known id."""
+        p = self._parents
+        if p is None or self._watcher is None or self.layout is None or self.staging \
+                or p.worker_id != self.session.worker_id or p.layout_id != self.layout.layout_id:
+            return None
+        a = self._watcher.announcement(version)
+        if a is None or a.version == self.version or a.layout_id != p.layout_id \
+                or not a.checksums or a.chunk_bytes != p.chunk_bytes:
+            return None
+        for sid, src in p.sources.items():
+            if src.role == "trainer" and (sid != a.publisher
+                                          or regions_digest(src.memory) != a.memory_digest):
+                return None
+        return ReadPlan(model=self.model, version=a.version, layout_id=a.layout_id,
+                        manifest=self.layout.manifest, checksums=a.checksums,
+                        lease_id=warm_lease_id(self.session.worker_id, self.model, a.version),
+                        lease_ttl=0.0, sources=list(p.sources.values()), ranges=[],
+                        chunk_bytes=p.chunk_bytes, stripes=list(p.stripes),
+                        holding=[sid for sid in p.sources if sid == a.publisher])
 
     def _stop_serving_partial(self, version: int, deadline: float) -> None:
         """After a failed pull: others may be reading the chunks we reported; stop offering

@@ -22,7 +22,7 @@ from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.layout import plan_items
 from tensorhub.core.puller import STALL_TIMEOUT, PullStats, Verifier
 from tensorhub.core.session import WorkerSession
-from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, progress_tag
+from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of, progress_tag
 from tensorhub.core.transport import Peer, ReadOp
 
 log = logging.getLogger("tensorhub.striped")
@@ -33,16 +33,22 @@ BEHIND_AFTER = 5.0
 # The longest gap between polls of a parent that has nothing new: a poll is one small
 # one-sided read, and each hop of a stripe's tree may lag its parent by this much.
 POLL_MAX = 0.01
+# A poll reads a few hundred bytes: a parent that does not answer one in this long is gone
+# (or hung), and the stripe goes elsewhere.
+POLL_TIMEOUT = 2.0
 
 
 class StripedReader:
     def __init__(self, session: WorkerSession, plan: ReadPlan, dest: list[torch.Tensor],
                  relay: bool, verifier: Verifier | None,
-                 ask: Callable[[Replan], ReadPlan]):
+                 ask: Callable[[Replan], ReadPlan], confirm: Future | None = None):
         """`relay`: mark landed chunks in our progress bytes (a staging copy serves none);
-        `ask`: the coordinator round trip for a `Replan` (raises `CoordinatorError`)."""
+        `ask`: the coordinator round trip for a `Replan` (raises `CoordinatorError`);
+        `confirm`: a plan request under way while we read (a pull with no plan to wait
+        for): its plan is taken when it comes, and the pull ends only once it came."""
         self.session, self.dest, self.relay, self.verifier, self.ask = (
             session, dest, relay, verifier, ask)
+        self.confirm = confirm
         self.plan = plan
         self.chunks: list[Chunk] = chunks_of(plan_items(plan.manifest),
                                              plan.chunk_bytes or CHUNK_BYTES)
@@ -62,9 +68,8 @@ class StripedReader:
     def _take(self, plan: ReadPlan) -> None:
         self.plan = plan
         self.sources.update({s.worker_id: s for s in plan.sources})
-        self.state.assign(list(plan.stripes or []),
-                          {s.worker_id for s in plan.sources if s.progress is None},
-                          time.monotonic(), plan.retry_after)
+        self.state.assign(list(plan.stripes or []), holding_of(plan), time.monotonic(),
+                          plan.retry_after)
 
     def run(self, deadline: float, max_replans: int) -> ReadPlan:
         """Pull every chunk; return the last plan (its lease is the caller's to end)."""
@@ -73,7 +78,14 @@ class StripedReader:
                                   thread_name_prefix=f"tensorhub-pull-{self.session.name}")
         running: dict[Future, Read | Poll] = {}
         try:
-            while not self.state.done:
+            while not self.state.done or self.confirm is not None:
+                if self.confirm is not None and self.confirm.done():
+                    confirmed, self.confirm = self.confirm.result(), None  # (raises)
+                    self._take(confirmed)
+                    continue
+                if self.state.done:  # everything read: only the confirmation is left
+                    self.confirm.result(timeout=max(0.001, deadline - time.monotonic()))
+                    continue
                 now = time.monotonic()
                 if now > deadline:
                     raise TransferError(f"{self.plan.model} v{self.plan.version}: "
@@ -135,7 +147,7 @@ class StripedReader:
 
     def _poll(self, action: Poll, deadline: float) -> bytes | BaseException:
         src = self.sources[action.source]
-        if src.progress is None:  # (it holds everything: the coordinator said so)
+        if src.progress is None:  # (no progress bytes: it can only hold everything)
             return bytes([self._tag]) * (action.hi - action.lo)
         buf = self.session.poll_buffer(action.stripe)[:action.hi - action.lo]
         try:
@@ -143,7 +155,7 @@ class StripedReader:
                 Peer(src.worker_id, src.endpoint),
                 [ReadOp(local=buf, remote=MemoryDesc(addr=src.progress.addr + action.lo,
                                                      nbytes=action.hi - action.lo))],
-                timeout=max(0.001, min(STALL_TIMEOUT, deadline - time.monotonic())))
+                timeout=max(0.001, min(POLL_TIMEOUT, deadline - time.monotonic())))
         except TransferError as exc:
             self.session.transport.forget_peer(src.worker_id)
             return exc
@@ -178,3 +190,4 @@ class StripedReader:
         self.by_source[action.source] = self.by_source.get(action.source, 0) + nbytes
         self.stats.nbytes += nbytes
         self.state.read_done(action, True, now)
+

@@ -75,3 +75,27 @@ def test_a_reader_that_left_frees_its_slots():
     before = forest.members[parent].children[0]
     forest.remove("r3")
     assert forest.members[parent].children[0] == before - 1
+
+
+def test_the_next_version_takes_in_each_reader_with_its_parents_and_theirs_first():
+    last = _fan_out(64)
+    last.publisher = "trainer"
+    for r in [w for w in last.members if w != "trainer"]:
+        last.complete(r)  # everyone holds the last version
+    nxt = Forest()
+    nxt.publisher = "trainer-2"
+    nxt.add_root("trainer-2", reader=False)
+    leaf = "r63"
+    parents = nxt.adopt(leaf, last)
+    expected = ["trainer-2" if p == "trainer" else p for p in last.members[leaf].used]
+    assert parents == expected
+    assert all(p in nxt.members for p in expected)  # its parents came in with it
+    for w in last.members:
+        if w != "trainer":
+            nxt.adopt(w, last)
+    for w, m in last.members.items():
+        if w != "trainer":
+            assert nxt.members[w].parents == ["trainer-2" if p == "trainer" else p
+                                              for p in m.used]
+    assert nxt.members["trainer-2"].children == [1, 1]
+    assert nxt.adopt("stranger", last) is None

@@ -77,11 +77,13 @@ def test_release_with_no_replica_anywhere_does_not_wait_for_one(coordinator, sta
         assert holders(coordinator, 1) == set()
 
 
-def test_a_version_nobody_holds_fails_by_name_and_the_reader_keeps_its_own(coordinator):
+def test_a_version_nobody_holds_fails_by_name_and_a_staging_reader_keeps_its_own(
+        coordinator):
     v1 = synthetic_state_dict(4, n_tiny=10, seed=1)
     v2 = {name: t + 1 for name, t in v1.items()}
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", transport="zmq", name="reader") as reader:
+            Replica(coordinator.address, "policy", transport="zmq", name="reader",
+                    staging=True) as reader:
         pub.publish(v1)
         assert reader.pull() == 1
         pub.publish(v2)
@@ -92,4 +94,26 @@ def test_a_version_nobody_holds_fails_by_name_and_the_reader_keeps_its_own(coord
         assert "v2" in str(lost.value)
         assert reader.version == 1 and sums(reader.tensors) == sums(v1)
         assert pub.publish(v2) == 3  # the trainer publishes the weights again
+        assert reader.pull() == 3 and sums(reader.tensors) == sums(v2)
+
+
+def test_a_version_withdrawn_before_anyone_held_it_fails_a_pull_by_its_old_parents(
+        coordinator):
+    """In place, by the parents of the last version (no plan first): the pull learns that
+    nobody holds the version from the confirmation it sends as it starts, fails by name,
+    and holds nothing (as after any failed in-place pull); the next version is pulled."""
+    v1 = synthetic_state_dict(4, n_tiny=10, seed=1)
+    v2 = {name: t + 1 for name, t in v1.items()}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", transport="zmq", name="reader") as reader:
+        pub.publish(v1)
+        assert reader.pull() == 1
+        pub.publish(v2)
+        pub.release(force=True)
+        assert reader.wait_for_newer(timeout=10) == 2
+        with pytest.raises(CoordinatorError) as lost:
+            reader.pull(2, timeout=10)
+        assert lost.value.code == "no_holder" and not reader.last_pull_planned
+        assert reader.version is None
+        assert pub.publish(v2) == 3
         assert reader.pull() == 3 and sums(reader.tensors) == sums(v2)

@@ -52,6 +52,9 @@ class Member:
     depth: list[int] = field(default_factory=list)  # per stripe
     children: list[int] = field(default_factory=list)  # per stripe
     since: float = 0.0  # when it joined (a pending stripe waits `grace` from here)
+    # The parents it read each stripe from last (kept when it completes): the next
+    # version's forest starts from these (`adopt`).
+    used: list[str | None] = field(default_factory=list)
 
 
 class Forest:
@@ -76,28 +79,35 @@ class Forest:
         self._deep: dict[tuple[str, int], list] = {}
         self._seq = 0
         self.deepest = 0  # the deepest any reader has been, in any stripe
+        self.publisher: str | None = None  # the version's publisher (a root), if known
+        self.departed: dict[str, Member] = {}  # readers that withdrew: kept for `adopt`
 
     # ------------------------------------------------------------------ membership
-    def add_root(self, worker_id: str, dc: str = "") -> None:
-        """A complete holder (the publisher, or a reader that now holds everything)."""
+    def add_root(self, worker_id: str, dc: str = "", reader: bool = True) -> None:
+        """A complete holder (the publisher, or a reader that now holds everything);
+        `reader=False`: one not counted among the readers `join` expects (a publisher)."""
         m = self.members.get(worker_id)
         if m is None:
             self._seq += 1
             m = Member(worker_id, dc, True, None, self._seq, parents=[None] * self.stripes,
                        depth=[ROOT_DEPTH] * self.stripes, children=[0] * self.stripes)
             self.members[worker_id] = m
-            self._held[dc] = self._held.get(dc, 0) + 1
+            self._held[dc] = self._held.get(dc, 0) + reader
             for s in range(self.stripes):
                 self._offer(m, s, +self._capacity(m, s))
             return
         self.complete(worker_id)
 
-    def remove(self, worker_id: str) -> None:
+    def remove(self, worker_id: str, keep_history: bool = False) -> None:
         """A member left or failed: its slots at its parents free up. Its children find out
-        when their reads fail, and ask for another parent (`replace`)."""
+        when their reads fail, and ask for another parent (`replace`). `keep_history`: it
+        only stopped serving this version (it withdrew it to pull the next one): the next
+        version's forest may still take it in with its parents (`adopt`)."""
         m = self.members.get(worker_id)
         if m is None:
             return
+        if keep_history:
+            self.departed[worker_id] = m
         for s in range(self.stripes):
             if m.root:
                 self._offer(m, s, -max(0, self._capacity(m, s) - m.children[s]))
@@ -170,6 +180,67 @@ class Forest:
         for s in range(self.stripes):
             m.depth[s] = ROOT_DEPTH
             self._offer(m, s, max(0, self._capacity(m, s) - m.children[s]))
+
+    def adopt(self, worker_id: str, previous: Forest) -> list[str | None] | None:
+        """Take in a reader of the previous version's forest with the parents it had then
+        (that version's publisher replaced by this one's), and its ancestors first where
+        they are not in yet: the next version's forest grows from the last one's, a reader
+        and its ancestors at a time (O(depth)), as readers say they pull by their old
+        parents. A stripe whose old parent is gone stays without one (see `fill`). None:
+        the previous forest did not know it as a reader."""
+        if not self._adoptable(worker_id, previous):
+            return None
+        self._take_in(worker_id, previous)
+        for s in range(self.stripes):
+            self._chain(worker_id, s, previous)
+        return list(self.members[worker_id].parents)
+
+    @staticmethod
+    def _old(worker_id: str, previous: Forest) -> Member | None:
+        return previous.members.get(worker_id) or previous.departed.get(worker_id)
+
+    def _adoptable(self, worker_id: str, previous: Forest) -> bool:
+        old = self._old(worker_id, previous)
+        return old is not None and bool(old.used) and worker_id != previous.publisher
+
+    def _take_in(self, worker_id: str, previous: Forest) -> Member:
+        m = self.members.get(worker_id)
+        if m is not None:
+            return m
+        old = self._old(worker_id, previous)
+        self._seq += 1
+        m = Member(worker_id, old.dc, False, old.home, self._seq, gateway=old.gateway,
+                   parents=[None] * self.stripes, depth=[UNSET] * self.stripes,
+                   children=[0] * self.stripes)
+        self.members[worker_id] = m
+        if old.home is not None:
+            self._homes.setdefault(old.dc, [0] * self.stripes)[old.home] += 1
+        self._arrived[old.dc] = self._arrived.get(old.dc, 0) + 1
+        if old.gateway:
+            self._gateways[old.dc] = self._gateways.get(old.dc, 0) + 1
+        return m
+
+    def _chain(self, worker_id: str, stripe: int, previous: Forest) -> bool:
+        """Attach `worker_id` in `stripe` to its old parent there, that parent first (one
+        stripe's tree at a time: no cycles). True if it has a parent there now."""
+        m = self.members[worker_id]
+        if m.root or m.depth[stripe] < UNSET:
+            return True
+        p = self._old(worker_id, previous).used[stripe]
+        if p is None:
+            return False
+        if p == previous.publisher:
+            parent = self.members.get(self.publisher) if self.publisher else None
+        elif self._adoptable(p, previous):
+            parent = self._take_in(p, previous)
+            if not self._chain(p, stripe, previous):
+                return False
+        else:
+            return False  # a parent that left, or one that never read it
+        if parent is None or parent.depth[stripe] >= UNSET:
+            return False
+        self._attach(m, stripe, parent)
+        return True
 
     def max_depth(self) -> int:
         return max((max(d for d in m.depth if d < UNSET) for m in self.members.values()
@@ -261,10 +332,15 @@ class Forest:
         if m.children[stripe] < self._capacity(m, stripe) and m.depth[stripe] < UNSET:
             heapq.heappush(self._shallow.setdefault(key, []), (m.depth[stripe], m.seq,
                                                                m.worker_id))
-            heapq.heappush(self._deep.setdefault(key, []), (-m.depth[stripe], m.seq,
+            # (the deepest, newest first: a leaf leaves the old, shallow slots, and the
+            # publisher's, to others)
+            heapq.heappush(self._deep.setdefault(key, []), (-m.depth[stripe], -m.seq,
                                                             m.worker_id))
 
     def _attach(self, m: Member, stripe: int, parent: Member) -> None:
+        if not m.used:
+            m.used = [None] * self.stripes
+        m.used[stripe] = parent.worker_id
         m.parents[stripe] = parent.worker_id
         m.depth[stripe] = parent.depth[stripe] + 1
         self.deepest = max(self.deepest, m.depth[stripe])

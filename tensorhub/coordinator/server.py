@@ -45,6 +45,7 @@ from tensorhub.core.data_types import (
     HolderStatus,
     HoldingsReply,
     HoldingsRequest,
+    LatestRequest,
     ManifestReply,
     MemoryDesc,
     ModelStatus,
@@ -70,7 +71,8 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
-from tensorhub.core.stripes import PROGRESS_BYTES
+from tensorhub.core.memory import regions_digest
+from tensorhub.core.stripes import PROGRESS_BYTES, warm_lease_id
 from tensorhub.core.wire import (
     MAX_MESSAGE_BYTES,
     Packed,
@@ -144,7 +146,8 @@ class _Plan:
     complete: bool = True
     stripes: list[str | None] | None = None  # striped plans: a parent per stripe
     retry_after: float | None = None
-    progress: dict[str, MemoryDesc] | None = None  # striped: sources still pulling
+    progress: dict[str, MemoryDesc] | None = None  # striped: the sources' progress bytes
+    holding: list[str] | None = None  # striped: the sources that hold every chunk
 
     def _progress_of(self, worker_id: str) -> MemoryDesc | None:
         return self.progress.get(worker_id) if self.progress else None
@@ -153,7 +156,8 @@ class _Plan:
         chunked = {} if self.chunk_bytes is None else {"complete": self.complete,
                                                         "chunk_bytes": self.chunk_bytes}
         if self.stripes is not None:
-            chunked.update(stripes=self.stripes, retry_after=self.retry_after)
+            chunked.update(stripes=self.stripes, retry_after=self.retry_after,
+                           holding=self.holding)
         layout = self.layout
         return ReadPlan(
             model=self.model, version=self.version, layout_id=self.layout_id,
@@ -180,6 +184,7 @@ class _Plan:
             "ranges": [r.__dict__ for r in self.ranges],  # (what `encode` packs, sooner)
             "complete": self.complete, "chunk_bytes": self.chunk_bytes,
             "stripes": self.stripes, "retry_after": self.retry_after,
+            "holding": self.holding,
         })
 
 
@@ -197,7 +202,8 @@ class Coordinator:
         self.table = Table(clock=clock)
         self.trust = Trust(config.trust, clock)
         self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
-        self._workers_in_dc: Counter[str] = Counter()  # striped pulls: readers to expect
+        self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
+        self._announcements: dict[str, Announcement] = {}  # model -> its newest
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -232,6 +238,7 @@ class Coordinator:
             Progress: self._progress,
             GetManifest: self._manifest, StatusRequest: self._status,
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
+            LatestRequest: self._latest,
         }  # fmt: skip
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
@@ -366,8 +373,16 @@ class Coordinator:
                 raise Reject("bad_request", "a worker cannot change transport")
             worker.endpoint = endpoint
 
-    def _announce(self, model: str, version: int, lid: str) -> None:
-        msg = encode(Announcement(model=model, version=version, layout_id=lid))
+    def _announce(self, model: str, version: int, lid: str, layout: LayoutRec,
+                  publisher: str, memory: list[MemoryDesc]) -> None:
+        """Tell subscribers (and later `LatestRequest`s) of a new version, with what a
+        reader needs to pull it by the parents it had for the previous one."""
+        announcement = Announcement(
+            model=model, version=version, layout_id=lid, checksums=layout.checksums,
+            chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
+            publisher=publisher, memory_digest=regions_digest(memory))
+        self._announcements[model] = announcement
+        msg = encode(announcement)
         try:
             self._pub.send_multipart([model.encode(), msg], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -379,7 +394,8 @@ class Coordinator:
         self.table.workers[worker_id] = WorkerRec(
             worker_id, req.name, req.role, req.endpoint, dict(req.labels), self.clock(),
             progress=req.progress)
-        self._workers_in_dc[req.labels.get("dc", "")] += 1
+        if req.role == "replica":
+            self._workers_in_dc[req.labels.get("dc", "")] += 1
         log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
         return Registered(worker_id=worker_id,
                           heartbeat_interval=self.config.heartbeat_interval,
@@ -408,12 +424,20 @@ class Coordinator:
         self._update_endpoint(worker, req.endpoint)
         mrec = self.table.models.setdefault(req.model, ModelRec())  # only once all checks pass
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        previous = mrec.versions.get(mrec.latest)
         mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
         mrec.latest = req.version
+        last = previous.layouts.get(lid) if previous is not None else None
+        if last is not None and last.forest is not None:
+            # The same layout: its readers may pull this version by their last parents
+            # (`Forest.adopt`, as each confirms), so the forest starts with its publisher.
+            layout.previous_forest = last.forest
+            forest = self._forest(layout)
+            forest.publisher = worker.worker_id
         self.table.prune()
         log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
                  req.version, len(layout.items), sum(i.nbytes for i in layout.items) / 2**20)
-        self._announce(req.model, req.version, lid)
+        self._announce(req.model, req.version, lid, layout, worker.worker_id, req.memory)
         return Published(model=req.model, version=req.version, layout_id=lid)
 
     def _hold(self, req: Hold) -> Ack:
@@ -611,7 +635,10 @@ class Coordinator:
             for h in layout.holders.values():
                 worker = self.table.workers.get(h.worker_id)
                 if worker is not None and not h.withdrawn:
-                    layout.forest.add_root(h.worker_id, worker.labels.get("dc", ""))
+                    layout.forest.add_root(h.worker_id, worker.labels.get("dc", ""),
+                                           reader=worker.role == "replica")
+                    if worker.role == "trainer" and layout.forest.publisher is None:
+                        layout.forest.publisher = h.worker_id
         return layout.forest
 
     def _plan_striped(self, req: PlanRequest, version: int, lid: str,
@@ -628,6 +655,11 @@ class Coordinator:
                                         f"pull takes at most {PROGRESS_BYTES} (--chunk-mib)")
         dc, now = reader.labels.get("dc", ""), self.clock()
         member = forest.members.get(req.worker_id)
+        # A reader that reads by its last parents confirms with no stripes named; its
+        # lease is opened under the name it already uses.
+        lease_name = warm_lease_id(req.worker_id, req.model, version) \
+            if req.stripes == [] else None
+        kept: list[str | None] | None = None  # its old parents, if it reads by them
         if not any(not h.withdrawn and h.worker_id != req.worker_id
                    for h in layout.holders.values()):
             # Nobody has every chunk: readers of it could never complete.
@@ -636,14 +668,18 @@ class Coordinator:
         if member is not None and member.root:
             # It holds the version already (a second pull of it): nothing to read.
             parents: list[str | None] = [None] * forest.stripes
+        elif req.stripes == [] and layout.previous_forest is not None and (
+                kept := forest.adopt(req.worker_id, layout.previous_forest)) is not None:
+            # It pulls by the parents it had for the last version (no plan waited for):
+            # taken in with them (a stripe whose old parent left gets a new one), and its
+            # lease opened under the name it already uses.
+            self._take_memory(req, reader, layout)
+            parents = forest.fill(req.worker_id, now, self._workers_in_dc[dc])
         elif member is None:
             if req.relay and req.memory is None:
                 raise Reject("bad_request", "the first striped plan request of a reader that "
                                             "serves what it pulls must carry its memory")
-            if req.memory is not None:
-                self._check_memory(layout, req.memory)
-                self._update_endpoint(reader, req.endpoint)
-                layout.partial.add(req.worker_id, store_memory(req.memory), [])
+            self._take_memory(req, reader, layout)
             parents = forest.join(req.worker_id, dc, self._workers_in_dc[dc], now,
                                   relay=req.relay)
         else:
@@ -667,14 +703,14 @@ class Coordinator:
         lease = self.table.leases.get(lease_id) if lease_id else None
         if lease is None:
             lease = self.table.new_lease(req.worker_id, req.model, version, lid, sources,
-                                         self.config.lease_ttl)
+                                         self.config.lease_ttl, lease_id=lease_name)
             layout.striped_leases[req.worker_id] = lease.lease_id
         elif lease.sources != sources:
             dropped = lease.sources - sources
             self.table.leases[lease.lease_id] = replace(lease, sources=sources)
             self._finish_withdrawals(dropped, req.model, version)
         workers = self.table.workers
-        chosen = []
+        chosen, holding = [], []
         progress: dict[str, MemoryDesc] = {}
         for sid in sorted(sources):
             m = forest.members[sid]
@@ -682,12 +718,27 @@ class Coordinator:
             if rec is None or sid not in workers:
                 continue
             chosen.append((workers[sid], rec))
-            if not m.root and workers[sid].progress is not None:
+            if workers[sid].progress is not None:
                 progress[sid] = workers[sid].progress
+            if m.root:
+                holding.append(sid)
+        # A parent taken in before it confirmed has no regions here yet: not named, unless
+        # it is one the reader had (it knows its regions).
+        named = {w.worker_id for w, _ in chosen}
+        parents = [p if p in named or (kept and p == kept[s]) else None
+                   for s, p in enumerate(parents)]
         pending = any(p is None for p in parents) and not (member is not None and member.root)
         return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
                      float(self.config.lease_ttl), chosen, [], chunk_bytes, not pending,
-                     parents, self.config.pending_retry if pending else None, progress)
+                     parents, self.config.pending_retry if pending else None, progress,
+                     holding)
+
+    def _take_memory(self, req: PlanRequest, reader: WorkerRec, layout: LayoutRec) -> None:
+        """A striped reader's destination regions: it serves its chunks from them."""
+        if req.memory is not None:
+            self._check_memory(layout, req.memory)
+            self._update_endpoint(reader, req.endpoint)
+            layout.partial.add(req.worker_id, store_memory(req.memory), [])
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
@@ -796,6 +847,17 @@ class Coordinator:
                     del layout.holders[hid]
         self.table.prune()
 
+    def _latest(self, req: LatestRequest) -> Announcement:
+        """The model's newest version as it was announced (the watchers' one fallback)."""
+        mrec = self._model(req.model)
+        announcement = self._announcements.get(req.model)
+        if announcement is None or announcement.version != mrec.latest:
+            # (a version brought back by holders after a restart: no publish was seen)
+            vrec = mrec.versions[mrec.latest]
+            announcement = Announcement(model=req.model, version=mrec.latest,
+                                        layout_id=vrec.origin_layout)
+        return announcement
+
     def _manifest(self, req: GetManifest) -> ManifestReply:
         _, vrec = self._resolve(req.model, req.version)
         layout = vrec.layouts[vrec.origin_layout]
@@ -866,7 +928,8 @@ class Coordinator:
         worker = self.table.workers.pop(worker_id, None)
         if worker is None:
             return
-        self._workers_in_dc[worker.labels.get("dc", "")] -= 1
+        if worker.role == "replica":
+            self._workers_in_dc[worker.labels.get("dc", "")] -= 1
         log.info("worker %s %s: dropping its references and reads", worker_id, why)
         self.trust.forget(worker_id)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:

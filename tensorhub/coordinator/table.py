@@ -165,6 +165,7 @@ class LayoutRec:
     _nbytes: int | None = None
     # Striped pulls: who reads which stripe from whom, and each reader's one lease.
     forest: Forest | None = None
+    previous_forest: Forest | None = None  # the last version's, in this layout (`adopt`)
     striped_leases: dict[str, str] = field(default_factory=dict)  # reader -> lease id
 
     @property
@@ -339,10 +340,10 @@ class Table:
 
     def new_lease(self, reader: str, model: str, version: int, layout_id: str,
                   sources: set[str], ttl: float, remote_into: str | None = None,
-                  chunks: tuple[int, ...] = ()) -> Lease:
+                  chunks: tuple[int, ...] = (), lease_id: str | None = None) -> Lease:
         now = self.clock()
-        lease = Lease(uuid.uuid4().hex, reader, model, version, layout_id, sources,
-                      now + ttl, now, remote_into, chunks)
+        lease = Lease(lease_id or uuid.uuid4().hex, reader, model, version, layout_id,
+                      sources, now + ttl, now, remote_into, chunks)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -386,7 +387,7 @@ class Table:
         for lrec in vrec.layouts.values() if vrec else []:
             lrec.partial.drop(worker_id)
             if lrec.forest is not None:
-                lrec.forest.remove(worker_id)
+                lrec.forest.remove(worker_id, keep_history=True)
 
     def prune(self) -> None:
         """Forget versions nobody holds any more, except each model's latest."""

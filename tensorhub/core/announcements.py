@@ -1,7 +1,10 @@
-"""Waiting for new versions: the coordinator's PUB stream, with polling as a safety net.
+"""Waiting for new versions: the coordinator's announcements, with one fallback.
 
-PUB/SUB drops messages for late joiners and slow readers, so a watcher also asks the
-coordinator directly every `poll_interval`; an announcement only makes it notice sooner.
+Announcements (PUB/SUB) are the way a worker learns of a version. PUB/SUB drops messages
+for late joiners and slow readers, so when none has come for `poll_interval` the watcher
+asks once (`LatestRequest`, answered with the newest announcement); that is the only
+polling. An announcement carries what a reader needs to pull the version by the parents it
+had for the previous one, without a plan request (`Replica`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 import zmq
 
 from tensorhub.core import curve
-from tensorhub.core.data_types import GetManifest
+from tensorhub.core.data_types import Announcement, LatestRequest
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.wire import WireError, decode_announcement
@@ -22,6 +25,8 @@ class VersionWatcher:
         self.session = session
         self.model = model
         self.poll_interval = poll_interval
+        self.newest: Announcement | None = None
+        self._heard = float("-inf")  # when we last heard or asked
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, model.encode())
@@ -29,35 +34,63 @@ class VersionWatcher:
             curve.secure_client(self._sub, session.client.curve_server_key)
         self._sub.connect(session.announce_address)
 
-    def latest(self) -> int | None:
-        """The model's latest version; None if it has none, or the coordinator is not
-        answering now (restarting): the caller simply waits on."""
+    def _take(self, announcement: Announcement) -> None:
+        self._heard = time.monotonic()
+        if announcement.model == self.model and (
+                self.newest is None or announcement.version >= self.newest.version):
+            self.newest = announcement
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                _, body = self._sub.recv_multipart(zmq.NOBLOCK)
+                self._take(decode_announcement(body))
+            except zmq.Again:
+                return
+            except (ValueError, WireError):
+                continue
+
+    def _ask(self) -> None:
+        """The fallback: the newest version as announced, straight from the coordinator."""
+        self._heard = time.monotonic()
         try:
-            return self.session.client.call(GetManifest(model=self.model)).version
+            self._take(self.session.client.call(LatestRequest(model=self.model)))
         except CoordinatorUnavailable:
-            return None
+            pass  # restarting: the caller simply waits on
         except CoordinatorError as exc:
-            if exc.code in ("unknown_model", "unknown_version"):
-                return None
-            raise
+            if exc.code not in ("unknown_model", "unknown_version"):
+                raise
+
+    def announcement(self, version: int | str = "latest") -> Announcement | None:
+        """The announcement of `version` (or of the newest), if we have it."""
+        self._drain()
+        if self.newest is None:
+            self._ask()
+        a = self.newest
+        return a if a is not None and version in ("latest", a.version) else None
+
+    def latest(self) -> int | None:
+        a = self.announcement()
+        return a.version if a is not None else None
 
     def wait_newer(self, than: int | None, timeout: float) -> int | None:
-        """Return the latest version once it is newer than `than`, or None at the timeout."""
+        """Return the newest version once it is newer than `than`, or None at the timeout."""
         deadline = time.monotonic() + timeout
+        self._drain()
+        if self.newest is None:
+            self._ask()
         while True:
-            latest = self.latest()
-            if latest is not None and (than is None or latest > than):
-                return latest
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if self.newest is not None and (than is None or self.newest.version > than):
+                return self.newest.version
+            now = time.monotonic()
+            if now >= deadline:
                 return None
-            if self._sub.poll(int(min(remaining, self.poll_interval) * 1000)):
-                while True:
-                    try:
-                        _, body = self._sub.recv_multipart(zmq.NOBLOCK)
-                        decode_announcement(body)
-                    except (zmq.Again, ValueError, WireError):
-                        break
+            quiet_until = self._heard + self.poll_interval
+            if now >= quiet_until:
+                self._ask()
+                continue
+            if self._sub.poll(max(1, int((min(deadline, quiet_until) - now) * 1000))):
+                self._drain()
 
     def close(self) -> None:
         self._sub.close(0)

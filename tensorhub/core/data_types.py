@@ -205,6 +205,13 @@ class StatusRequest(Strict):
     type: Literal["status"] = "status"
 
 
+class LatestRequest(Strict):
+    """The model's newest version, as its announcement said (`Announcement`)."""
+
+    type: Literal["latest"] = "latest"
+    model: Name
+
+
 class HoldingsRequest(Strict):
     """Which versions of `model` do the workers named `names` hold? (Cheap enough to poll:
     an engine's front end watches its own workers this way.)"""
@@ -265,7 +272,8 @@ class PlanRequest(Strict):
 
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
-    | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress,
+    | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress
+    | LatestRequest,
     Field(discriminator="type"),
 ]
 
@@ -340,7 +348,7 @@ class Source(Strict):
     role: Literal["trainer", "replica"]
     endpoint: Endpoint
     memory: list[MemoryDesc]
-    # Striped plans: where its progress bytes are (None: it holds every chunk).
+    # Striped plans: where its progress bytes are.
     progress: MemoryDesc | None = None
 
 
@@ -367,6 +375,8 @@ class ReadPlan(Strict):
     # `retry_after` seconds for those stripes.
     stripes: list[Name | None] | None = None
     retry_after: float | None = None
+    # Striped plans: the sources that hold every chunk (read at once, never polled).
+    holding: list[Name] | None = None
 
 
 class ManifestReply(Strict):
@@ -426,15 +436,26 @@ class HoldingsReply(Strict):
 
 
 class Announcement(Strict):
-    """PUB message: a model has a new version (topic = model name)."""
+    """A model has a new version: PUB message (topic = model name), and the reply to
+    `LatestRequest`, the one fallback when announcements go quiet.
 
+    It carries what a reader that pulled the previous version by stripes needs to pull
+    this one with no plan request: the checksums, the chunk size and the publisher (with a
+    digest of its memory regions: a reader whose parent is the publisher re-uses the
+    regions it knows only if they did not change)."""
+
+    type: Literal["announcement"] = "announcement"
     model: Name
     version: Version
     layout_id: Name
+    checksums: list[str] | None = Field(default=None, max_length=MAX_TENSORS)
+    chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)] | None = None
+    publisher: Name | None = None
+    memory_digest: str | None = Field(default=None, max_length=64)
 
 
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply | HoldingsReply | Retention,
+    | StatusReply | HoldingsReply | Retention | Announcement,
     Field(discriminator="type"),
 ]

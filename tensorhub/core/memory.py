@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from tensorhub.core.data_types import MemoryDesc
@@ -50,3 +52,12 @@ def describe(tensor: torch.Tensor) -> MemoryDesc:
         device=(tensor.device.index or 0) if on_gpu else 0,
         mem="VRAM" if on_gpu else "DRAM",
     )
+
+
+def regions_digest(memory: list[MemoryDesc]) -> str:
+    """A short digest of where a holder's items lie: equal digests, same regions (a reader
+    re-uses the regions it knows of a publisher only if they did not move)."""
+    h = hashlib.sha256()
+    for m in memory:
+        h.update(f"{m.addr}:{m.nbytes}:{m.device}:{m.mem};".encode())
+    return h.hexdigest()[:32]

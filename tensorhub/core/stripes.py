@@ -16,8 +16,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorhub.core.data_types import ReadPlan
+
 PROGRESS_BYTES = 1 << 16  # a worker's progress region: at most this many chunks a version
 POLL_WINDOW = 512  # progress bytes read by one poll (from the next chunk wanted on)
+
+
+def warm_lease_id(reader: str, model: str, version: int) -> str:
+    """The lease the coordinator opens for a reader it expects to pull `version` by the
+    parents it had for the previous one (no plan request: the reader ends it by this id)."""
+    return f"{reader}@{model}/v{version}"
+
+
+def holding_of(plan: ReadPlan) -> set[str]:
+    """A striped plan's sources that hold every chunk (read at once, never polled)."""
+    if plan.holding is not None:
+        return set(plan.holding)
+    return {s.worker_id for s in plan.sources if s.progress is None}
 
 
 def progress_tag(version: int) -> int:

@@ -40,6 +40,10 @@ class CoordinatorQueue:
         sent = self.loop.now
         self.loop.at(sent + self.rpc / 2, lambda: self._arrive(request, on_reply, sent))
 
+    def backlog(self) -> int:
+        """Messages waiting or being served."""
+        return len(self._queue) + self._serving
+
     def call_now(self, request):
         """Serve `request` at once, outside the queue (set-up before the clock starts)."""
         return self._handle(request)[0]

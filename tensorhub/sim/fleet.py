@@ -78,6 +78,9 @@ class SimConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     wire: bool = False  # encode/decode every message (slower; proves the wire path)
     time_limit: float = 600.0  # simulated seconds
+    # Striped simulator only: 2 times the second of two versions, which readers pull by
+    # the parents they had for the first (a steady fleet: no plan requests).
+    version: int = 1
 
     @property
     def lower_bound(self) -> float:
@@ -85,16 +88,12 @@ class SimConfig:
         return self.model_bytes * 8 / (self.nic_gbps * GB) + self.latency + self.rpc
 
 
-@dataclass
-class FleetResult:
+class Completions:
+    """Completion figures of a simulated fan-out: `finished` (worker -> seconds) over the
+    `config`'s lower bound."""
+
     config: SimConfig
-    finished: dict[str, float]  # worker -> completion time (simulated seconds)
-    killed: list[str]
-    unfinished: list[str]  # alive workers that never completed (should be none)
-    plans: int
-    busy: int
-    coordinator_busy: float = 0.0  # simulated seconds the coordinator served (queue only)
-    messages: dict[str, int] = field(default_factory=dict)  # by type (queue only)
+    finished: dict[str, float]
 
     @property
     def worst(self) -> float:
@@ -109,6 +108,19 @@ class FleetResult:
     def median_ratio(self) -> float:
         times = sorted(self.finished.values())
         return times[len(times) // 2] / self.config.lower_bound if times else math.inf
+
+
+@dataclass
+class FleetResult(Completions):
+    config: SimConfig
+    finished: dict[str, float]  # worker -> completion time (simulated seconds)
+    killed: list[str]
+    unfinished: list[str]  # alive workers that never completed (should be none)
+    plans: int
+    busy: int
+    coordinator_busy: float = 0.0  # simulated seconds the coordinator served (queue only)
+    messages: dict[str, int] = field(default_factory=dict)  # by type (queue only)
+
 
 
 def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:

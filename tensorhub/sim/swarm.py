@@ -34,16 +34,24 @@ from tensorhub.core.data_types import (
     Register,
 )
 from tensorhub.core.layout import layout_id, plan_items
-from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, progress_tag
+from tensorhub.core.stripes import (
+    Poll,
+    Read,
+    Replan,
+    StripedPull,
+    holding_of,
+    progress_tag,
+    warm_lease_id,
+)
 from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
-from tensorhub.sim.fleet import GB, SimConfig, synthetic_manifest
+from tensorhub.sim.fleet import GB, Completions, SimConfig, synthetic_manifest
 from tensorhub.sim.links import EventLoop, Network, Nic
 
 EXPIRY_PERIOD = 0.1
 
 
 @dataclass
-class SwarmResult:
+class SwarmResult(Completions):
     config: SimConfig
     finished: dict[str, float]
     killed: list[str]
@@ -56,19 +64,6 @@ class SwarmResult:
     replans: int
     polls: int = 0
     reader_messages: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def worst(self) -> float:
-        return max(self.finished.values()) if self.finished else math.inf
-
-    @property
-    def ratio(self) -> float:
-        return self.worst / self.config.lower_bound
-
-    @property
-    def median_ratio(self) -> float:
-        times = sorted(self.finished.values())
-        return times[len(times) // 2] / self.config.lower_bound if times else math.inf
 
     @property
     def busy_fraction(self) -> float:
@@ -92,6 +87,8 @@ class _Reader:
         self.pull: StripedPull | None = None
         self.finished: float | None = None
         self.lease_id = ""
+        self.version = 1
+        self.parents: list[str] | None = None  # the parents its last pull ended with
         self._wake: float | None = None
 
     def send(self, request, on_reply=None) -> None:
@@ -99,8 +96,8 @@ class _Reader:
         self.sim.queue.send(request, on_reply)
 
     def start(self) -> None:
-        self.send(PlanRequest(worker_id=self.id, model="m", version=1, chunked=True,
-                              striped=True, memory=self.sim.memory), self._plan)
+        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
+                              chunked=True, striped=True, memory=self.sim.memory), self._plan)
 
     def _plan(self, reply) -> None:
         if not self.alive:
@@ -114,13 +111,28 @@ class _Reader:
                 self.step()
             return
         if self.pull is None:
-            self.pull = StripedPull(len(self.sim.chunks), len(reply.stripes), 1,
-                                    stall=self.sim.stall, poll_min=self.sim.poll_min,
-                                    poll_max=self.sim.poll_max)
+            self.pull = self._new_pull(len(reply.stripes))
         self.lease_id = reply.lease_id
-        self.pull.assign(list(reply.stripes),
-                         {s.worker_id for s in reply.sources if s.progress is None}, now,
-                         reply.retry_after)
+        self.pull.assign(list(reply.stripes), holding_of(reply), now, reply.retry_after)
+        self.step()
+
+    def _new_pull(self, stripes: int) -> StripedPull:
+        return StripedPull(len(self.sim.chunks), stripes, self.version, stall=self.sim.stall,
+                           poll_min=self.sim.poll_min, poll_max=self.sim.poll_max)
+
+    def start_warm(self, version: int) -> None:
+        """The announcement of `version` arrived: pull it from the same parents, asking
+        the coordinator nothing (as `Replica` does when the announcement allows)."""
+        if not self.alive or self.parents is None:
+            return
+        self.version, self.finished, self._wake = version, None, None
+        self.lease_id = warm_lease_id(self.id, "m", version)
+        self.pull = self._new_pull(len(self.parents))
+        self.pull.assign(list(self.parents), {self.sim.trainer}, self.sim.loop.now)
+        # the confirmation goes out as it starts reading; nothing waits for its reply
+        self.send(PlanRequest(worker_id=self.id, model="m", version=version, chunked=True,
+                              striped=True, known_manifest=True, stripes=[],
+                              memory=self.sim.memory))
         self.step()
 
     def step(self) -> None:
@@ -130,8 +142,9 @@ class _Reader:
         for action in self.pull.actions(now):
             if isinstance(action, Replan):
                 sim.replans += 1
-                self.send(PlanRequest(worker_id=self.id, model="m", version=1, chunked=True,
-                                      striped=True, known_manifest=True,
+                self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
+                                      chunked=True, striped=True, known_manifest=True,
+                                      memory=self.sim.memory,
                                       stripes=list(action.stripes),
                                       failed=list(action.failed), behind=list(action.behind)),
                           self._plan)
@@ -155,9 +168,11 @@ class _Reader:
         self.pull.read_done(action, ok, self.sim.loop.now)
         if self.pull.done and self.finished is None:
             self.finished = self.sim.loop.now
-            self.send(Hold(worker_id=self.id, model="m", version=1,
+            self.parents = [st.source for st in self.pull.stripes]
+            self.send(Hold(worker_id=self.id, model="m", version=self.version,
                            layout_id=self.sim.layout_id, memory=self.sim.memory))
             self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
+            self.sim.finished_one(self)
             return
         self.step()
 
@@ -177,7 +192,7 @@ class SwarmSim:
         self.net = Network(self.loop, config.wan_gbps * GB / 8)
         chunk_time = config.chunk_bytes * 8 / (config.nic_gbps * GB)
         self.stall = max(stall, 8 * chunk_time)
-        self.poll_min, self.poll_max = max(config.latency, chunk_time / 16), chunk_time
+        self.poll_min, self.poll_max = max(config.latency, chunk_time / 16), chunk_time / 4
         self.coordinator = Coordinator(
             CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
                               worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
@@ -215,7 +230,9 @@ class SwarmSim:
             self.net.add(r.id, Nic(nic, nic, labels["dc"], labels["node"]))
             self.readers.append(r)
             self.by_id[r.id] = r
-        self._tag = progress_tag(1)
+        self.version = 1  # the version published last
+        self.done_count = 0
+        self.measured_from = 0.0  # when the measured version was published
 
     # ------------------------------------------------------------------ the network
     def _latency(self, a: str, b: str) -> float:
@@ -242,12 +259,12 @@ class SwarmSim:
             if not self.net.nics[action.source].alive:
                 self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, None))
                 return
-            if src is None:  # the trainer: it has everything
-                seen = bytes([self._tag]) * (action.hi - action.lo)
+            if src is None:  # the trainer: it has everything of the newest version
+                seen = bytes([progress_tag(self.version)]) * (action.hi - action.lo)
             else:
                 landed = src.pull.landed if src.pull is not None else set()
-                seen = bytes(self._tag if c in landed else 0
-                             for c in range(action.lo, action.hi))
+                tag = progress_tag(src.version)
+                seen = bytes(tag if c in landed else 0 for c in range(action.lo, action.hi))
             self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, seen))
         self.loop.at(self.loop.now + one_way, look)
 
@@ -265,7 +282,34 @@ class SwarmSim:
             self.loop.at(self.loop.now + EXPIRY_PERIOD, self._expire)
 
     def _running(self) -> bool:
-        return any(r.alive and r.finished is None for r in self.readers)
+        return self.version < self.config.version or \
+            any(r.alive and r.finished is None for r in self.readers)
+
+    def finished_one(self, reader: _Reader) -> None:
+        """Once every reader has the first version, publish the second (same layout and
+        memory) and announce it: each reader pulls it from the parents it had."""
+        self.done_count += 1
+        alive = sum(r.alive for r in self.readers)
+        if self.version < self.config.version and self.done_count >= alive:
+            self.version += 1
+            self.done_count = 0
+            # (a step later, once the coordinator has served the last version's `Hold`s
+            # and `ReadDone`s, as between two training steps)
+            self.loop.at(self.loop.now + 1.0, self._publish_next)
+
+    def _publish_next(self) -> None:
+        if self.queue.backlog():
+            self.loop.at(self.loop.now + 0.01, self._publish_next)
+            return
+        self.measured_from = self.loop.now
+        self.queue.busy, self.queue.longest_wait = 0.0, 0.0
+        self.queue.messages.clear()
+        self.reader_messages.clear()
+        self.replans = self.polls = 0
+        publish = self._publish.model_copy(update={"version": self.version})
+        self.queue.send(publish, lambda _: [
+            self.loop.at(self.loop.now + self.config.rpc / 2,
+                         lambda r=r: r.start_warm(self.version)) for r in self.readers])
 
     def _kill(self, r: _Reader) -> None:
         r.alive = False
@@ -285,10 +329,12 @@ class SwarmSim:
             self.loop.run(until=self.config.time_limit)
         finally:
             self.coordinator.stop()
-        layout = next(iter(self.coordinator.table.models["m"].versions[1].layouts.values()))
+        layout = next(iter(
+            self.coordinator.table.models["m"].versions[self.version].layouts.values()))
         return SwarmResult(
             self.config,
-            finished={r.name: r.finished for r in self.readers if r.finished is not None},
+            finished={r.name: r.finished - self.measured_from for r in self.readers
+                      if r.finished is not None and r.version == self.config.version},
             killed=[r.name for r in self.readers if not r.alive],
             unfinished=[r.name for r in self.readers if r.alive and r.finished is None],
             messages=dict(self.queue.messages), coordinator_busy=self.queue.busy,

@@ -44,6 +44,11 @@ class SweepRow:
     socket_cost: float = 0.0
     per_chunk: float | None = None  # the per-chunk design's worst (seconds), if run
     per_chunk_messages: float | None = None  # its messages per reader
+    # the next version, pulled from the same parents (a steady fleet), if run
+    steady: float | None = None
+    steady_median: float | None = None
+    steady_busy: float | None = None
+    steady_messages: float | None = None
 
 
 def star_time(c: SimConfig) -> float:
@@ -63,9 +68,11 @@ def optimum_time(c: SimConfig) -> float:
 
 
 def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int = 0,
-              socket_cost: float | None = None) -> list[SweepRow]:
-    """The striped protocol at each size (and the per-chunk design up to `per_chunk_max`
-    readers: its plans grow with readers x chunks, so it takes long to simulate)."""
+              socket_cost: float | None = None, steady: bool = True) -> list[SweepRow]:
+    """The striped protocol at each size: a fleet's first version (every reader asks for
+    a plan) and, with `steady`, the next one (pulled from the same parents); and the
+    per-chunk design up to `per_chunk_max` readers (its plans grow with readers x chunks,
+    so it takes long to simulate)."""
     import logging
     import time
 
@@ -87,17 +94,25 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
             old = today.worst
             old_messages = sum(v for k, v in today.messages.items()
                                if k not in ("heartbeat", "expiry")) / n
+        warm = simulate_swarm(replace(config, version=2), socket_cost) if steady else None
         row = SweepRow(n, config.lower_bound, result.worst,
                        times[len(times) // 2] if times else float("inf"),
                        star_time(config), ring_time(config), optimum_time(config),
                        result.reader_messages.get("plan", 0), result.replans,
                        len(result.unfinished), wall, result.busy_fraction,
                        result.messages_per_reader, result.max_depth, result.longest_wait,
-                       socket_cost, old, old_messages)
+                       socket_cost, old, old_messages,
+                       warm.worst if warm else None,
+                       sorted(warm.finished.values())[len(warm.finished) // 2] if warm else None,
+                       warm.busy_fraction if warm else None,
+                       warm.messages_per_reader if warm else None)
         rows.append(row)
         lb = row.lower_bound
         today_text = "" if old is None else \
             f"  per-chunk design {old / lb:.2f}x ({old_messages:.0f} msgs/reader)"
+        if warm is not None:
+            today_text += (f"  steady {warm.worst / lb:.3f}x (busy {warm.busy_fraction:.2f},"
+                           f" {warm.messages_per_reader:.2f} msgs/reader)")
         echo(f"N={n:5d}  tensorhub {row.tensorhub / lb:6.3f}x "
              f"(median {row.tensorhub_median / lb:.3f}x)  star {row.star / lb:8.1f}x  "
              f"ring {row.ring / lb:7.2f}x  optimum {row.optimum / lb:.3f}x{today_text}  "
@@ -117,9 +132,12 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
     # left: every curve (log scale, the star and ring run away); right: the same close up
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for a in (ax, zoom):
-        a.plot(n, [r.tensorhub / r.lower_bound for r in rows], "o-", label="TensorHub (worst)")
-        a.plot(n, [r.tensorhub_median / r.lower_bound for r in rows], "o--",
-               label="TensorHub (median)")
+        a.plot(n, [r.tensorhub / r.lower_bound for r in rows], "o-",
+               label="striped, a fleet's first version (worst)")
+        steady = [(r.workers, r.steady / r.lower_bound) for r in rows if r.steady]
+        if steady:
+            a.plot(*zip(*steady, strict=True), "D-",
+                   label="striped, next version from the same parents (worst)")
         a.plot(n, [r.optimum / r.lower_bound for r in rows], "k:",
                label="optimum (binomial pipeline, same chunks)")
         a.plot(n, [r.ring / r.lower_bound for r in rows], "s-", label="ring (chain pipeline)")

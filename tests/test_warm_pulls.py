@@ -1,0 +1,122 @@
+"""A steady fleet: the next version is pulled from the same parents, with no plan request."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tensorhub import Publisher, Replica
+from tensorhub.core.checksum import checksum
+from tensorhub.core.data_types import LatestRequest, PlanRequest
+from tensorhub.demo import synthetic_state_dict
+
+
+def sums(tensors) -> dict[str, str]:
+    return {n: checksum(t) for n, t in tensors.items()}
+
+
+def _pull_all(replicas: list[Replica], version: int) -> None:
+    errors = []
+
+    def pull(r: Replica) -> None:
+        try:
+            assert r.wait_for_newer(timeout=30) == version
+            assert r.pull(version, timeout=60) == version
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pull, args=(r,)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def _buffers(state) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in state.items()}
+
+
+def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, transport):
+    v1 = synthetic_state_dict(32, n_tiny=30, seed=1)
+    v2 = {n: t + 1 for n, t in v1.items()}
+    with Publisher(coordinator.address, "policy", transport=transport) as pub:
+        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
+                            transport=transport) for i in range(3)]
+        try:
+            pub.publish(v1)
+            _pull_all(replicas, 1)
+            assert all(r.last_pull_planned for r in replicas)  # the first: one plan each
+            asked = []
+            real = coordinator._answers[PlanRequest]
+
+            def counted(req):
+                asked.append(req.stripes)
+                return real(req)
+
+            coordinator._answers[PlanRequest] = counted
+            pub.publish(v2)
+            _pull_all(replicas, 2)
+            # one confirmation each, sent as it started reading, and no plan waited for
+            assert asked == [[], [], []] and not any(r.last_pull_planned for r in replicas)
+            for r in replicas:
+                assert sums(r.tensors) == sums(v2)
+            # each ended the lease the coordinator opened for it by its known id
+            assert not [lease for lease in coordinator.table.leases.values()
+                        if lease.version == 2]
+        finally:
+            for r in replicas:
+                r.close()
+
+
+def test_a_publisher_whose_memory_moved_makes_readers_plan_again(coordinator):
+    v1 = synthetic_state_dict(8, n_tiny=10, seed=2)
+    v2 = {n: t * 2 for n, t in v1.items()}
+    with Publisher(coordinator.address, "policy", transport="zmq", zero_copy=True) as pub, \
+            Replica(coordinator.address, "policy", _buffers(v1), name="r",
+                    transport="zmq") as r:
+        pub.publish(v1)
+        _pull_all([r], 1)
+        pub.publish(v2)  # zero copy: the new tensors are the publisher's memory now
+        _pull_all([r], 2)
+        assert r.last_pull_planned and sums(r.tensors) == sums(v2)
+
+
+def test_a_parent_that_left_between_versions_is_replaced(coordinator):
+    v1 = synthetic_state_dict(16, n_tiny=10, seed=3)
+    v2 = {n: t - 1 for n, t in v1.items()}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
+                            transport="zmq") for i in range(3)]
+        try:
+            pub.publish(v1)
+            _pull_all(replicas, 1)
+            parents = {r.session.name: set(r._parents.stripes) for r in replicas}
+            gone = next(r for r in replicas
+                        if any(r.session.worker_id in p for p in parents.values()))
+            gone.close()
+            replicas = rest = [r for r in replicas if r is not gone]
+            pub.publish(v2)
+            _pull_all(rest, 2)
+            for r in rest:
+                assert sums(r.tensors) == sums(v2)
+        finally:
+            for r in replicas:
+                r.close()
+
+
+def test_the_fallback_answers_with_the_announcement(coordinator):
+    from tensorhub.core.client import CoordinatorClient
+
+    state = synthetic_state_dict(4, n_tiny=10, seed=4)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        client = CoordinatorClient(coordinator.address)
+        try:
+            latest = client.call(LatestRequest(model="policy"))
+        finally:
+            client.close()
+        assert latest.version == 1 and latest.publisher == pub.session.worker_id
+        assert latest.checksums == coordinator.table.models["policy"].versions[1] \
+            .layouts[latest.layout_id].checksums
