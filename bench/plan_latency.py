@@ -27,6 +27,7 @@ import random
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import msgpack
 import zmq
@@ -215,10 +216,10 @@ class _Load:
         return got, errors
 
 
-def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.handle` per plan (decode, plan, encode-ready reply), with
-    `workers` registered and half of them holding: the coordinator's own share of the
-    latency, free of client-side and scheduling delays on a shared machine."""
+@contextmanager
+def _published(manifest: Manifest, memory: list[MemoryDesc]):
+    """An in-process coordinator (not serving: its handlers are called directly) with a
+    trainer that has published version 1 of "m"; yields it and a `call(request)`."""
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
@@ -227,8 +228,18 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
             return c.handle(encode(Envelope(request=request)))
 
         t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
-        call(Publish(worker_id=t, model="m", version=1, manifest=MANIFEST,
-                     checksums=["c"] * len(ITEMS), memory=MEMORY))
+        call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
+                     checksums=["c"] * len(plan_items(manifest)), memory=memory))
+        yield c, call
+    finally:
+        c.stop()
+
+
+def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
+    """Seconds inside `Coordinator.handle` per plan (decode, plan, encode-ready reply), with
+    `workers` registered and half of them holding: the coordinator's own share of the
+    latency, free of client-side and scheduling delays on a shared machine."""
+    with _published(MANIFEST, MEMORY) as (c, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              labels=_labels(i))).worker_id for i in range(workers)]
         for i in filter(_holds, range(workers)):
@@ -247,8 +258,6 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
                 time.perf_counter() - started)
             call(ReadDone(worker_id=w, lease_id=reply.lease_id, ok=True))
         return out
-    finally:
-        c.stop()
 
 
 TIB_TENSOR = 512 << 20
@@ -266,19 +275,10 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
     request (it carries its 2049 memory regions; the forest names its parents) and its
     later ones (a stripe it asks for again: a parent that fell behind, replaced). Neither
     carries anything per chunk."""
-    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-
     items = plan_items(TIB_MANIFEST)
     memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=it.nbytes) for k, it in enumerate(items)]
     progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
-    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
-    try:
-        def call(request):
-            return c.handle(encode(Envelope(request=request)))
-
-        t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
-        call(Publish(worker_id=t, model="m", version=1, manifest=TIB_MANIFEST,
-                     checksums=["c"] * len(items), memory=memory))
+    with _published(TIB_MANIFEST, memory) as (c, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              progress=progress)).worker_id for i in range(workers)]
         out: dict[str, list[float]] = {"plan_striped_first": [], "plan_striped_again": []}
@@ -301,8 +301,6 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
             c.handle(payload)
             out["plan_striped_again"].append(time.perf_counter() - started)
         return out
-    finally:
-        c.stop()
 
 
 def _pct(xs: list[float], q: float) -> float:
