@@ -110,6 +110,7 @@ class Replica:
         self.last_pull_planned = True  # False: the last pull needed no plan request
         self._watcher: VersionWatcher | None = None
         self._parents: _Parents | None = None
+        self._registrations = 0  # the session's, at our last first request (0: none yet)
 
     def _bind(self, layout: BoundLayout) -> None:
         """Register our buffers (and the staging copy) before anyone reads into or from them."""

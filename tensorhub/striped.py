@@ -20,9 +20,9 @@ from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
 from tensorhub.core.data_types import MemoryDesc, ReadPlan, Source
 from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.layout import plan_items
-from tensorhub.core.puller import STALL_TIMEOUT, PullStats, Verifier
+from tensorhub.core.puller import STALL_TIMEOUT, PullStats, Verifier, read_op
 from tensorhub.core.session import WorkerSession
-from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of, progress_tag
+from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of
 from tensorhub.core.transport import Peer, ReadOp
 
 log = logging.getLogger("tensorhub.striped")
@@ -50,9 +50,8 @@ class StripedReader:
             session, dest, relay, verifier, ask)
         self.confirm = confirm
         self.plan = plan
-        self.chunks: list[Chunk] = chunks_of(plan_items(plan.manifest),
-                                             plan.chunk_bytes or CHUNK_BYTES)
         chunk_bytes = plan.chunk_bytes or CHUNK_BYTES
+        self.chunks: list[Chunk] = chunks_of(plan_items(plan.manifest), chunk_bytes)
         self.state = StripedPull(len(self.chunks), len(plan.stripes or [None]), plan.version,
                                  # a relay marks a chunk once its read ends: one chunk
                                  # a read, or its children would wait for whole batches
@@ -62,7 +61,6 @@ class StripedReader:
         self.sources: dict[str, Source] = {}
         self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         self.by_source: dict[str, int] = {}  # worker id -> bytes
-        self._tag = progress_tag(plan.version)
         self._take(plan)
 
     def _take(self, plan: ReadPlan) -> None:
@@ -128,14 +126,8 @@ class StripedReader:
 
     def _read(self, action: Read, deadline: float) -> BaseException | None:
         src = self.sources[action.source]
-        ops = []
-        for c in action.chunks:
-            for seg in self.chunks[c].segments:
-                m = src.memory[seg.item]
-                ops.append(ReadOp(
-                    local=self.dest[seg.item][seg.offset:seg.offset + seg.nbytes],
-                    remote=MemoryDesc(addr=m.addr + seg.offset, nbytes=seg.nbytes,
-                                      device=m.device, mem=m.mem)))
+        ops = [read_op(self.dest, src.memory, seg.item, seg.offset, seg.nbytes)
+               for c in action.chunks for seg in self.chunks[c].segments]
         try:
             self.session.transport.read(
                 Peer(src.worker_id, src.endpoint), ops,
@@ -148,7 +140,7 @@ class StripedReader:
     def _poll(self, action: Poll, deadline: float) -> bytes | BaseException:
         src = self.sources[action.source]
         if src.progress is None:  # (no progress bytes: it can only hold everything)
-            return bytes([self._tag]) * (action.hi - action.lo)
+            return bytes([self.state.tag]) * (action.hi - action.lo)
         buf = self.session.poll_buffer(action.stripe)[:action.hi - action.lo]
         try:
             self.session.transport.read(
@@ -182,7 +174,7 @@ class StripedReader:
                 if self.verifier is not None:
                     self.verifier.add(seg.item, seg.nbytes)
             if self.relay:
-                self.session.progress[c] = self._tag  # after its bytes: children may read it
+                self.session.progress[c] = self.state.tag  # after its bytes: children may read it
         name = self.sources[action.source].name
         if name not in self.stats.by_source:
             self.stats.sources.append(name)

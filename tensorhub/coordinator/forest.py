@@ -83,15 +83,22 @@ class Forest:
         self.departed: dict[str, Member] = {}  # readers that withdrew: kept for `adopt`
 
     # ------------------------------------------------------------------ membership
+    def _new(self, worker_id: str, dc: str, root: bool, home: int | None = None,
+             gateway: bool = False, since: float = 0.0) -> Member:
+        self._seq += 1
+        m = Member(worker_id, dc, root, home, self._seq, gateway=gateway,
+                   parents=[None] * self.stripes,
+                   depth=[ROOT_DEPTH if root else UNSET] * self.stripes,
+                   children=[0] * self.stripes, since=since)
+        self.members[worker_id] = m
+        return m
+
     def add_root(self, worker_id: str, dc: str = "", reader: bool = True) -> None:
         """A complete holder (the publisher, or a reader that now holds everything);
         `reader=False`: one not counted among the readers `join` expects (a publisher)."""
         m = self.members.get(worker_id)
         if m is None:
-            self._seq += 1
-            m = Member(worker_id, dc, True, None, self._seq, parents=[None] * self.stripes,
-                       depth=[ROOT_DEPTH] * self.stripes, children=[0] * self.stripes)
-            self.members[worker_id] = m
+            m = self._new(worker_id, dc, root=True)
             self._held[dc] = self._held.get(dc, 0) + reader
             for s in range(self.stripes):
                 self._offer(m, s, +self._capacity(m, s))
@@ -127,18 +134,15 @@ class Forest:
             return self.fill(worker_id, now, expected)
         homes = self._homes.setdefault(dc, [0] * self.stripes)
         self._arrived[dc] = self._arrived.get(dc, 0) + 1
-        self._seq += 1
-        m = Member(worker_id, dc, False, None, self._seq, parents=[None] * self.stripes,
-                   depth=[UNSET] * self.stripes, children=[0] * self.stripes, since=now)
         local = any(self._free.get((dc, s), 0) for s in range(self.stripes)) \
             or self._gateways.get(dc, 0) or sum(homes)
+        m = self._new(worker_id, dc, root=False, since=now)
         if relay and not local:
             m.gateway = True  # this datacenter's entry: every stripe from the nearest roots
             self._gateways[dc] = self._gateways.get(dc, 0) + 1
         elif relay:
             m.home = min(range(self.stripes), key=lambda s: (homes[s], s))
             homes[m.home] += 1
-        self.members[worker_id] = m
         for s in range(self.stripes):
             self._assign(m, s, expected, now)
         return list(m.parents)
@@ -208,11 +212,7 @@ class Forest:
         if m is not None:
             return m
         old = self._old(worker_id, previous)
-        self._seq += 1
-        m = Member(worker_id, old.dc, False, old.home, self._seq, gateway=old.gateway,
-                   parents=[None] * self.stripes, depth=[UNSET] * self.stripes,
-                   children=[0] * self.stripes)
-        self.members[worker_id] = m
+        m = self._new(worker_id, old.dc, root=False, home=old.home, gateway=old.gateway)
         if old.home is not None:
             self._homes.setdefault(old.dc, [0] * self.stripes)[old.home] += 1
         self._arrived[old.dc] = self._arrived.get(old.dc, 0) + 1
@@ -241,10 +241,6 @@ class Forest:
             return False
         self._attach(m, stripe, parent)
         return True
-
-    def max_depth(self) -> int:
-        return max((max(d for d in m.depth if d < UNSET) for m in self.members.values()
-                    if not m.root and any(d < UNSET for d in m.depth)), default=0)
 
     # ------------------------------------------------------------------ choosing
     def _capacity(self, m: Member, stripe: int) -> int:

@@ -432,8 +432,7 @@ class Coordinator:
             # The same layout: its readers may pull this version by their last parents
             # (`Forest.adopt`, as each confirms), so the forest starts with its publisher.
             layout.previous_forest = last.forest
-            forest = self._forest(layout)
-            forest.publisher = worker.worker_id
+            self._forest(layout)
         self.table.prune()
         log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
                  req.version, len(layout.items), sum(i.nbytes for i in layout.items) / 2**20)

@@ -56,6 +56,15 @@ def split(plan: ReadPlan, batch_bytes: int | None = None) -> list[ReadRange]:
     return pieces
 
 
+def read_op(dest: list[torch.Tensor], memory: list[MemoryDesc], item: int, offset: int,
+            nbytes: int) -> ReadOp:
+    """Bytes [offset, offset + nbytes) of `item`: from a holder's region to ours."""
+    m = memory[item]
+    return ReadOp(local=dest[item][offset:offset + nbytes],
+                  remote=MemoryDesc(addr=m.addr + offset, nbytes=nbytes, device=m.device,
+                                    mem=m.mem))
+
+
 def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
               timeout: float, done: set[tuple[int, int, int]] | None = None,
               stats: PullStats | None = None, batch_bytes: int | None = None,
@@ -94,13 +103,7 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     stall_timeout = STALL_TIMEOUT if stall_timeout is None else stall_timeout
     for sid, ranges in batches:
         src = sources[sid]
-        ops = []
-        for r in ranges:
-            m = src.memory[r.item]
-            ops.append(ReadOp(
-                local=dest[r.item][r.offset : r.offset + r.nbytes],
-                remote=MemoryDesc(addr=m.addr + r.offset, nbytes=r.nbytes, device=m.device,
-                                  mem=m.mem)))
+        ops = [read_op(dest, src.memory, r.item, r.offset, r.nbytes) for r in ranges]
         started = time.perf_counter()
         try:
             transport.read(Peer(sid, src.endpoint), ops,

@@ -30,9 +30,7 @@ def warm_lease_id(reader: str, model: str, version: int) -> str:
 
 def holding_of(plan: ReadPlan) -> set[str]:
     """A striped plan's sources that hold every chunk (read at once, never polled)."""
-    if plan.holding is not None:
-        return set(plan.holding)
-    return {s.worker_id for s in plan.sources if s.progress is None}
+    return set(plan.holding or ())
 
 
 def progress_tag(version: int) -> int:
@@ -91,9 +89,8 @@ class _Stripe:
 class StripedPull:
     """One reader's pull of one version: chunk c is in stripe c % stripes."""
 
-    def __init__(self, nchunks: int, stripes: int, version: int, *, have: set[int] = frozenset(),
-                 batch: int = 1, poll_min: float = 0.001, poll_max: float = 0.05,
-                 stall: float = 5.0):
+    def __init__(self, nchunks: int, stripes: int, version: int, *, batch: int = 1,
+                 poll_min: float = 0.001, poll_max: float = 0.05, stall: float = 5.0):
         """`batch`: chunks one read may take from a complete source; `poll_min`..`poll_max`:
         the gap between polls of a parent with nothing new (doubling while nothing comes);
         `stall`: seconds without a new chunk from a parent before it counts as behind."""
@@ -102,9 +99,8 @@ class StripedPull:
                              f"region (use larger chunks)")
         self.nchunks, self.version, self.tag = nchunks, version, progress_tag(version)
         self.batch, self.poll_min, self.poll_max, self.stall = batch, poll_min, poll_max, stall
-        self.stripes = [_Stripe(s, [c for c in range(s, nchunks, stripes) if c not in have])
-                        for s in range(stripes)]
-        self.landed: set[int] = set(have)
+        self.stripes = [_Stripe(s, list(range(s, nchunks, stripes))) for s in range(stripes)]
+        self.landed: set[int] = set()
         self.asking = False  # a Replan is out
         self.ask_at = 0.0  # earliest time for the next Replan (a `retry_after`)
         self.failures = 0
@@ -113,14 +109,6 @@ class StripedPull:
     @property
     def done(self) -> bool:
         return len(self.landed) == self.nchunks
-
-    @property
-    def idle(self) -> bool:
-        """Nothing in flight (no read, poll or plan request out)."""
-        return not self.asking and not any(s.reading or s.polling for s in self.stripes)
-
-    def sources(self) -> set[str]:
-        return {s.source for s in self.stripes if s.source is not None}
 
     # ------------------------------------------------------------------ inputs
     def assign(self, parents: list[str | None], complete: set[str], now: float,
@@ -148,7 +136,7 @@ class StripedPull:
         st.reading = False
         if ok:
             self.landed.update(read.chunks)
-            st.left = [c for c in st.left if c not in read.chunks]
+            del st.left[:len(read.chunks)]  # (a read takes the stripe's next chunks in order)
             st.ready.difference_update(read.chunks)
             st.waiting_since = None
             return
@@ -181,7 +169,7 @@ class StripedPull:
             st.poll_gap = min(self.poll_max, max(self.poll_min, 2 * st.poll_gap))
             if st.waiting_since is None:
                 st.waiting_since = now
-            elif now - st.waiting_since >= self.stall and not self._stripe_done(st):
+            elif now - st.waiting_since >= self.stall and st.left:
                 st.replan = "behind"
         st.poll_at = now + st.poll_gap
 
@@ -190,7 +178,7 @@ class StripedPull:
         """What to start now (each action is started once; report its end back)."""
         out: list[Action] = []
         replan = [st for st in self.stripes if st.replan is not None and not st.reading
-                  and not self._stripe_done(st)]
+                  and st.left]
         if replan and not self.asking and now >= self.ask_at:
             self.asking = True
             out.append(Replan(
@@ -224,8 +212,4 @@ class StripedPull:
         if not self.asking and any(st.replan is not None for st in self.stripes):
             times.append(self.ask_at)
         return max(now, min(times)) if times else None
-
-    @staticmethod
-    def _stripe_done(st: _Stripe) -> bool:
-        return not st.left
 
