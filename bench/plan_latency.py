@@ -12,8 +12,9 @@ process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
 
 Printed per offered rate: plan p50/p99 (chunked and whole-item) beside heartbeat latency
 (the socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
-Then the time inside `Coordinator.handle` per plan, free of scheduling on a shared machine:
-per-chunk plans (8 GiB) and striped plans for a 1 TiB version (16,384 chunks).
+Then the time inside `Coordinator.answer` per plan (what the socket loop runs), free of
+scheduling on a shared machine: per-chunk plans (8 GiB) and striped plans for a 1 TiB
+version (16,384 chunks).
 `python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000,2000] [--seconds 10]`.
 """
 
@@ -220,8 +221,9 @@ class _Load:
 def _published(manifest: Manifest, memory: list[MemoryDesc]):
     """An in-process coordinator (not serving: its handlers are called directly) with a
     trainer that has published version 1 of "m"; yields it and a `call(request)`."""
-    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, settle_gc
 
+    settle_gc()  # as `tensorhub coordinator` does
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
     try:
         def call(request):
@@ -236,7 +238,7 @@ def _published(manifest: Manifest, memory: list[MemoryDesc]):
 
 
 def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.handle` per plan (decode, plan, encode-ready reply), with
+    """Seconds inside `Coordinator.answer` per plan (decode, plan, the reply's bytes), with
     `workers` registered and half of them holding: the coordinator's own share of the
     latency, free of client-side and scheduling delays on a shared machine."""
     with _published(MANIFEST, MEMORY) as (c, call):
@@ -253,10 +255,10 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
             payload = encode(Envelope(request=PlanRequest(worker_id=w, model="m", version=1,
                                                           chunked=chunked)))
             started = time.perf_counter()
-            reply = c.handle(payload)
+            reply = c.answer(payload)
             out["plan_chunked" if chunked else "plan_whole"].append(
                 time.perf_counter() - started)
-            call(ReadDone(worker_id=w, lease_id=reply.lease_id, ok=True))
+            call(ReadDone(worker_id=w, lease_id=msgpack.unpackb(reply)["lease_id"], ok=True))
         return out
 
 
@@ -270,7 +272,7 @@ TIB_MANIFEST = Manifest(
 
 
 def striped_service_times(workers: int) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.handle` per striped plan request, for a 1 TiB version
+    """Seconds inside `Coordinator.answer` per striped plan request, for a 1 TiB version
     (16,384 chunks) and `workers` readers joining one after another: a reader's first
     request (it carries its 2049 memory regions; the forest names its parents) and its
     later ones (a stripe it asks for again: a parent that fell behind, replaced). Neither
@@ -288,9 +290,9 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
                 worker_id=w, model="m", version=1, chunked=True, striped=True,
                 memory=memory)))
             started = time.perf_counter()
-            reply = c.handle(payload)
+            reply = c.answer(payload)
             out["plan_striped_first"].append(time.perf_counter() - started)
-            parents[w] = reply.stripes
+            parents[w] = msgpack.unpackb(reply)["stripes"]
         for w in ids:
             behind = [p for p in parents[w] if p is not None][:1]
             payload = encode(Envelope(request=PlanRequest(
@@ -298,7 +300,7 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
                 known_manifest=True, stripes=[parents[w].index(behind[0])] if behind else [1],
                 behind=behind)))
             started = time.perf_counter()
-            c.handle(payload)
+            c.answer(payload)
             out["plan_striped_again"].append(time.perf_counter() - started)
         return out
 

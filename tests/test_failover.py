@@ -45,5 +45,10 @@ def test_kill_9_of_a_parent_mid_pull_completes_bit_exact_from_another_holder(
                 assert 0 < reader.last_pull.by_source["doomed"] < total // 2  # (its stripe)
                 # the reader named it when it asked for another parent: it avoids it now
                 assert from_doomed[0] in coordinator.trust.avoided(reader.session.worker_id)
+                # ... and its failed read is on record, once (the stripe's other bytes from
+                # it are on record as read, by the lease's end)
+                failed = [t for t in coordinator.table.transfers if not t.ok]
+                assert [t.reader for t in failed] == ["reader"]
+                assert failed[0].source.startswith("doomed")  # (its name, or its id once gone)
     finally:
         holder.stop()

@@ -8,6 +8,7 @@ coordinator goes on serving.
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import threading
@@ -193,6 +194,18 @@ def announce_address_for(bind: str) -> str:
     return f"{head}:{int(port) + 1}"
 
 
+def settle_gc(young: int = 20_000) -> None:
+    """Garbage collection for a coordinator process, called once everything it imports is
+    loaded. What is alive then (modules, pydantic schemas) lives as long as the process:
+    frozen, out of the collector's sight. The table it builds is mostly untracked tuples,
+    while one request may allocate and drop thousands of objects (a first striped plan
+    carries a memory region per item): the young generation is sized so that one
+    request's temporaries do not promote into collections of the whole heap, which every
+    request in flight would wait for."""
+    gc.freeze()
+    gc.set_threshold(young, 10, 10)
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig = CoordinatorConfig(),
                  clock: Callable[[], float] = time.monotonic):
@@ -290,11 +303,19 @@ class Coordinator:
                     message="expected frames [request id, msgpack envelope]"))
             return
         ident, req_id, payload = frames
-        self._send(ident, req_id, self._answer(payload, _Plan.wire))
+        self._send(ident, req_id, self.answer(payload))
 
     def handle(self, payload: bytes):
         """Decode, authenticate and answer one request (any failure becomes an ErrorReply)."""
         return self._answer(payload, _Plan.reply)
+
+    def answer(self, payload: bytes) -> bytes:
+        """`handle`, as the bytes the socket sends: a plan is encoded straight from the
+        table, never built as models (what a benchmark or the simulator should time)."""
+        reply = self._answer(payload, _Plan.wire)
+        if type(reply) is bytes:
+            return reply
+        return _ACK_BYTES if reply is _ACK else encode(reply)
 
     def _answer(self, payload: bytes, make_plan: Callable[[_Plan], object]):
         """`handle`, with a plan made by `make_plan`: a model, or (the socket) its bytes."""
@@ -318,9 +339,9 @@ class Coordinator:
             return ErrorReply(code="internal", message=f"internal error: {exc}")
 
     def _send(self, ident: bytes, req_id: bytes, reply) -> None:
-        """`reply`: a model, or its bytes (a plan)."""
+        """`reply`: a model, or its bytes."""
         if type(reply) is not bytes:
-            reply = _ACK_BYTES if reply is _ACK else encode(reply)
+            reply = encode(reply)
         router = self._router
         try:  # three sends: `send_multipart` checks and wraps frames at twice the cost
             router.send(ident, _SEND_MORE)
@@ -441,6 +462,9 @@ class Coordinator:
 
     def _hold(self, req: Hold) -> Ack:
         worker = self._worker(req.worker_id)
+        if req.done is not None and req.done.worker_id != req.worker_id:
+            raise Reject("bad_request", f"a hold of {req.worker_id} carries a read_done of "
+                                        f"{req.done.worker_id}")
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is None:
@@ -476,6 +500,8 @@ class Coordinator:
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
         if layout.forest is not None:
             layout.forest.add_root(worker.worker_id, worker.labels.get("dc", ""))
+        if req.done is not None:
+            self._read_done(req.done)
         return _ACK
 
     def _withdraw(self, req: Withdraw) -> Withdrawn:
@@ -682,6 +708,15 @@ class Coordinator:
             parents = forest.join(req.worker_id, dc, self._workers_in_dc[dc], now,
                                   relay=req.relay)
         else:
+            # On record once, and only a parent it had: a reader asking again after a busy
+            # reply names the same failed parent again, already replaced.
+            parents_now = {member.parents[s] for s in req.stripes or () if s < forest.stripes}
+            for failed in parents_now & set(req.failed):
+                source = self.table.workers.get(failed)
+                self.table.record(TransferRecord(
+                    reader=reader.name, source=source.name if source else failed,
+                    model=req.model, version=version, nbytes=0, seconds=0.0, ok=False,
+                    error="a striped read failed; the stripe is planned elsewhere"))
             for failed in req.failed:
                 self._report_failed(reader, failed, req.model, version,
                                     "a striped read failed", protected_sources=None)

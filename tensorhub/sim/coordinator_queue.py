@@ -15,7 +15,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, _Plan
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.data_types import Envelope, Heartbeat, Register
 from tensorhub.core.wire import decode_reply, encode
 from tensorhub.sim.links import EventLoop
@@ -76,8 +76,7 @@ class CoordinatorQueue:
             return None, time.perf_counter() - started
         payload = encode(Envelope(request=request))
         started = time.perf_counter()
-        reply = self.coordinator._answer(payload, _Plan.wire)  # as the socket loop does
-        wire = reply if type(reply) is bytes else encode(reply)
+        wire = self.coordinator.answer(payload)  # as the socket loop does
         seconds = time.perf_counter() - started
         return decode_reply(wire), seconds
 
