@@ -55,6 +55,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -229,15 +230,19 @@ s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
 print("listening", flush=True)
 c, _ = s.accept()
 start = time.monotonic()
+began = time.time()
 c.sendall(socket.gethostname().encode() + b"\\n")
 n = 0
 while data := c.recv(1 << 20):
     n += len(data)
-print(json.dumps({"bytes": n, "seconds": time.monotonic() - start}), flush=True)
+print(json.dumps({"bytes": n, "seconds": time.monotonic() - start, "began": began,
+                  "ended": time.time()}), flush=True)
 """
 _TCP_CLIENT = """
-import socket, sys
+import socket, sys, time
 payload = b"x" * int(sys.argv[3])  # before connecting: the server's clock runs from accept
+if len(sys.argv) > 4:  # connect at this wall-clock time (streams started together)
+    time.sleep(max(0.0, float(sys.argv[4]) - time.time()))
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
 print(c.makefile().readline().strip(), flush=True)
 c.sendall(payload)
@@ -442,6 +447,41 @@ def tcp_transfer(src: Host, dst: Host, nbytes: int, port: int = 5001) -> dict:
         return {**result, "greeting": client.stdout.strip()}
     finally:
         server.stop()
+
+
+def concurrent_tcp_transfers(pairs: Sequence[tuple[Host, Host]], nbytes: int,
+                             port: int = 5002, lead: float = 2.0) -> dict:
+    """`nbytes` over each (src, dst) pair, one TCP connection each (pair i on `port` + i),
+    all connecting at the same moment (`lead` seconds from now, so that slow starts do not
+    stagger them): the seconds from the first accept to the last byte, and each stream's
+    result. On emulated hosts that share a few CPU cores this is what the machine, not one
+    link, can move at once: the physical bound of a pattern that keeps many links busy
+    together. (Times are compared across hosts: emulated hosts share one clock. Every
+    client holds its `nbytes` in memory.)"""
+    servers = []
+    clients: list[ChildProcess] = []
+    try:
+        for i, (_, dst) in enumerate(pairs):
+            server = dst.popen([sys.executable, "-c", _TCP_SERVER, str(port + i)],
+                               name=f"server on {dst.name}")
+            servers.append(server)
+            if server.next_line(timeout=10) != "listening":
+                raise ClusterError(f"no TCP server on {dst.name}")
+        at = time.time() + lead
+        for i, (src, dst) in enumerate(pairs):
+            clients.append(src.popen([sys.executable, "-c", _TCP_CLIENT, dst.address,
+                                      str(port + i), str(nbytes), str(at)],
+                                     name=f"client on {src.name}"))
+        deadline = time.monotonic() + lead + 120
+        streams = [server.next_json(timeout=max(1.0, deadline - time.monotonic()))
+                   for server in servers]
+    finally:
+        for proc in clients + servers:
+            proc.stop()
+    if any(r["bytes"] != nbytes for r in streams):
+        raise ClusterError(f"a stream fell short: {[r['bytes'] for r in streams]}")
+    return {"seconds": max(r["ended"] for r in streams) - min(r["began"] for r in streams),
+            "streams": streams}
 
 
 def _killpg(pid: int) -> None:

@@ -33,6 +33,11 @@ CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
 # holder's progress thread paces every read of it; at 1 ms an engine-to-engine pull of
 # 686 MiB took 22 s instead of 3.6 s (50 us) on this busy 2-core machine.
 PROGRESS_DELAY_US = int(os.environ.get("TENSORHUB_NIXL_PROGRESS_US", "100"))
+# A read's completion is checked this many times back to back, then after pauses that
+# double from WAIT_FIRST_S up to WAIT_MAX_S (see `NixlTransport._wait`).
+WAIT_SPINS = 200
+WAIT_FIRST_S = 50e-6
+WAIT_MAX_S = 1e-3
 _creation_lock = threading.RLock()  # agent creation: UCX's environment, NIXL's wrapper
 log = logging.getLogger("tensorhub.transport.nixl")
 
@@ -178,9 +183,13 @@ class NixlTransport(Transport):
                         pass
 
     def _wait(self, handles: list, peer: Peer, timeout: float) -> None:
+        """Until every handle is done. A short read is over within the first checks; a long
+        one is checked ever less often, up to every `WAIT_MAX_S`: a reader that spins on
+        its read takes the CPU that its own and its peers' transfers need. (The pause
+        carries over from one handle to the next: they were posted together.)"""
         deadline = time.monotonic() + timeout
         pending = list(handles)
-        spins = 0
+        spins, pause = 0, WAIT_FIRST_S
         while pending:
             with self._agent_lock:
                 state = self._agent.check_xfer_state(pending[0])
@@ -195,8 +204,9 @@ class NixlTransport(Transport):
                     peer.worker_id,
                 )
             spins += 1
-            if spins > 1000:
-                time.sleep(0.0002)
+            if spins > WAIT_SPINS:
+                time.sleep(pause)
+                pause = min(2 * pause, WAIT_MAX_S)
 
     def forget_peer(self, worker_id: str) -> None:
         with self._peer_lock(worker_id), self._lock, self._agent_lock:  # no read in flight
