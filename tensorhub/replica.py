@@ -296,7 +296,6 @@ class Replica:
             if self.chunked and not self.staging:
                 self._stop_serving_partial(plan.version, deadline)
             raise
-        ended = False
         try:
             if self.staging:
                 if previous is not None:
@@ -306,18 +305,15 @@ class Replica:
                 for live, staged in zip(self.layout.item_bytes, dest, strict=True):
                     live.copy_(staged)
             self.layout.scatter()
-            # One message holds the version and then ends the lease: a reader planned in
-            # between finds us as a holder, rather than a momentarily idle trainer.
-            ended = self.session.hold(self.model, plan.version, self.layout, plan.checksums,
-                                      done=self._read_done(plan, True, stats,
-                                                           by_source=by_source))
+            # Hold before ending the lease: a reader planned in between then finds us as a
+            # holder, rather than a momentarily idle trainer (trees, not stars).
+            self.session.hold(self.model, plan.version, self.layout, plan.checksums)
             self.version = plan.version
             if reader is not None and not self.staging:
                 self._remember_parents(reader)
         finally:
-            if not ended:
-                self._end_lease(plan, ok=self.version == plan.version, stats=stats,
-                                by_source=by_source)
+            self._end_lease(plan, ok=self.version == plan.version, stats=stats,
+                            by_source=by_source)
         self.last_pull = stats
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,

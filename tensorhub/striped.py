@@ -182,4 +182,3 @@ class StripedReader:
         self.by_source[action.source] = self.by_source.get(action.source, 0) + nbytes
         self.stats.nbytes += nbytes
         self.state.read_done(action, True, now)
-

@@ -186,18 +186,13 @@ def test_the_planners_holder_list_follows_a_swap_of_holders():
     assert layout.serving() == ["second"]
 
 
-def _two_readers_one_lease(client: CoordinatorClient):
-    """Readers "a" and "b" registered; "a" holds a lease (its plan)."""
-    ids = [client.call(Register(name=n, role="replica", endpoint=Endpoint(
-        transport="zmq", address="tcp://127.0.0.1:1"))).worker_id for n in ("a", "b")]
-    return ids, client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True))
-
-
 def test_a_plan_request_ends_the_previous_lease_it_carries_but_never_anothers(coordinator):
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(STATE)
         client = CoordinatorClient(coordinator.address)
-        ids, plan = _two_readers_one_lease(client)
+        ids = [client.call(Register(name=n, role="replica", endpoint=Endpoint(
+            transport="zmq", address="tcp://127.0.0.1:1"))).worker_id for n in ("a", "b")]
+        plan = client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True))
         assert plan.lease_id in coordinator.table.leases
         theirs = ReadDone(worker_id=ids[0], lease_id=plan.lease_id, ok=True)
         with pytest.raises(CoordinatorError, match="carries a read_done of") as err:
@@ -207,44 +202,6 @@ def test_a_plan_request_ends_the_previous_lease_it_carries_but_never_anothers(co
         assert plan.lease_id in coordinator.table.leases
         client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True, done=theirs))
         assert plan.lease_id not in coordinator.table.leases
-
-
-def test_a_pull_s_hold_ends_its_lease_in_the_same_message(coordinator):
-    """A replica holds what it pulled and ends the pull's lease with one `Hold`: no lease is
-    left, the transfer is on record, and one message of a whole pull was the `Hold`."""
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
-        pub.publish(STATE)
-        seen: list[str] = []
-        real = coordinator._answer
-
-        def counting(payload, make_plan):
-            seen.append(msgpack.unpackb(payload)["request"]["type"])
-            return real(payload, make_plan)
-
-        coordinator._answer = counting
-        try:
-            with Replica(coordinator.address, "policy", transport="zmq", name="r") as rep:
-                assert rep.pull() == 1
-                assert not coordinator.table.leases
-                assert [t.reader for t in coordinator.table.transfers if t.ok] == ["r"]
-                pulled = [t for t in seen if t not in ("heartbeat", "register")]
-                assert pulled.count("hold") == 1 and "read_done" not in pulled
-        finally:
-            coordinator._answer = real
-
-
-def test_a_hold_never_ends_another_worker_s_lease(coordinator):
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
-        pub.publish(STATE)
-        client = CoordinatorClient(coordinator.address)
-        ids, plan = _two_readers_one_lease(client)
-        theirs = ReadDone(worker_id=ids[0], lease_id=plan.lease_id, ok=True)
-        with pytest.raises(CoordinatorError, match="carries a read_done of") as err:
-            client.call(Hold(worker_id=ids[1], model="policy", version=1,
-                             layout_id=plan.layout_id, memory=[], done=theirs))
-        assert err.value.code == "bad_request"
-        assert plan.lease_id in coordinator.table.leases
-        client.close()
 
 
 def test_a_later_plan_of_a_pull_leaves_out_the_manifest_the_reader_has(coordinator):

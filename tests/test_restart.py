@@ -36,17 +36,6 @@ def holders_by_version(address: str) -> dict[int, set[str]]:
     return out
 
 
-def unregister(address: str, worker_id: str) -> None:
-    """Make the coordinator forget `worker_id`, as an expiry or a restart would."""
-    from tensorhub.core.data_types import Unregister
-
-    client = CoordinatorClient(address, timeout=5.0)
-    try:
-        client.call(Unregister(worker_id=worker_id))
-    finally:
-        client.close()
-
-
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -125,40 +114,6 @@ def test_heartbeats_do_not_wait_behind_a_slow_call(coordinator):
             time.sleep(3.0)
         assert worker_id in coordinator.table.workers
         assert rep.session.worker_id == worker_id  # never had to register again
-
-
-def test_a_forgotten_worker_registers_once_however_many_threads_find_out(coordinator):
-    """The heartbeat thread and a pull both meet `unknown_worker`: one new registration (a
-    second would sit in the coordinator as a replica that never heartbeats)."""
-    from tensorhub.core.data_types import Heartbeat
-
-    with Replica(coordinator.address, "policy", transport="zmq", name="forgotten") as rep:
-        old = rep.session.worker_id
-        unregister(coordinator.address, old)
-        calls = [threading.Thread(target=rep.session.call,
-                                  args=(Heartbeat(worker_id=old),)) for _ in range(4)]
-        with rep.session._beat_client._lock:  # every thread meets `unknown_worker` first
-            for t in calls:
-                t.start()
-            time.sleep(0.5)
-        for t in calls:
-            t.join()
-        time.sleep(0.5)  # a heartbeat or two
-        mine = [w for w in coordinator.table.workers.values() if w.name == "forgotten"]
-        assert [w.worker_id for w in mine] == [rep.session.worker_id]
-        assert rep.session.worker_id != old and rep.session.registrations == 2
-
-
-def test_registering_again_does_not_wait_behind_a_slow_call(coordinator):
-    """Forgotten while the request connection is busy (a slow plan): the heartbeat thread
-    registers again on its own connection and keeps the new registration alive."""
-    with Replica(coordinator.address, "policy", transport="zmq", name="busy") as rep:
-        old = rep.session.worker_id
-        with rep.session.client._lock:  # the request connection is busy for 3 s
-            unregister(coordinator.address, old)
-            time.sleep(3.0)  # longer than the TTL (2 s)
-            new = rep.session.worker_id
-            assert new != old and new in coordinator.table.workers
 
 
 def test_a_plan_request_carrying_messages_of_an_older_registration_is_accepted(coordinator):

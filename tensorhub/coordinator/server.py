@@ -462,9 +462,6 @@ class Coordinator:
 
     def _hold(self, req: Hold) -> Ack:
         worker = self._worker(req.worker_id)
-        if req.done is not None and req.done.worker_id != req.worker_id:
-            raise Reject("bad_request", f"a hold of {req.worker_id} carries a read_done of "
-                                        f"{req.done.worker_id}")
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is None:
@@ -500,8 +497,6 @@ class Coordinator:
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
         if layout.forest is not None:
             layout.forest.add_root(worker.worker_id, worker.labels.get("dc", ""))
-        if req.done is not None:
-            self._read_done(req.done)
         return _ACK
 
     def _withdraw(self, req: Withdraw) -> Withdrawn:

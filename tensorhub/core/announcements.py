@@ -61,11 +61,15 @@ class VersionWatcher:
             if exc.code not in ("unknown_model", "unknown_version"):
                 raise
 
-    def announcement(self, version: int | str = "latest") -> Announcement | None:
-        """The announcement of `version` (or of the newest), if we have it."""
+    def _refresh(self) -> None:
+        """Take what was announced; ask once if we have heard of no version at all."""
         self._drain()
         if self.newest is None:
             self._ask()
+
+    def announcement(self, version: int | str = "latest") -> Announcement | None:
+        """The announcement of `version` (or of the newest), if we have it."""
+        self._refresh()
         a = self.newest
         return a if a is not None and version in ("latest", a.version) else None
 
@@ -76,9 +80,7 @@ class VersionWatcher:
     def wait_newer(self, than: int | None, timeout: float) -> int | None:
         """Return the newest version once it is newer than `than`, or None at the timeout."""
         deadline = time.monotonic() + timeout
-        self._drain()
-        if self.newest is None:
-            self._ask()
+        self._refresh()
         while True:
             if self.newest is not None and (than is None or self.newest.version > than):
                 return self.newest.version

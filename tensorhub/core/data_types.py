@@ -146,9 +146,6 @@ class Hold(Strict):
     # from its holders, and so a worker can hold a layout of its own (an engine's native one).
     manifest: Manifest | None = None
     checksums: list[str] | None = Field(default=None, max_length=MAX_TENSORS)
-    # The lease of the pull that brought the version, ended by the same message (after the
-    # hold is recorded, so a reader planned in between finds us as a holder).
-    done: ReadDone | None = None
 
 
 class Withdraw(Strict):
@@ -196,9 +193,6 @@ class ReadDone(Strict):
     # Striped pulls: bytes read from each source (worker id), for the transfer records.
     by_source: dict[Name, Annotated[int, Field(ge=0)]] = Field(default_factory=dict,
                                                                max_length=64)
-
-
-Hold.model_rebuild()  # its `done` is a ReadDone, defined just above
 
 
 class GetManifest(Strict):

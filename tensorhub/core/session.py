@@ -15,7 +15,7 @@ import uuid
 import torch
 
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import Heartbeat, Hold, ReadDone, Register, Unregister, Withdraw
+from tensorhub.core.data_types import Heartbeat, Hold, Register, Unregister, Withdraw
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
@@ -78,8 +78,8 @@ class WorkerSession:
         return self._progress[start:start + POLL_WINDOW]
 
     # ------------------------------------------------------------------ membership
-    def _register(self, client: CoordinatorClient | None = None) -> None:
-        reply = (client or self.client).call(
+    def _register(self) -> None:
+        reply = self.client.call(
             Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
                      labels=self.labels, progress=describe(self.progress))
         )
@@ -89,22 +89,17 @@ class WorkerSession:
         self.announce_address = reachable_announce(reply.announce_address,
                                                    self.client.address)
 
-    def _recover(self, forgotten: str) -> None:
-        """The coordinator forgot us (as `forgotten`): register again and re-announce what we
-        hold, once however many threads found out. It goes over the heartbeat connection,
-        so it never waits behind a slow call on the request connection (while it waited,
-        the new registration would miss its own heartbeats)."""
+    def _recover(self) -> None:
+        """The coordinator forgot us: register again and re-announce what we hold."""
         with self._lock:
-            if self.worker_id != forgotten:
-                return  # another thread has registered us again already
             log.warning("%s: coordinator does not know us; registering again", self.name)
-            self._register(self._beat_client)
+            self._register()
             self._unannounced.clear()
             for (model, version), (layout, hold) in list(self._holds.items()):
                 hold = hold.model_copy(update={"worker_id": self.worker_id,
                                                "endpoint": self.transport.endpoint()})
                 try:
-                    self._beat_client.call(hold)
+                    self.client.call(hold)
                     self._holds[(model, version)] = (layout, hold)
                 except CoordinatorError as exc:
                     log.warning("%s: could not re-announce %s v%d: %s", self.name, model,
@@ -128,27 +123,24 @@ class WorkerSession:
 
     def call(self, request, timeout: float | None = None):
         """Call the coordinator as this worker; recover once if it has forgotten us."""
-        sent = self._as_me(request)
-        me = getattr(sent, "worker_id", self.worker_id)
         try:
-            return self.client.call(sent, timeout)
+            return self.client.call(self._as_me(request), timeout)
         except CoordinatorError as exc:
             if exc.code != "unknown_worker":
                 raise
-        self._recover(me)
+        self._recover()
         return self.client.call(self._as_me(request), timeout)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
-                me = self.worker_id
                 try:
-                    self._beat_client.call(Heartbeat(worker_id=me),
+                    self._beat_client.call(Heartbeat(worker_id=self.worker_id),
                                            timeout=max(2.0, 2 * self.heartbeat_interval))
                 except CoordinatorError as exc:
                     if exc.code != "unknown_worker":
                         raise
-                    self._recover(me)
+                    self._recover()
                 if self._unannounced:
                     self._announce_pending()
             except (CoordinatorUnavailable, CoordinatorError) as exc:
@@ -157,27 +149,22 @@ class WorkerSession:
                 log.exception("%s: heartbeat loop error", self.name)
 
     # ------------------------------------------------------------------ references
-    def hold(self, model: str, version: int, layout: BoundLayout, checksums: list[str],
-             done: ReadDone | None = None) -> bool:
-        """Tell the coordinator we hold `version` completely and serve reads of it; `done`
-        ends the lease of the pull that brought it in the same message. False: the
-        coordinator did not answer (the hold is announced when it does; `done` is not)."""
+    def hold(self, model: str, version: int, layout: BoundLayout, checksums: list[str]) -> None:
+        """Tell the coordinator we hold `version` completely and serve reads of it."""
         hold = Hold(worker_id=self.worker_id, model=model, version=version,
                     layout_id=layout.layout_id, memory=layout.memory(),
                     endpoint=self.transport.endpoint(), manifest=layout.manifest,
                     checksums=checksums)
         with self._lock:
-            self._holds[(model, version)] = (layout, hold)  # (replayed without `done`)
+            self._holds[(model, version)] = (layout, hold)
             try:
-                self.call(hold.model_copy(update={"done": done}) if done else hold)
-                return True
+                self.call(hold)
             except CoordinatorUnavailable:
                 # The bytes are complete and verified: keep serving them, and announce them
                 # as soon as the coordinator answers again (the heartbeat loop retries).
                 log.warning("%s: coordinator unreachable; will announce %s v%d when it is "
                             "back", self.name, model, version)
                 self._unannounced.add((model, version))
-                return False
             except BaseException:
                 self._holds.pop((model, version), None)
                 raise

@@ -122,7 +122,6 @@ class FleetResult(Completions):
     messages: dict[str, int] = field(default_factory=dict)  # by type (queue only)
 
 
-
 def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:
     """A model of uint8 tensors: 64 tiny ones (the compact region) and large ones."""
     tensors = [TensorSpec(name=f"norm.{i}", dtype="uint8", shape=[4096], nbytes=4096)

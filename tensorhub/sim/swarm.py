@@ -170,8 +170,8 @@ class _Reader:
             self.finished = self.sim.loop.now
             self.parents = [st.source for st in self.pull.stripes]
             self.send(Hold(worker_id=self.id, model="m", version=self.version,
-                           layout_id=self.sim.layout_id, memory=self.sim.memory,
-                           done=ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True)))
+                           layout_id=self.sim.layout_id, memory=self.sim.memory))
+            self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
             self.sim.finished_one(self)
             return
         self.step()

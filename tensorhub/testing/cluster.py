@@ -431,14 +431,26 @@ class Host:
         self.ingress = _bits(rate)
 
 
+def _tcp_server(dst: Host, port: int) -> ChildProcess:
+    """A one-connection TCP receiver on `dst`, listening once this returns (stopped by the
+    caller, also when this raises)."""
+    server = dst.popen([sys.executable, "-c", _TCP_SERVER, str(port)],
+                       name=f"server on {dst.name}")
+    try:
+        if server.next_line(timeout=10) != "listening":
+            raise ClusterError(f"no TCP server on {dst.name}")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 def tcp_transfer(src: Host, dst: Host, nbytes: int, port: int = 5001) -> dict:
     """Send `nbytes` from `src` to `dst` over one TCP connection: the bytes and seconds
     the receiver measured (from accept to EOF), plus the hostname the client was greeted
     with. Benchmarks take a link's real goodput from this (the physical bound)."""
-    server = dst.popen([sys.executable, "-c", _TCP_SERVER, str(port)], name=f"server on {dst.name}")
+    server = _tcp_server(dst, port)
     try:
-        if server.next_line(timeout=10) != "listening":
-            raise ClusterError(f"no TCP server on {dst.name}")
         client = src.run([sys.executable, "-c", _TCP_CLIENT, dst.address, str(port), str(nbytes)],
                          timeout=60)
         if client.returncode != 0:
@@ -458,15 +470,11 @@ def concurrent_tcp_transfers(pairs: Sequence[tuple[Host, Host]], nbytes: int,
     link, can move at once: the physical bound of a pattern that keeps many links busy
     together. (Times are compared across hosts: emulated hosts share one clock. Every
     client holds its `nbytes` in memory.)"""
-    servers = []
+    servers: list[ChildProcess] = []
     clients: list[ChildProcess] = []
     try:
         for i, (_, dst) in enumerate(pairs):
-            server = dst.popen([sys.executable, "-c", _TCP_SERVER, str(port + i)],
-                               name=f"server on {dst.name}")
-            servers.append(server)
-            if server.next_line(timeout=10) != "listening":
-                raise ClusterError(f"no TCP server on {dst.name}")
+            servers.append(_tcp_server(dst, port + i))
         at = time.time() + lead
         for i, (src, dst) in enumerate(pairs):
             clients.append(src.popen([sys.executable, "-c", _TCP_CLIENT, dst.address,
