@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,9 +52,25 @@ def coordinator_process(tmp_path_factory):
     proc.stop()
 
 
+_STALLS = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tensorhub-stalls-{os.getpid()}.log")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stall_monitor():
+    """A process that notes each time the machine did not run it for over half a second."""
+    proc = ChildProcess([sys.executable, "-m", "integration.stall_monitor", _STALLS],
+                        name="stall-monitor", stdout=None,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    yield
+    proc.stop()
+    if os.path.exists(_STALLS):
+        os.unlink(_STALLS)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that used the coordinator shows the end of its log (CI keeps no files)."""
+    """A failed test that used the coordinator shows the end of its log, and any stalls
+    of the whole machine seen so far (CI keeps no files)."""
     outcome = yield
     report = outcome.get_result()
     funcargs = getattr(item, "funcargs", {})
@@ -61,3 +78,6 @@ def pytest_runtest_makereport(item, call):
     if coordinator is not None and coordinator.log_file.exists():
         tail = coordinator.log_file.read_text().splitlines()[-40:]
         report.sections.append(("coordinator log (last 40 lines)", "\n".join(tail)))
+    if report.failed and report.when == "call":
+        stalls = Path(_STALLS).read_text().splitlines()[-20:] if os.path.exists(_STALLS) else []
+        report.sections.append(("machine stalls (last 20)", "\n".join(stalls) or "none"))

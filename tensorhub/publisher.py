@@ -51,6 +51,7 @@ class Publisher:
         retain_timeout: float = 30.0,
         token: str | None = None,
         timeout: float = 10.0,
+        coordinator_wait: float = 120.0,
         labels: dict[str, str] | None = None,
     ):
         self.model = model
@@ -59,6 +60,7 @@ class Publisher:
         self.release_timeout = release_timeout
         self.min_replicas = min_replicas
         self.retain_timeout = retain_timeout
+        self.coordinator_wait = coordinator_wait
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
                                      timeout)
@@ -67,7 +69,8 @@ class Publisher:
 
     def _latest(self) -> int:
         try:
-            return self.session.client.call(GetManifest(model=self.model)).version
+            return self.session.call_patiently(GetManifest(model=self.model),
+                                               self.coordinator_wait).version
         except CoordinatorError as exc:
             if exc.code in ("unknown_model", "unknown_version"):
                 return 0
@@ -76,7 +79,9 @@ class Publisher:
     def publish(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         """Register the tensors (checkpoint layout) as `version` (default: latest + 1) and
         announce it. Returns the version. Raises `CoordinatorError` ("stale_version") for a
-        version that is not newer than the model's latest, before touching anything."""
+        version that is not newer than the model's latest, before touching anything.
+        A coordinator that does not answer is tried again for up to `coordinator_wait`
+        seconds (a restart, a pause) before `CoordinatorUnavailable`."""
         named = named_list(named_tensors)
         latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
@@ -102,10 +107,10 @@ class Publisher:
             self.session.transport.deregister(self._layout.item_bytes)
         self.session.transport.register(layout.item_bytes)
         checksums = layout.checksums()
-        reply = self.session.call(Publish(
+        reply = self.session.call_patiently(Publish(
             worker_id=self.session.worker_id, model=self.model, version=version,
             manifest=manifest, checksums=checksums, memory=layout.memory(),
-            endpoint=self.session.transport.endpoint()))
+            endpoint=self.session.transport.endpoint()), self.coordinator_wait)
         self._layout = layout
         self.version = version
         self._newest = version

@@ -73,6 +73,23 @@ def test_a_manifest_whose_sizes_contradict_its_shapes_is_refused(coordinator):
     _still_serving(coordinator.address)
 
 
+def test_a_publish_repeated_after_a_lost_answer_is_answered_as_the_first(coordinator):
+    from tensorhub.core.data_types import MemoryDesc
+
+    client, wid = _raw_trainer(coordinator.address)
+    manifest = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=[4], nbytes=16)],
+                        compact_threshold=1 << 20)
+    publish = Publish(worker_id=wid, model="policy", version=1, manifest=manifest,
+                      checksums=["x"], memory=[MemoryDesc(addr=4096, nbytes=64)])
+    first, again = client.call(publish), client.call(publish)
+    assert (again.version, again.layout_id) == (first.version, first.layout_id)
+    assert first.version == 1
+    with pytest.raises(CoordinatorError) as err:  # other bytes under the same number: no
+        client.call(publish.model_copy(update={"checksums": ["y"]}))
+    assert err.value.code == "stale_version"
+    client.close()
+
+
 def test_registered_memory_that_does_not_fit_the_layout_is_refused(coordinator):
     from tensorhub.core.data_types import MemoryDesc
 

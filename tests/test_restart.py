@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -103,6 +105,50 @@ def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_a
         assert len(reads) >= 2  # the coordinator died mid-pull, the reads went on
         wait_until(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
                    30, "the reader announces v1 to the restarted coordinator")
+
+
+def registered(address: str) -> set[str]:
+    client = CoordinatorClient(address, timeout=5.0)
+    try:
+        return {str(w["worker_id"]) for w in client.call(StatusRequest()).workers}
+    finally:
+        client.close()
+
+
+def test_a_coordinator_paused_longer_than_the_ttl_keeps_its_workers(coordinator_proc):
+    """SIGSTOP the coordinator for twice its 2 s TTL: the heartbeats sent meanwhile wait in
+    its queue, so on waking it must not drop the workers that sent them."""
+    replicas = [Replica(coordinator_proc.address, "policy", transport="zmq", name=f"r{i}")
+                for i in range(3)]
+    try:
+        ids = {r.session.worker_id for r in replicas}
+        os.kill(coordinator_proc.proc.pid, signal.SIGSTOP)
+        time.sleep(4.0)
+        os.kill(coordinator_proc.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        assert registered(coordinator_proc.address) == ids
+        assert [r.session.registrations for r in replicas] == [1, 1, 1]
+    finally:
+        os.kill(coordinator_proc.proc.pid, signal.SIGCONT)
+        for r in replicas:
+            r.close()
+
+
+def test_a_publish_while_the_coordinator_is_paused_lands_when_it_resumes(coordinator_proc):
+    state = synthetic_state_dict(1, n_tiny=4, seed=2)
+    with Publisher(coordinator_proc.address, "policy", transport="zmq", name="trainer",
+                   timeout=1.0, coordinator_wait=30.0) as pub:
+        published: list[int] = []
+        os.kill(coordinator_proc.proc.pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=lambda: published.append(pub.publish(state)))
+            thread.start()
+            time.sleep(3.0)  # three of the publisher's 1 s timeouts
+        finally:
+            os.kill(coordinator_proc.proc.pid, signal.SIGCONT)
+        thread.join(30)
+        assert published == [1]
+        assert holders_by_version(coordinator_proc.address) == {1: {"trainer"}}
 
 
 def test_heartbeats_do_not_wait_behind_a_slow_call(coordinator):

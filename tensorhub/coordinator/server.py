@@ -88,6 +88,9 @@ log = logging.getLogger("tensorhub.coordinator")
 # Seconds between walks of the table for workers that stopped heartbeating and expired
 # leases (TTLs are seconds: a tenth of a second late is within their slack).
 EXPIRY_PERIOD = 0.1
+# A gap this long between two reads of the queue (each waits at most 0.1 s) means the
+# coordinator itself was not listening: see `Coordinator.forgive_pause`.
+PAUSE_FORGIVEN = 1.0
 
 
 @dataclass(frozen=True)
@@ -280,12 +283,17 @@ class Coordinator:
         router = self._router
         router.setsockopt(zmq.RCVTIMEO, 100)
         next_expiry = 0.0
+        last_turn = self.clock()
         while not self._stop.is_set():
             try:
                 frames = router.recv_multipart()
             except zmq.Again:
-                pass
-            else:
+                frames = None
+            now = self.clock()
+            if now - last_turn > PAUSE_FORGIVEN:
+                self.forgive_pause(now - last_turn)
+            last_turn = now
+            if frames is not None:
                 self._handle_frames(frames)
             # Expiry walks every worker and lease: at most every EXPIRY_PERIOD, not after
             # every request (at 4096 workers heartbeating, that walk was most of the CPU).
@@ -436,6 +444,11 @@ class Coordinator:
         if worker.role != "trainer":
             raise Reject("bad_request", "only a worker registered as trainer may publish")
         latest = self.table.models[req.model].latest if req.model in self.table.models else 0
+        if req.version == latest and self._already_published(req):
+            # A retry whose first try was answered but the answer lost (a pause, a
+            # reconnect): answered as the first was, so a trainer may always retry.
+            vrec = self.table.models[req.model].versions[latest]
+            return Published(model=req.model, version=latest, layout_id=vrec.origin_layout)
         if req.version <= latest:
             raise Reject("stale_version",
                          f"model {req.model!r} is at version {latest}; a new version "
@@ -459,6 +472,13 @@ class Coordinator:
                  req.version, len(layout.items), sum(i.nbytes for i in layout.items) / 2**20)
         self._announce(req.model, req.version, lid, layout, worker.worker_id, req.memory)
         return Published(model=req.model, version=req.version, layout_id=lid)
+
+    def _already_published(self, req: Publish) -> bool:
+        """`req` repeats the publish that made its version: same trainer, same bytes."""
+        vrec = self.table.models[req.model].versions.get(req.version)
+        layout = vrec.layouts.get(vrec.origin_layout) if vrec is not None else None
+        return (layout is not None and req.worker_id in layout.holders
+                and layout.checksums == list(req.checksums or []))
 
     def _hold(self, req: Hold) -> Ack:
         worker = self._worker(req.worker_id)
@@ -953,6 +973,19 @@ class Coordinator:
                            transfers=self.table.transfers[-200:], suspect_readers=suspects)
 
     # ------------------------------------------------------------------ expiry
+    def forgive_pause(self, seconds: float) -> None:
+        """The coordinator did not read its queue for `seconds` (this process or its
+        machine was paused, or one request took that long): heartbeats and lease reports
+        sent meanwhile are still queued, so the gap counts against no worker and no lease.
+        Without this, the first expiry walk after a pause drops every worker at once, and
+        all of them register again."""
+        log.warning("the coordinator did not read its queue for %.1f s (paused, or busy); "
+                    "not counting that against heartbeats or read leases", seconds)
+        for worker in self.table.workers.values():
+            worker.last_seen += seconds
+        for lease in self.table.leases.values():
+            lease.expires += seconds
+
     def _forget_worker(self, worker_id: str, why: str) -> None:
         worker = self.table.workers.pop(worker_id, None)
         if worker is None:

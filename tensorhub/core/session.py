@@ -131,6 +131,21 @@ class WorkerSession:
         self._recover()
         return self.client.call(self._as_me(request), timeout)
 
+    def call_patiently(self, request, wait: float):
+        """`call`, tried again while the coordinator does not answer (restarting, paused,
+        unreachable for a moment), for up to `wait` seconds in all; then
+        `CoordinatorUnavailable`. Only for requests that are safe to repeat."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.call(request, min(self.client.timeout,
+                                              max(0.1, deadline - time.monotonic())))
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
+                            deadline - time.monotonic())
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
