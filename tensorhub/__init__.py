@@ -12,6 +12,7 @@ from tensorhub.core.errors import (
     TensorHubError,
     TransferError,
 )
+from tensorhub.parted import PartedReplica
 from tensorhub.publisher import Publisher
 from tensorhub.replica import Replica
 
@@ -20,6 +21,7 @@ __all__ = [
     "CoordinatorUnavailable",
     "IntegrityError",
     "LayoutError",
+    "PartedReplica",
     "Publisher",
     "Replica",
     "TensorHubError",

@@ -20,7 +20,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from tensorhub.core.data_types import GetManifest, Hold, Publish, RetentionRequest
+from tensorhub.core.data_types import (
+    GetManifest,
+    Hold,
+    Part,
+    Publish,
+    PublishStatus,
+    RetentionRequest,
+)
 from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.session import WorkerSession
@@ -53,7 +60,13 @@ class Publisher:
         timeout: float = 10.0,
         coordinator_wait: float = 120.0,
         labels: dict[str, str] | None = None,
+        part: int = 0,
+        parts: int = 1,
     ):
+        """`part` of `parts`: this trainer rank publishes one part of each version, and the
+        version appears to readers once all `parts` ranks have published theirs (FSDP or
+        Megatron ranks, each with the tensors it owns, or row slices; `publish(rows=...)`).
+        """
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
@@ -61,6 +74,7 @@ class Publisher:
         self.min_replicas = min_replicas
         self.retain_timeout = retain_timeout
         self.coordinator_wait = coordinator_wait
+        self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
                                      timeout)
@@ -76,12 +90,23 @@ class Publisher:
                 return 0
             raise
 
-    def publish(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    def publish(self, named_tensors: NamedTensors, version: int | None = None, *,
+                rows: Mapping[str, tuple[int, int]] | None = None,
+                part_timeout: float | None = None) -> int:
         """Register the tensors (checkpoint layout) as `version` (default: latest + 1) and
         announce it. Returns the version. Raises `CoordinatorError` ("stale_version") for a
         version that is not newer than the model's latest, before touching anything.
         A coordinator that does not answer is tried again for up to `coordinator_wait`
-        seconds (a restart, a pause) before `CoordinatorUnavailable`."""
+        seconds (a restart, a pause) before `CoordinatorUnavailable`.
+
+        A rank of a sharded version (`parts` > 1) names the version (every rank the same)
+        and may give `rows`: name -> (first row, total rows) for tensors it holds a row
+        slice of. It returns once all parts are in (waiting up to `part_timeout`, default
+        `coordinator_wait`), and raises `TensorHubError` ("aborted") if the version was
+        given up meanwhile (a rank died, or parts did not fit together)."""
+        if self.part.parts > 1 and version is None:
+            raise ValueError("a sharded publish needs an explicit version, the same on every "
+                             "rank (the training step, say)")
         named = named_list(named_tensors)
         latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
@@ -89,7 +114,9 @@ class Publisher:
             raise CoordinatorError(
                 f"model {self.model!r} is at version {latest}; cannot publish {version}",
                 code="stale_version")
-        manifest = manifest_of(named, self.compact_threshold)
+        manifest = manifest_of(named, self.compact_threshold, rows)
+        if self.part.parts > 1:
+            self._let_replicas_keep_current()
         self._drop_current()  # buffers are about to change: end reads of the old version first
         tensors = [t for _, t in named]
         if self.zero_copy:
@@ -107,21 +134,57 @@ class Publisher:
             self.session.transport.deregister(self._layout.item_bytes)
         self.session.transport.register(layout.item_bytes)
         checksums = layout.checksums()
-        reply = self.session.call_patiently(Publish(
+        publish = Publish(
             worker_id=self.session.worker_id, model=self.model, version=version,
             manifest=manifest, checksums=checksums, memory=layout.memory(),
-            endpoint=self.session.transport.endpoint()), self.coordinator_wait)
+            endpoint=self.session.transport.endpoint(), part=self.part.part,
+            parts=self.part.parts)
         self._layout = layout
+        reply = self.session.call_patiently(publish, self.coordinator_wait)
+        if not reply.complete:
+            self._await_parts(publish, self.coordinator_wait if part_timeout is None
+                              else part_timeout)
         self.version = version
         self._newest = version
         # Kept so a restarted coordinator learns of this version again (soft state).
         self.session.remember(self.model, version, layout, Hold(
             worker_id=self.session.worker_id, model=self.model, version=reply.version,
             layout_id=layout.layout_id, memory=layout.memory(), manifest=manifest,
-            checksums=checksums))
+            checksums=checksums, part=self.part.part, parts=self.part.parts))
         log.info("published %s v%d (%.1f MiB, layout %s)", self.model, version,
                  layout.nbytes / 2**20, layout.layout_id)
         return version
+
+    def _let_replicas_keep_current(self) -> None:
+        """A sharded version is not superseded until every rank's next part is in, so
+        before our part of it goes, replicas that exist are given (up to `retain_timeout`)
+        the time to hold it: else a rank that runs ahead leaves the newest version with a
+        part nobody has."""
+        try:
+            self.retained()
+        except TensorHubError as exc:
+            log.warning("publishing anyway: %s", exc)
+
+    def _await_parts(self, publish: Publish, timeout: float) -> None:
+        """Wait until every part of `publish.version` is in; a coordinator that restarted
+        meanwhile (it forgot the version) is sent our part again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.session.call_patiently(
+                PublishStatus(model=self.model, version=publish.version), self.coordinator_wait)
+            if status.state == "complete":
+                return
+            if status.state == "aborted":
+                raise TensorHubError(f"{self.model} v{publish.version} was given up before "
+                                     f"all its parts were in: {status.reason}", code="aborted")
+            if status.state == "unknown":
+                self.session.call_patiently(publish, self.coordinator_wait)
+            if time.monotonic() > deadline:
+                raise TensorHubError(
+                    f"{self.model} v{publish.version}: parts {status.parts_in} of "
+                    f"{self.part.parts} in after {timeout:.0f} s; the others' ranks have not "
+                    f"published theirs", code="aborted")
+            time.sleep(0.02)
 
     def retained(self, timeout: float | None = None) -> bool:
         """Wait until `min_replicas` replicas hold our current version. False at once when

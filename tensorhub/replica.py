@@ -34,6 +34,7 @@ from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
     ByteRange,
     GetManifest,
+    Part,
     PlanRequest,
     ReadDone,
     ReadPlan,
@@ -83,12 +84,15 @@ class Replica:
         labels: dict[str, str] | None = None,
         device: str = "cpu",
         chunked: bool = True,
+        part: int = 0,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
         joining with no weights of its own). `chunked=False`: whole-item plans, no
-        striping (one source a pull)."""
+        striping (one source a pull). `part`: which part of a sharded version this replica
+        pulls and holds (`PartedReplica` runs one replica per part)."""
         self.model = model
+        self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
         self.staging = staging
         self.verify = verify
         self.chunked = chunked
@@ -240,9 +244,12 @@ class Replica:
         deadline = time.monotonic() + timeout
         warm = self._warm_plan(version)
         self.last_pull_planned = warm is None
-        if self.layout is None and self.chunked:
-            # A striped pull's first request carries our buffers: allocate them first.
-            reply = self.session.call(GetManifest(model=self.model, version=version))
+        if self.layout is None and (self.chunked or self.part.part):
+            # A striped pull's first request carries our buffers (and a part's plan names
+            # its layout): allocate them first.
+            reply = self.session.call(GetManifest(model=self.model, version=version,
+                                                  part=self.part.part))
+            self.part = Part(part=self.part.part, parts=reply.parts)
             self._bind(BoundLayout.allocate(reply.manifest, self._device))
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
         if self.chunked and not self.staging:
@@ -307,7 +314,7 @@ class Replica:
             self.layout.scatter()
             # Hold before ending the lease: a reader planned in between then finds us as a
             # holder, rather than a momentarily idle trainer (trees, not stars).
-            self.session.hold(self.model, plan.version, self.layout, plan.checksums)
+            self.session.hold(self.model, plan.version, self.layout, plan.checksums, self.part)
             self.version = plan.version
             if reader is not None and not self.staging:
                 self._remember_parents(reader)

@@ -22,6 +22,7 @@ import msgpack
 import zmq
 
 from tensorhub.coordinator.forest import Forest
+from tensorhub.coordinator.parts import Pending, PendingPart, PendingVersion, check_parts_fit
 from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
 from tensorhub.coordinator.table import (
     HolderRec,
@@ -54,6 +55,8 @@ from tensorhub.core.data_types import (
     Progress,
     Publish,
     Published,
+    PublishStatus,
+    PublishStatusReply,
     ReadDone,
     ReadPlan,
     ReadRange,
@@ -108,6 +111,8 @@ class CoordinatorConfig:
     stripes: int = 2
     pending_retry: float = 0.02
     pending_grace: float = 0.5
+    # A sharded version (`Publish.parts`) is given up if its parts are not all in by then.
+    part_wait: float = 120.0
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
@@ -220,6 +225,7 @@ class Coordinator:
         self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         self._announcements: dict[str, Announcement] = {}  # model -> its newest
+        self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -254,7 +260,7 @@ class Coordinator:
             Progress: self._progress,
             GetManifest: self._manifest, StatusRequest: self._status,
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
-            LatestRequest: self._latest,
+            LatestRequest: self._latest, PublishStatus: self._publish_status,
         }  # fmt: skip
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
@@ -403,13 +409,14 @@ class Coordinator:
             worker.endpoint = endpoint
 
     def _announce(self, model: str, version: int, lid: str, layout: LayoutRec,
-                  publisher: str, memory: list[MemoryDesc]) -> None:
+                  publisher: str, memory: list[MemoryDesc], parts: int = 1) -> None:
         """Tell subscribers (and later `LatestRequest`s) of a new version, with what a
-        reader needs to pull it by the parents it had for the previous one."""
+        reader needs to pull it by the parents it had for the previous one (for a sharded
+        version: its part 0's)."""
         announcement = Announcement(
             model=model, version=version, layout_id=lid, checksums=layout.checksums,
             chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
-            publisher=publisher, memory_digest=regions_digest(memory))
+            publisher=publisher, memory_digest=regions_digest(memory), parts=parts)
         self._announcements[model] = announcement
         msg = encode(announcement)
         try:
@@ -444,6 +451,8 @@ class Coordinator:
         if worker.role != "trainer":
             raise Reject("bad_request", "only a worker registered as trainer may publish")
         latest = self.table.models[req.model].latest if req.model in self.table.models else 0
+        if req.parts > 1:
+            return self._publish_part(req, worker, latest)
         if req.version == latest and self._already_published(req):
             # A retry whose first try was answered but the answer lost (a pause, a
             # reconnect): answered as the first was, so a trainer may always retry.
@@ -456,29 +465,133 @@ class Coordinator:
         lid, layout = self._new_layout(req.manifest, req.checksums)
         self._check_memory(layout, req.memory)
         self._update_endpoint(worker, req.endpoint)
-        mrec = self.table.models.setdefault(req.model, ModelRec())  # only once all checks pass
         layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
-        previous = mrec.versions.get(mrec.latest)
-        mrec.versions[req.version] = VersionRec(req.version, lid, {lid: layout})
-        mrec.latest = req.version
-        last = previous.layouts.get(lid) if previous is not None else None
-        if last is not None and last.forest is not None:
-            # The same layout: its readers may pull this version by their last parents
-            # (`Forest.adopt`, as each confirms), so the forest starts with its publisher.
-            layout.previous_forest = last.forest
-            self._forest(layout)
-        self.table.prune()
+        self._make_version(req.model, VersionRec(req.version, lid, {lid: layout}))
         log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
-                 req.version, len(layout.items), sum(i.nbytes for i in layout.items) / 2**20)
+                 req.version, len(layout.items), layout.nbytes / 2**20)
         self._announce(req.model, req.version, lid, layout, worker.worker_id, req.memory)
         return Published(model=req.model, version=req.version, layout_id=lid)
 
+    def _make_version(self, model: str, vrec: VersionRec) -> None:
+        """`vrec` becomes the model's newest version (all checks passed)."""
+        mrec = self.table.models.setdefault(model, ModelRec())
+        previous = mrec.versions.get(mrec.latest)
+        mrec.versions[vrec.version] = vrec
+        mrec.latest = vrec.version
+        for lid, layout in vrec.layouts.items():
+            last = previous.layouts.get(lid) if previous is not None else None
+            if last is not None and last.forest is not None:
+                # The same layout: its readers may pull this version by their last parents
+                # (`Forest.adopt`, as each confirms), so the forest starts with its publisher.
+                layout.previous_forest = last.forest
+                self._forest(layout)
+        for key in [k for k in self.pending.versions if k[0] == model and k[1] < vrec.version]:
+            self._abort(key, f"v{vrec.version} was published first")
+        self.table.prune()
+
     def _already_published(self, req: Publish) -> bool:
-        """`req` repeats the publish that made its version: same trainer, same bytes."""
+        """`req` repeats the publish that made its version (or part): same trainer, same
+        bytes."""
         vrec = self.table.models[req.model].versions.get(req.version)
-        layout = vrec.layouts.get(vrec.origin_layout) if vrec is not None else None
+        if vrec is None:
+            return False
+        lids = vrec.parts or [vrec.origin_layout]
+        if req.part >= len(lids) or lids[req.part] is None:
+            return False
+        layout = vrec.layouts.get(lids[req.part])
         return (layout is not None and req.worker_id in layout.holders
                 and layout.checksums == list(req.checksums or []))
+
+    # ------------------------------------------------------------------ sharded versions
+    def _publish_part(self, req: Publish, worker: WorkerRec, latest: int) -> Published:
+        """Part `req.part` of a sharded version: kept aside until all parts are in, then
+        the version is made and announced like any other (`parts.py`)."""
+        key = (req.model, req.version)
+        if req.version <= latest:
+            if req.version == latest and self._already_published(req):
+                vrec = self.table.models[req.model].versions[latest]
+                return Published(model=req.model, version=latest,
+                                 layout_id=vrec.parts[req.part], complete=True)
+            raise Reject("stale_version",
+                         f"model {req.model!r} is at version {latest}; a new version "
+                         f"must be greater (got {req.version})")
+        if key in self.pending.aborted and key not in self.pending.versions:
+            raise Reject("aborted", f"{req.model!r} v{req.version} was given up "
+                         f"({self.pending.aborted[key]}); publish the next version")
+        pending = self.pending.versions.get(key)
+        if pending is not None and pending.parts != req.parts:
+            raise Reject("bad_request", f"{req.model!r} v{req.version} is being published "
+                         f"in {pending.parts} parts, not {req.parts}")
+        lid, layout = self._new_layout(req.manifest, req.checksums)
+        self._check_memory(layout, req.memory)
+        self._update_endpoint(worker, req.endpoint)
+        have = pending.have.get(req.part) if pending is not None else None
+        if have is not None:
+            if have.publisher == worker.worker_id and have.layout.checksums == layout.checksums:
+                return Published(model=req.model, version=req.version, layout_id=lid,
+                                 complete=False)  # a repeat
+            raise Reject("bad_request", f"part {req.part} of {req.model!r} v{req.version} "
+                         f"is in already, from {have.publisher}")
+        if pending is None:
+            pending = self.pending.versions[key] = PendingVersion(req.version, req.parts,
+                                                                  self.clock())
+            self.pending.aborted.pop(key, None)
+        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        pending.have[req.part] = PendingPart(lid, layout, worker.worker_id, list(req.memory))
+        if not pending.complete:
+            log.info("%s published part %d of %s v%d (%d of %d in)", worker.worker_id,
+                     req.part, req.model, req.version, len(pending.have), req.parts)
+            return Published(model=req.model, version=req.version, layout_id=lid,
+                             complete=False)
+        parts = [pending.have[r] for r in range(pending.parts)]
+        try:
+            check_parts_fit([p.layout.manifest for p in parts])
+        except ValueError as exc:
+            self._abort(key, str(exc))
+            raise Reject("bad_request", f"{req.model!r} v{req.version}: {exc}") from None
+        del self.pending.versions[key]
+        self._make_version(req.model, VersionRec(req.version, parts[0].layout_id,
+                                                 {p.layout_id: p.layout for p in parts},
+                                                 parts=[p.layout_id for p in parts]))
+        log.info("%s v%d published in %d parts (%.1f MiB)", req.model, req.version,
+                 len(parts), sum(p.layout.nbytes for p in parts) / 2**20)
+        self._announce(req.model, req.version, parts[0].layout_id, parts[0].layout,
+                       parts[0].publisher, parts[0].memory, parts=len(parts))
+        return Published(model=req.model, version=req.version, layout_id=lid, complete=True)
+
+    def _abort(self, key: tuple[str, int], reason: str) -> None:
+        if self.pending.abort(key, reason) is not None:
+            log.warning("%s v%d given up before all its parts were in: %s", *key, reason)
+
+    def _publish_status(self, req: PublishStatus) -> PublishStatusReply:
+        key = (req.model, req.version)
+        pending = self.pending.versions.get(key)
+        if pending is not None:
+            return PublishStatusReply(state="pending", parts=pending.parts,
+                                      parts_in=sorted(pending.have))
+        if key in self.pending.aborted:
+            return PublishStatusReply(state="aborted", reason=self.pending.aborted[key])
+        mrec = self.table.models.get(req.model)
+        vrec = mrec.versions.get(req.version) if mrec else None
+        if vrec is not None:
+            lids = vrec.parts or [vrec.origin_layout]
+            back = [r for r, lid in enumerate(lids) if lid is not None and lid in vrec.layouts]
+            return PublishStatusReply(state="complete" if len(back) == len(lids) else "pending",
+                                      parts=len(lids), parts_in=back)
+        return PublishStatusReply(state="unknown")
+
+    def _part_layout(self, vrec: VersionRec, part: int, model: str) -> tuple[str, LayoutRec]:
+        """Part `part` of a version (0: the whole of an unsharded one)."""
+        lids = vrec.parts or [vrec.origin_layout]
+        if part >= len(lids):
+            raise Reject("bad_request", f"{model!r} v{vrec.version} has {len(lids)} part(s), "
+                         f"not a part {part}")
+        lid = lids[part]
+        if lid is None or lid not in vrec.layouts:
+            raise Reject("no_holder", f"no holder of part {part} of {model!r} "
+                         f"v{vrec.version} is back yet (coordinator restarted)",
+                         retry_after=0.2)
+        return lid, vrec.layouts[lid]
 
     def _hold(self, req: Hold) -> Ack:
         worker = self._worker(req.worker_id)
@@ -491,7 +604,9 @@ class Coordinator:
             # Soft state: a holder re-registering after a coordinator restart brings it back.
             # Records are built aside and stored only once every check below has passed.
             lid, layout = self._new_layout(req.manifest, req.checksums)
-            vrec = VersionRec(req.version, lid, {lid: layout})
+            vrec = VersionRec(req.version, lid if req.part == 0 else "", {lid: layout},
+                              parts=None if req.parts == 1 else
+                              [lid if r == req.part else None for r in range(req.parts)])
         new_layout = None
         layout = vrec.layouts.get(req.layout_id)
         if layout is None:
@@ -510,6 +625,11 @@ class Coordinator:
         self._update_endpoint(worker, req.endpoint)
         if new_layout is not None:
             vrec.layouts[new_layout] = layout
+            if vrec.parts is not None and req.parts == len(vrec.parts) \
+                    and vrec.parts[req.part] is None:  # a part back after a restart
+                vrec.parts[req.part] = new_layout
+                if req.part == 0:
+                    vrec.origin_layout = new_layout
         if req.version not in (mrec.versions if mrec else {}):
             mrec = self.table.models.setdefault(req.model, ModelRec())
             mrec.versions[req.version] = vrec
@@ -524,15 +644,18 @@ class Coordinator:
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is not None and req.version == mrec.latest and not req.force:
-            origin = vrec.layouts.get(vrec.origin_layout)
-            me = origin.holders.get(req.worker_id) if origin else None
-            others = [h for h in origin.holders.values()
-                      if h.worker_id != req.worker_id and not h.withdrawn] if origin else []
-            if me is not None and not me.withdrawn and not others:
-                raise Reject("last_holder",
-                             f"{req.worker_id} is the last holder of {req.model!r} "
-                             f"v{req.version}, the newest version: wait until a replica "
-                             f"holds it, or publish a newer one first", retry_after=0.2)
+            for part, lid in enumerate(vrec.parts or [vrec.origin_layout]):
+                layout = vrec.layouts.get(lid) if lid is not None else None
+                me = layout.holders.get(req.worker_id) if layout else None
+                others = [h for h in layout.holders.values()
+                          if h.worker_id != req.worker_id and not h.withdrawn] if layout else []
+                if me is not None and not me.withdrawn and not others:
+                    what = f" (part {part})" if vrec.parts else ""
+                    raise Reject("last_holder",
+                                 f"{req.worker_id} is the last holder of {req.model!r} "
+                                 f"v{req.version}{what}, the newest version: wait until a "
+                                 f"replica holds it, or publish a newer one first",
+                                 retry_after=0.2)
         if vrec is not None:
             # No new reads of it from us, complete or partial; reads in flight may finish.
             self.table.drop_partial(req.worker_id, req.model, req.version)
@@ -561,7 +684,7 @@ class Coordinator:
         self._worker(req.worker_id)
         self._apply_carried(req)
         _, vrec = self._resolve(req.model, req.version)
-        lid = req.layout_id or vrec.origin_layout
+        lid = req.layout_id or self._part_layout(vrec, 0, req.model)[0]
         layout = vrec.layouts.get(lid)
         if layout is None:
             raise Reject("layout_mismatch",
@@ -879,6 +1002,10 @@ class Coordinator:
         vrec = mrec.versions.get(version) if mrec else None
         if vrec is None:
             return False
+        if vrec.parts is not None:  # the last holder of any one part
+            return any(layout is not None and {h.worker_id for h in layout.holders.values()
+                                               if not h.withdrawn} == {worker_id}
+                       for layout in (vrec.layouts.get(lid) for lid in vrec.parts if lid))
         complete = {h.worker_id for layout in vrec.layouts.values()
                     for h in layout.holders.values() if not h.withdrawn}
         return complete == {worker_id}
@@ -904,14 +1031,16 @@ class Coordinator:
             # (a version brought back by holders after a restart: no publish was seen)
             vrec = mrec.versions[mrec.latest]
             announcement = Announcement(model=req.model, version=mrec.latest,
-                                        layout_id=vrec.origin_layout)
+                                        layout_id=self._part_layout(vrec, 0, req.model)[0],
+                                        parts=len(vrec.parts or [vrec.origin_layout]))
         return announcement
 
     def _manifest(self, req: GetManifest) -> ManifestReply:
         _, vrec = self._resolve(req.model, req.version)
-        layout = vrec.layouts[vrec.origin_layout]
-        return ManifestReply(model=req.model, version=vrec.version,
-                             layout_id=vrec.origin_layout, manifest=layout.manifest)
+        lid, layout = self._part_layout(vrec, req.part, req.model)
+        return ManifestReply(model=req.model, version=vrec.version, layout_id=lid,
+                             manifest=layout.manifest,
+                             parts=len(vrec.parts or [vrec.origin_layout]))
 
     def _holdings(self, req: HoldingsRequest) -> HoldingsReply:
         mrec = self.table.models.get(req.model)
@@ -929,14 +1058,20 @@ class Coordinator:
     def _retention(self, req: RetentionRequest) -> Retention:
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
-        holders: set[str] = set()
-        for layout in vrec.layouts.values() if vrec else []:
-            holders.update(h.worker_id for h in layout.holders.values() if not h.withdrawn)
         replicas = {w.worker_id for w in self.table.workers.values() if w.role == "replica"}
+        held = 0
+        if vrec is not None and vrec.parts is not None:  # the least-held part counts
+            held = min(len({h.worker_id for h in layout.holders.values() if not h.withdrawn}
+                           & replicas) if layout else 0
+                       for layout in (vrec.layouts.get(lid) if lid else None
+                                      for lid in vrec.parts))
+        elif vrec is not None:
+            holders = {h.worker_id for layout in vrec.layouts.values()
+                       for h in layout.holders.values() if not h.withdrawn}
+            held = len(holders & replicas)
         active = sum(1 for lease in self.table.leases.values()
                      if lease.model == req.model and lease.version == req.version)
-        return Retention(replica_holders=len(holders & replicas), active_reads=active,
-                         replicas=len(replicas))
+        return Retention(replica_holders=held, active_reads=active, replicas=len(replicas))
 
     def _status(self, req: StatusRequest) -> StatusReply:
         now = self.clock()
@@ -964,6 +1099,7 @@ class Coordinator:
                     ]
                     versions.append(VersionStatus(
                         version=v, layout_id=lid,
+                        part=vrec.parts.index(lid) if vrec.parts and lid in vrec.parts else None,
                         nbytes=sum(i.nbytes for i in layout.items), holders=holders))
             models.append(ModelStatus(model=name, latest=mrec.latest, versions=versions))
         suspects = [self.table.workers[r].name for r in self.trust.suspects()
@@ -993,6 +1129,8 @@ class Coordinator:
         if worker.role == "replica":
             self._workers_in_dc[worker.labels.get("dc", "")] -= 1
         log.info("worker %s %s: dropping its references and reads", worker_id, why)
+        for key in self.pending.published_by(worker_id):
+            self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
@@ -1001,6 +1139,10 @@ class Coordinator:
 
     def _expire(self) -> None:
         now, ttl = self.clock(), self.config.worker_ttl
+        for key, pv in list(self.pending.versions.items()):
+            if now - pv.started > self.config.part_wait:
+                self._abort(key, f"part(s) {pv.missing()} of {pv.parts} not in within "
+                                 f"{self.config.part_wait:.0f} s")
         for w in [w for w in self.table.workers.values() if now - w.last_seen > ttl]:
             self._forget_worker(w.worker_id, "stopped heartbeating")
         for lease in [x for x in self.table.leases.values() if x.expires < now]:

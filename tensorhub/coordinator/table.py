@@ -207,8 +207,11 @@ class LayoutRec:
 @dataclass
 class VersionRec:
     version: int
-    origin_layout: str
+    origin_layout: str  # the checkpoint layout (of part 0, for a sharded version)
     layouts: dict[str, LayoutRec] = field(default_factory=dict)
+    # A sharded version: its parts' layout ids, in part order (None: a part not back yet
+    # after a restart). Holding the version means holding every part.
+    parts: list[str | None] | None = None
 
 
 @dataclass
@@ -393,6 +396,13 @@ class Table:
         """Forget versions nobody holds any more, except each model's latest."""
         for mrec in self.models.values():
             for v in [v for v, vrec in mrec.versions.items()
-                      if v != mrec.latest
-                      and not any(lr.holders for lr in vrec.layouts.values())]:
+                      if v != mrec.latest and not _held(vrec)]:
                 del mrec.versions[v]
+
+
+def _held(vrec: VersionRec) -> bool:
+    """Someone holds the version: a layout of it, or every part of a sharded one."""
+    if vrec.parts is not None:
+        return all(lid is not None and lid in vrec.layouts and vrec.layouts[lid].holders
+                   for lid in vrec.parts)
+    return any(lr.holders for lr in vrec.layouts.values())

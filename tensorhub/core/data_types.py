@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Limits checked at the edge: a hostile or broken peer cannot make us allocate without bound.
 MAX_NAME = 512
 MAX_TENSORS = 200_000
 MAX_DIMS = 8
 MAX_METADATA = 16 * 1024 * 1024
+MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Version = Annotated[int, Field(ge=1, lt=2**62)]
@@ -40,6 +41,20 @@ class TensorSpec(Strict):
     dtype: DType
     shape: list[Annotated[int, Field(ge=0, lt=2**40)]] = Field(max_length=MAX_DIMS)
     nbytes: Annotated[int, Field(ge=0, lt=2**44)]
+    # Rows [start, stop) of a tensor of `total` rows (dim 0), the rest held by other parts
+    # of a sharded version (`Publish.parts`). None: the whole tensor.
+    rows: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)],
+                Annotated[int, Field(ge=1, lt=2**40)]] | None = None
+
+    @model_validator(mode="after")
+    def _rows_fit(self) -> TensorSpec:
+        if self.rows is not None:
+            start, stop, total = self.rows
+            if not (start < stop <= total and self.shape and self.shape[0] == stop - start):
+                raise ValueError(f"tensor {self.name!r}: rows {self.rows} do not fit shape "
+                                 f"{self.shape} (need start < stop <= total, shape[0] = "
+                                 f"stop - start)")
+        return self
 
 
 class Manifest(Strict):
@@ -119,8 +134,24 @@ class Unregister(Strict):
     worker_id: Name
 
 
-class Publish(Strict):
-    """A trainer creates a new version and is its first holder."""
+class Part(Strict):
+    """Which part of a sharded version a trainer rank publishes or holds: K ranks publish
+    parts 0..K-1 of one version, each an ordinary layout of its own tensors (or row
+    slices). The version exists only once all K are in."""
+
+    part: Annotated[int, Field(ge=0, lt=MAX_PARTS)] = 0
+    parts: Annotated[int, Field(ge=1, le=MAX_PARTS)] = 1
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> Part:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts are 0..{self.parts - 1}")
+        return self
+
+
+class Publish(Part):
+    """A trainer creates a new version (or its part `part` of `parts`) and is its first
+    holder."""
 
     type: Literal["publish"] = "publish"
     worker_id: Name
@@ -132,8 +163,9 @@ class Publish(Strict):
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
 
 
-class Hold(Strict):
-    """A worker holds a complete, verified copy of an existing version and serves reads of it."""
+class Hold(Part):
+    """A worker holds a complete, verified copy of an existing version (of one part of it,
+    for a sharded version) and serves reads of it."""
 
     type: Literal["hold"] = "hold"
     worker_id: Name
@@ -199,6 +231,15 @@ class GetManifest(Strict):
     type: Literal["manifest"] = "manifest"
     model: Name
     version: Version | Literal["latest"] = "latest"
+    part: Annotated[int, Field(ge=0, lt=MAX_PARTS)] = 0  # of a sharded version
+
+
+class PublishStatus(Strict):
+    """How far a sharded version's publish is: which parts are in, or why it was given up."""
+
+    type: Literal["publish_status"] = "publish_status"
+    model: Name
+    version: Version
 
 
 class StatusRequest(Strict):
@@ -273,7 +314,7 @@ class PlanRequest(Strict):
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
     | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress
-    | LatestRequest,
+    | LatestRequest | PublishStatus,
     Field(discriminator="type"),
 ]
 
@@ -291,7 +332,7 @@ class ErrorReply(Strict):
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
         "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
-        "unreachable",
+        "unreachable", "aborted",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None
@@ -314,6 +355,15 @@ class Published(Strict):
     model: Name
     version: Version
     layout_id: Name
+    complete: bool = True  # False: a sharded version still waiting for other parts
+
+
+class PublishStatusReply(Strict):
+    type: Literal["publish_status_reply"] = "publish_status_reply"
+    state: Literal["complete", "pending", "aborted", "unknown"]
+    parts: int = 1
+    parts_in: list[int] = Field(default_factory=list, max_length=MAX_PARTS)
+    reason: str | None = None  # why it was aborted
 
 
 class Withdrawn(Strict):
@@ -385,6 +435,7 @@ class ManifestReply(Strict):
     version: Version
     layout_id: Name
     manifest: Manifest
+    parts: int = 1  # a sharded version: ask for each part (`GetManifest.part`)
 
 
 class HolderStatus(Strict):
@@ -398,6 +449,7 @@ class HolderStatus(Strict):
 class VersionStatus(Strict):
     version: int
     layout_id: str
+    part: int | None = None  # of a sharded version
     nbytes: int
     holders: list[HolderStatus]
 
@@ -452,10 +504,11 @@ class Announcement(Strict):
     chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)] | None = None
     publisher: Name | None = None
     memory_digest: str | None = Field(default=None, max_length=64)
+    parts: int = 1  # a sharded version: the rest describes its part 0
 
 
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply | HoldingsReply | Retention | Announcement,
+    | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply,
     Field(discriminator="type"),
 ]

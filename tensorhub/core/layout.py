@@ -11,7 +11,7 @@ holders describe, what checksums cover and what read plans address.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
 import torch
@@ -29,27 +29,40 @@ DEFAULT_COMPACT_THRESHOLD = 1 << 20  # 1 MiB
 def manifest_of(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
+    rows: Mapping[str, tuple[int, int]] | None = None,
 ) -> Manifest:
+    """`rows`: name -> (first row, total rows) for a tensor that is a row slice of a larger
+    one (a part of a sharded version, `Publisher(parts=...)`)."""
     specs = []
     seen: set[str] = set()
+    named_tensors = list(named_tensors)
+    rows = rows or {}
+    unknown = set(rows) - {name for name, _ in named_tensors}
+    if unknown:
+        raise LayoutError(f"row slices given for tensors not published: {sorted(unknown)}")
     for name, t in named_tensors:
         if name in seen:
             raise LayoutError(f"tensor name {name!r} appears twice")
         seen.add(name)
-        specs.append(
-            TensorSpec(
-                name=name,
-                dtype=dtype_name(t.dtype),
-                shape=list(t.shape),
-                nbytes=t.numel() * t.element_size(),
-            )
-        )
+        sliced = None
+        if name in rows:
+            start, total = rows[name]
+            if t.dim() == 0:
+                raise LayoutError(f"tensor {name!r}: a scalar has no rows to slice")
+            sliced = (start, start + t.shape[0], total)
+        try:
+            specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape),
+                                    nbytes=t.numel() * t.element_size(), rows=sliced))
+        except ValueError as exc:
+            raise LayoutError(str(exc)) from None
     return Manifest(tensors=specs, compact_threshold=compact_threshold)
 
 
 def layout_id(manifest: Manifest) -> str:
     """Stable id of a byte layout: equal ids mean raw bytes can be exchanged as they are."""
-    blob = msgpack.packb(manifest.model_dump(mode="python"), use_bin_type=True)
+    # (None fields left out: a manifest without row slices keeps the id it always had)
+    blob = msgpack.packb(manifest.model_dump(mode="python", exclude_none=True),
+                         use_bin_type=True)
     return hashlib.sha256(blob).hexdigest()[:24]
 
 

@@ -15,7 +15,7 @@ import uuid
 import torch
 
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import Heartbeat, Hold, Register, Unregister, Withdraw
+from tensorhub.core.data_types import Heartbeat, Hold, Part, Register, Unregister, Withdraw
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
@@ -164,12 +164,15 @@ class WorkerSession:
                 log.exception("%s: heartbeat loop error", self.name)
 
     # ------------------------------------------------------------------ references
-    def hold(self, model: str, version: int, layout: BoundLayout, checksums: list[str]) -> None:
-        """Tell the coordinator we hold `version` completely and serve reads of it."""
+    def hold(self, model: str, version: int, layout: BoundLayout, checksums: list[str],
+             part: Part | None = None) -> None:
+        """Tell the coordinator we hold `version` (its `part`, of a sharded one) completely
+        and serve reads of it."""
         hold = Hold(worker_id=self.worker_id, model=model, version=version,
                     layout_id=layout.layout_id, memory=layout.memory(),
                     endpoint=self.transport.endpoint(), manifest=layout.manifest,
-                    checksums=checksums)
+                    checksums=checksums, part=part.part if part else 0,
+                    parts=part.parts if part else 1)
         with self._lock:
             self._holds[(model, version)] = (layout, hold)
             try:

@@ -1,0 +1,99 @@
+"""Sharded versions: K trainer ranks (FSDP, Megatron) publish one version together.
+
+Each rank publishes its part as an ordinary layout (its own manifest, holders and forest),
+so planning, striping and failover work per part unchanged. What is new is only the
+waiting: a version whose parts are not all in is *pending*, invisible to readers; it is
+announced when the last part arrives, and given up (*aborted*) if a rank leaves or the
+parts do not all come in time. Nothing here does I/O: the coordinator drives it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tensorhub.coordinator.table import LayoutRec
+from tensorhub.core.data_types import Manifest, MemoryDesc
+
+ABORTED_KEPT = 256  # aborted versions remembered, for ranks that ask late
+
+
+@dataclass
+class PendingPart:
+    layout_id: str
+    layout: LayoutRec
+    publisher: str  # worker id
+    memory: list[MemoryDesc]
+
+
+@dataclass
+class PendingVersion:
+    version: int
+    parts: int
+    started: float
+    have: dict[int, PendingPart] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.have) == self.parts
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.parts) if r not in self.have]
+
+
+class Pending:
+    """Pending versions by (model, version), and the reasons recent ones were aborted."""
+
+    def __init__(self) -> None:
+        self.versions: dict[tuple[str, int], PendingVersion] = {}
+        self.aborted: OrderedDict[tuple[str, int], str] = OrderedDict()
+
+    def abort(self, key: tuple[str, int], reason: str) -> PendingVersion | None:
+        self.aborted[key] = reason
+        while len(self.aborted) > ABORTED_KEPT:
+            self.aborted.popitem(last=False)
+        return self.versions.pop(key, None)
+
+    def published_by(self, worker_id: str) -> list[tuple[str, int]]:
+        return [key for key, pv in self.versions.items()
+                if any(p.publisher == worker_id for p in pv.have.values())]
+
+
+def check_parts_fit(manifests: list[Manifest]) -> None:
+    """Raise `ValueError` unless the parts' tensors make one state dict: every name in
+    exactly one part, or split by rows over several parts that tile it exactly (same dtype
+    and trailing dims; rows [0, total) with no gap or overlap)."""
+    whole: dict[str, int] = {}
+    sliced: dict[str, list[tuple[int, int, int, int, str, tuple[int, ...]]]] = {}
+    for r, manifest in enumerate(manifests):
+        if manifest.compact_threshold != manifests[0].compact_threshold:
+            raise ValueError(f"part {r} compacts below {manifest.compact_threshold} bytes, "
+                             f"part 0 below {manifests[0].compact_threshold}: use one "
+                             f"threshold on every rank")
+        for spec in manifest.tensors:
+            if spec.rows is None:
+                if spec.name in whole or spec.name in sliced:
+                    raise ValueError(f"tensor {spec.name!r} is in more than one part "
+                                     f"(parts {whole.get(spec.name, '?')} and {r})")
+                whole[spec.name] = r
+            else:
+                if spec.name in whole:
+                    raise ValueError(f"tensor {spec.name!r} is whole in part "
+                                     f"{whole[spec.name]} and row slices in part {r}")
+                sliced.setdefault(spec.name, []).append(
+                    (*spec.rows, r, spec.dtype, tuple(spec.shape[1:])))
+    for name, slices in sliced.items():
+        slices.sort()
+        totals = {s[2] for s in slices}
+        kinds = {(s[4], s[5]) for s in slices}
+        if len(totals) > 1 or len(kinds) > 1:
+            raise ValueError(f"tensor {name!r}: its row slices disagree on the total rows, "
+                             f"dtype or trailing dims ({sorted(totals)}, {sorted(kinds)})")
+        cursor = 0
+        for start, stop, _total, r, *_ in slices:
+            if start != cursor:
+                what = "overlap" if start < cursor else "gap"
+                raise ValueError(f"tensor {name!r}: rows {cursor}..{start} {what} at part {r}")
+            cursor = stop
+        if cursor != slices[0][2]:
+            raise ValueError(f"tensor {name!r}: rows {cursor}..{slices[0][2]} are in no part")

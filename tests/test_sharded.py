@@ -1,0 +1,220 @@
+"""Sharded versions: K trainer ranks publish one version, each its part; readers see it
+only whole, and a rank that dies or a part that does not fit takes no version away."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tensorhub import PartedReplica, Publisher, TensorHubError
+from tensorhub.chaos import CoordinatorProcess
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import GetManifest, PublishStatus, StatusRequest
+from tensorhub.core.errors import CoordinatorError
+from tensorhub.processes import ChildProcess
+
+
+def rank_state(rank: int, version: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s own tensors at `version`: one large (its own item), two tiny."""
+    g = torch.Generator().manual_seed(1000 * version + rank)
+    return {f"layers.{rank}.w": torch.randn(512, 640, generator=g),
+            f"layers.{rank}.b": torch.randn(640, generator=g),
+            f"layers.{rank}.norm": torch.randn(16, generator=g)}
+
+
+def status(address: str, version: int):
+    client = CoordinatorClient(address, timeout=5.0)
+    try:
+        return client.call(PublishStatus(model="policy", version=version))
+    finally:
+        client.close()
+
+
+def in_background(fn) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_version_in_two_parts_appears_only_once_both_are_in(coordinator, transport):
+    with Publisher(coordinator.address, "policy", transport=transport, name="rank0",
+                   part=0, parts=2) as rank0, \
+            Publisher(coordinator.address, "policy", transport=transport, name="rank1",
+                      part=1, parts=2) as rank1:
+        thread, published = in_background(lambda: rank0.publish(rank_state(0, 1), version=1))
+        wait_for(lambda: status(coordinator.address, 1).parts_in == [0], 10, "part 0 is in")
+        client = CoordinatorClient(coordinator.address)
+        with pytest.raises(CoordinatorError) as err:  # half a version is no version
+            client.call(GetManifest(model="policy"))
+        assert err.value.code == "unknown_model"
+        assert rank1.publish(rank_state(1, 1), version=1) == 1
+        thread.join(10)
+        assert published == [1]
+        assert status(coordinator.address, 1).state == "complete"
+        with PartedReplica(coordinator.address, "policy", transport=transport,
+                           name="reader") as reader:
+            assert reader.pull(timeout=60) == 1
+            got = reader.tensors
+            want = {**rank_state(0, 1), **rank_state(1, 1)}
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[n], want[n]) for n in want)
+        client.close()
+
+
+def test_row_slices_of_one_tensor_are_joined_by_the_reader(coordinator):
+    full = torch.arange(10 * 300, dtype=torch.float32).reshape(10, 300)
+    with Publisher(coordinator.address, "policy", transport="zmq", name="rank0",
+                   part=0, parts=2) as rank0, \
+            Publisher(coordinator.address, "policy", transport="zmq", name="rank1",
+                      part=1, parts=2) as rank1:
+        thread, _ = in_background(lambda: rank0.publish(
+            {"embed": full[:4], "a": torch.ones(3)}, version=7, rows={"embed": (0, 10)}))
+        rank1.publish({"embed": full[4:], "b": torch.zeros(2)}, version=7,
+                      rows={"embed": (4, 10)})
+        thread.join(10)
+        with PartedReplica(coordinator.address, "policy", transport="zmq") as reader:
+            assert reader.pull(timeout=30) == 7
+            assert torch.equal(reader.tensors["embed"], full)
+            assert torch.equal(reader.tensors["a"], torch.ones(3))
+
+
+@pytest.mark.parametrize("part0, rows0, part1, rows1, why", [
+    ({"a": torch.ones(3)}, {}, {"a": torch.ones(3)}, {}, "'a' is in more than one part"),
+    ({"x": torch.zeros(4, 2)}, {"x": (0, 5)}, {"x": torch.zeros(2, 2)}, {"x": (3, 5)},
+     "rows 4..3 overlap"),
+    ({"x": torch.zeros(2, 2)}, {"x": (0, 5)}, {"x": torch.zeros(2, 2)}, {"x": (3, 5)},
+     "rows 2..3 gap"),
+])
+def test_parts_that_do_not_fit_together_make_no_version(coordinator, part0, rows0, part1,
+                                                        rows1, why):
+    with Publisher(coordinator.address, "policy", transport="zmq", name="rank0",
+                   part=0, parts=2) as rank0, \
+            Publisher(coordinator.address, "policy", transport="zmq", name="rank1",
+                      part=1, parts=2) as rank1:
+        thread, result = in_background(lambda: rank0.publish(part0, version=1, rows=rows0))
+        wait_for(lambda: status(coordinator.address, 1).parts_in == [0], 10, "part 0 is in")
+        with pytest.raises(CoordinatorError, match=why) as err:
+            rank1.publish(part1, version=1, rows=rows1)
+        assert err.value.code == "bad_request"
+        thread.join(10)
+        assert isinstance(result[0], TensorHubError) and result[0].code == "aborted"
+        assert status(coordinator.address, 1).state == "aborted"
+        assert _models(coordinator.address) == []
+        # The next version, with parts that fit, is published as usual.
+        thread, result = in_background(lambda: rank0.publish(rank_state(0, 2), version=2))
+        assert rank1.publish(rank_state(1, 2), version=2) == 2
+        thread.join(10)
+        assert result == [2]
+
+
+def _models(address: str):
+    client = CoordinatorClient(address, timeout=5.0)
+    try:
+        return client.call(StatusRequest()).models
+    finally:
+        client.close()
+
+
+RANK1 = """
+import sys, torch
+from tensorhub import Publisher
+from tests.test_sharded import rank_state
+pub = Publisher(sys.argv[1], "policy", transport="nixl", name="rank1", part=1, parts=2)
+for v in map(int, sys.argv[2:]):
+    print("publishing", v, flush=True)
+    pub.publish(rank_state(1, v), version=v)
+    print("published", v, flush=True)
+input()
+"""
+
+
+def rank1_process(address: str, *versions: int) -> ChildProcess:
+    return ChildProcess([sys.executable, "-c", RANK1, address, *map(str, versions)],
+                        name="rank1", cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def said(rank: ChildProcess, timeout: float) -> str:
+    """The rank's next line of its own (NIXL logs on stdout too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = rank.next_line(max(0.1, deadline - time.monotonic()))
+        if line.startswith("publish"):
+            return line
+
+
+def test_a_rank_that_dies_mid_publish_takes_that_version_away_and_the_next_lands():
+    coordinator = CoordinatorProcess().start()
+    rank1 = rank1_process(coordinator.address, 1, 2)
+    try:
+        with Publisher(coordinator.address, "policy", transport="nixl", name="rank0",
+                       part=0, parts=2) as rank0, \
+                PartedReplica(coordinator.address, "policy", transport="nixl") as reader:
+            assert said(rank1, 60) == "publishing 1"
+            assert rank0.publish(rank_state(0, 1), version=1) == 1
+            assert reader.pull(timeout=60) == 1
+            assert said(rank1, 30) == "published 1"
+            assert said(rank1, 30) == "publishing 2"
+            wait_for(lambda: status(coordinator.address, 2).parts_in == [1], 30,
+                     "rank 1's part of v2 is in")
+            os.killpg(rank1.pid, signal.SIGKILL)  # rank 1 dies before rank 0 publishes
+            wait_for(lambda: status(coordinator.address, 2).state == "aborted", 30,
+                     "v2 is given up once rank 1 is forgotten")
+            with pytest.raises(TensorHubError, match="given up") as err:
+                rank0.publish(rank_state(0, 2), version=2)
+            assert err.value.code == "aborted"
+            assert reader.pull(timeout=30) == 1  # v1 is still the newest, and still whole
+            rank1.stop()
+            rank1 = rank1_process(coordinator.address, 3)  # the restarted rank
+            assert said(rank1, 60) == "publishing 3"
+            assert rank0.publish(rank_state(0, 3), version=3) == 3
+            assert reader.pull(timeout=60) == 3
+            want = {**rank_state(0, 3), **rank_state(1, 3)}
+            assert all(torch.equal(reader.tensors[n], want[n]) for n in want)
+    finally:
+        rank1.stop()
+        coordinator.stop()
+
+
+def test_a_sharded_version_comes_back_whole_after_a_coordinator_restart():
+    coordinator = CoordinatorProcess().start()
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq", name="rank0",
+                       part=0, parts=2) as rank0, \
+                Publisher(coordinator.address, "policy", transport="zmq", name="rank1",
+                          part=1, parts=2) as rank1:
+            thread, _ = in_background(lambda: rank0.publish(rank_state(0, 4), version=4))
+            rank1.publish(rank_state(1, 4), version=4)
+            thread.join(10)
+            coordinator.kill()
+            coordinator.start()
+            # Each rank's part comes back with its holder (soft state), as one version.
+            wait_for(lambda: status(coordinator.address, 4).state == "complete", 30,
+                     "both parts of v4 are re-announced")
+            with PartedReplica(coordinator.address, "policy", transport="zmq") as reader:
+                assert reader.pull(timeout=30) == 4
+                want = {**rank_state(0, 4), **rank_state(1, 4)}
+                assert all(torch.equal(reader.tensors[n], want[n]) for n in want)
+    finally:
+        coordinator.stop()
