@@ -49,10 +49,10 @@ def transfers(address: str, version: int) -> list:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, vllm_python, coordinator_process):
     root = tmp_path_factory.mktemp("vllm")
-    versions = Versions(root, count=6)
+    versions = Versions(root, count=7)
     prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
                                             state_dicts=versions.states)
-    for v in range(1, 6):
+    for v in range(1, 7):
         assert expected[v] != expected[v - 1], "versions must change the greedy tokens"
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
@@ -210,3 +210,31 @@ def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
     for e in fleet.engines:
         wait_serving(e, 6)
         assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]
+
+
+def test_engines_follow_a_version_published_in_two_parts_by_two_trainer_ranks(fleet):
+    """Two ranks publish v7 together: each a share of the tensors, and the largest tensor
+    split by rows between them. The engines serve it only whole, equal to HF."""
+    state = fleet.versions.state(7)
+    big = max(state, key=lambda n: state[n].numel())
+    rest = sorted(n for n in state if n != big)
+    total, split = state[big].shape[0], state[big].shape[0] // 2
+    shares = [{**{n: state[n] for n in rest[0::2]}, big: state[big][:split]},
+              {**{n: state[n] for n in rest[1::2]}, big: state[big][split:]}]
+    rows = [{big: (0, total)}, {big: (split, total)}]
+    ranks = [Publisher(fleet.address, MODEL, name=f"rank{r}", part=r, parts=2)
+             for r in range(2)]
+    try:
+        published: list[int] = []
+        first = threading.Thread(target=lambda: published.append(
+            ranks[0].publish(shares[0], version=7, rows=rows[0])))
+        first.start()
+        published.append(ranks[1].publish(shares[1], version=7, rows=rows[1]))
+        first.join(60)
+        assert published == [7, 7]
+        for e in fleet.engines:
+            assert wait_serving(e, 7)["vllm_weight_version"] == "7"
+            assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[6]
+    finally:
+        for rank in ranks:
+            rank.close()

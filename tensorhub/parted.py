@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tensorhub.core.data_types import GetManifest, Part
+from tensorhub.core.errors import CoordinatorError, LayoutError
 from tensorhub.replica import Replica
 
 
@@ -31,32 +32,83 @@ class PartedReplica:
         self.version: int | None = None
 
     def _replica(self, part: int) -> Replica:
-        return Replica(self.coordinator, self.model, name=f"{self.name}.part{part}",
+        return Replica(self.coordinator, self.model, name=Part.worker_name(self.name, part),
                        part=part, **self._kw)
+
+    @property
+    def session(self):
+        """Part 0's session (the reader's name, its coordinator connection)."""
+        return self.replicas[0].session
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.layout.nbytes for r in self.replicas if r.layout is not None)
+
+    def sources(self) -> list[str]:
+        """Who the last pull of each part read from."""
+        return sorted({s for r in self.replicas if r.last_pull for s in r.last_pull.sources})
+
+    def wait_for_newer(self, timeout: float) -> int | None:
+        """Block until the coordinator knows a version newer than the one we hold whole."""
+        return self.replicas[0].wait_for_newer(timeout, than=self.version)
+
+    def withdraw(self, timeout: float) -> None:
+        """Stop serving what every part holds, and wait (bounded) for reads of it to end."""
+        held = [r for r in self.replicas if r.version is not None]
+        self.version = None
+        for r in held:
+            version, r.version = r.version, None
+            r.session.withdraw(self.model, version, timeout)
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0) -> int:
         """Pull every part of `version` (or the latest) at once; return the version. If a
-        part fails, the error is raised and `version` is None: no complete version."""
-        reply = self.replicas[0].session.call(GetManifest(model=self.model, version=version))
+        part fails, the error is raised and `version` is None: no complete version.
+
+        A version split otherwise than the last (another part count, a part of another
+        layout: the trainer's sharding changed) is pulled into new buffers."""
+        reply = self.session.call(GetManifest(model=self.model, version=version))
         target, parts = reply.version, reply.parts
-        while len(self.replicas) < parts:
-            self.replicas.append(self._replica(len(self.replicas)))
+        first = self.replicas[0].layout
+        if len(self.replicas) != parts or (first is not None
+                                           and first.layout_id != reply.layout_id):
+            self._rebuild(parts)
         for r, replica in enumerate(self.replicas):  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
-        if len(self.replicas) > parts:
-            raise ValueError(f"{self.model} v{target} has {parts} part(s); this reader pulled "
-                             f"{len(self.replicas)} before: start a new PartedReplica")
         if self.version == target:
             return target
         self.version = None
-        with ThreadPoolExecutor(len(self.replicas)) as pool:
-            futures = [pool.submit(r.pull, target, timeout) for r in self.replicas]
-            errors = [f.exception() for f in futures]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise failed[0]
+        if parts == 1:
+            self._pull_part(0, target, timeout)
+        else:
+            with ThreadPoolExecutor(parts) as pool:
+                futures = [pool.submit(self._pull_part, r, target, timeout)
+                           for r in range(parts)]
+                failed = [e for e in (f.exception() for f in futures) if e is not None]
+            if failed:
+                raise failed[0]
         self.version = target
         return target
+
+    def _rebuild(self, parts: int) -> None:
+        for replica in self.replicas:
+            replica.close()
+        self.replicas = [self._replica(r) for r in range(parts)]
+
+    def _pull_part(self, part: int, version: int, timeout: float) -> int:
+        try:
+            return self.replicas[part].pull(version, timeout)
+        except (CoordinatorError, LayoutError) as exc:
+            if isinstance(exc, CoordinatorError) and exc.code != "layout_mismatch":
+                raise
+        # This part's layout changed (its rank publishes other tensors now): new buffers.
+        replaced = self.replicas[part]
+        self.replicas[part] = fresh = self._replica(part)
+        fresh.part = replaced.part
+        replaced.close()
+        return fresh.pull(version, timeout)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.tensors.items())
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:

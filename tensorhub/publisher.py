@@ -190,8 +190,8 @@ class Publisher:
         """Wait until `min_replicas` replicas hold our current version. False at once when
         no replica is registered and none is reading it (nobody could keep it); raises
         `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
-        if self.version is None:
-            return True
+        if self.version is None or self._latest() > self.version:
+            return True  # (a newer version supersedes ours: nothing to keep)
         timeout = self.retain_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:

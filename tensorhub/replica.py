@@ -395,11 +395,12 @@ class Replica:
             log.warning("%s: could not withdraw the chunks of %s v%d it served: %s",
                         self.session.name, self.model, version, exc)
 
-    def wait_for_newer(self, timeout: float) -> int | None:
-        """Block until the coordinator knows a version newer than ours; None at the timeout."""
+    def wait_for_newer(self, timeout: float, than: int | str | None = "ours") -> int | None:
+        """Block until the coordinator knows a version newer than ours (or than `than`);
+        None at the timeout."""
         if self._watcher is None:
             self._watcher = VersionWatcher(self.session, self.model)
-        return self._watcher.wait_newer(self.version, timeout)
+        return self._watcher.wait_newer(self.version if than == "ours" else than, timeout)
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -3,6 +3,7 @@ only whole, and a rank that dies or a part that does not fit takes no version aw
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -15,7 +16,12 @@ import torch
 from tensorhub import PartedReplica, Publisher, TensorHubError
 from tensorhub.chaos import CoordinatorProcess
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import GetManifest, PublishStatus, StatusRequest
+from tensorhub.core.data_types import (
+    GetManifest,
+    HoldingsRequest,
+    PublishStatus,
+    StatusRequest,
+)
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.processes import ChildProcess
 
@@ -80,6 +86,9 @@ def test_a_version_in_two_parts_appears_only_once_both_are_in(coordinator, trans
             want = {**rank_state(0, 1), **rank_state(1, 1)}
             assert sorted(got) == sorted(want)
             assert all(torch.equal(got[n], want[n]) for n in want)
+            # An engine's front end asks by the reader's name: it holds v1 only whole.
+            held = client.call(HoldingsRequest(model="policy", names=["reader"]))
+            assert held.holdings == {"reader": [1]}
         client.close()
 
 
@@ -218,3 +227,29 @@ def test_a_sharded_version_comes_back_whole_after_a_coordinator_restart():
                 assert all(torch.equal(reader.tensors[n], want[n]) for n in want)
     finally:
         coordinator.stop()
+
+
+def test_a_reader_follows_when_the_trainer_changes_how_it_shards(coordinator):
+    """One trainer, then two ranks, then two ranks splitting otherwise: the same reader
+    follows each version whole (new buffers where the layout changed)."""
+    address = coordinator.address
+    with PartedReplica(address, "policy", transport="zmq", name="r") as reader, \
+            Publisher(address, "policy", transport="zmq", name="t") as one:
+        one.publish({**rank_state(0, 1), **rank_state(1, 1)}, version=1)
+        assert reader.pull(timeout=30) == 1
+        for version, split in ((2, 3), (3, 1)):
+            state = {**rank_state(0, version), **rank_state(1, version)}
+            names = sorted(state)
+            ranks = [Publisher(address, "policy", transport="zmq", name=f"rank{r}", part=r,
+                               parts=2) for r in range(2)]
+            try:
+                first = functools.partial(ranks[0].publish,
+                                          {n: state[n] for n in names[:split]}, version)
+                thread, _ = in_background(first)
+                ranks[1].publish({n: state[n] for n in names[split:]}, version=version)
+                thread.join(10)
+                assert reader.pull(timeout=30) == version
+                assert all(torch.equal(reader.tensors[n], state[n]) for n in names)
+            finally:
+                for rank in ranks:
+                    rank.close()

@@ -51,6 +51,7 @@ from tensorhub.core.data_types import (
     ManifestReply,
     MemoryDesc,
     ModelStatus,
+    Part,
     PlanRequest,
     Progress,
     Publish,
@@ -1047,6 +1048,11 @@ class Coordinator:
         wanted = set(req.names)
         holdings: dict[str, list[int]] = {n: [] for n in req.names}
         for v, vrec in sorted(mrec.versions.items()) if mrec else []:
+            if vrec.parts is not None:
+                for name in wanted:
+                    if self._holds_every_part(name, vrec):
+                        holdings[name].append(v)
+                continue
             for layout in vrec.layouts.values():
                 for h in layout.holders.values():
                     w = self.table.workers.get(h.worker_id)
@@ -1054,6 +1060,18 @@ class Coordinator:
                             and v not in holdings[w.name]:
                         holdings[w.name].append(v)
         return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings)
+
+    def _holds_every_part(self, name: str, vrec: VersionRec) -> bool:
+        """A reader named `name` holds every part of a sharded version, each by the worker
+        it runs for that part (`Part.worker_name`)."""
+        for r, lid in enumerate(vrec.parts or []):
+            layout = vrec.layouts.get(lid) if lid is not None else None
+            part_name = Part.worker_name(name, r)
+            if layout is None or not any(
+                    not h.withdrawn and (w := self.table.workers.get(h.worker_id)) is not None
+                    and w.name == part_name for h in layout.holders.values()):
+                return False
+        return True
 
     def _retention(self, req: RetentionRequest) -> Retention:
         mrec = self.table.models.get(req.model)

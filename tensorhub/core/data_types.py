@@ -148,6 +148,12 @@ class Part(Strict):
             raise ValueError(f"part {self.part} of {self.parts}: parts are 0..{self.parts - 1}")
         return self
 
+    @staticmethod
+    def worker_name(base: str, part: int) -> str:
+        """The name a reader's worker for `part` registers under: part 0 keeps the reader's
+        name (an unsharded version is its part 0), part r is `<name>.part<r>`."""
+        return base if part == 0 else f"{base}.part{part}"
+
 
 class Publish(Part):
     """A trainer creates a new version (or its part `part` of `parts`) and is its first

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from tensorhub.core.errors import TensorHubError
-from tensorhub.replica import Replica
+from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
 
@@ -32,7 +32,7 @@ class CheckpointHolder:
     def __init__(self, coordinator: str, model: str, name: str, *,
                  transport: str | None = None, follow: bool = True,
                  pull_timeout: float = 120.0):
-        self.replica = Replica(coordinator, model, name=name, transport=transport)
+        self.replica = PartedReplica(coordinator, model, name=name, transport=transport)
         self.pull_timeout = pull_timeout
         self.applied: int | None = None
         self.last_error: str | None = None
@@ -48,6 +48,22 @@ class CheckpointHolder:
     @property
     def version(self) -> int | None:
         return self.replica.version
+
+    @property
+    def name(self) -> str:
+        return self.replica.session.name
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the checkpoint copy (every part of a sharded version)."""
+        return self.replica.nbytes
+
+    def sources(self) -> list[str]:
+        return self.replica.sources()
+
+    def withdraw(self) -> None:
+        """Stop serving the copy; reads of it in flight end first (bounded)."""
+        self.replica.withdraw(self.pull_timeout)
 
     def pull(self, version: int | str = "latest") -> int:
         """Pull now (blocking) into the checkpoint copy; the engine keeps serving meanwhile."""
@@ -86,7 +102,7 @@ class CheckpointHolder:
             except TensorHubError as exc:
                 self.last_error = str(exc)
                 log.warning("%s: pulling a new version failed (%s); retrying in %.1fs",
-                            self.replica.session.name, exc, backoff)
+                            self.name, exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
             except Exception:  # never let the thread die: the engine relies on it
@@ -106,7 +122,7 @@ class CheckpointHolder:
                     f"asked to apply v{version} but this worker holds "
                     f"{'nothing' if self.replica.version is None else f'v{self.replica.version}'}",
                     code="unknown_version")
-            yield self.replica.layout.named_tensors()
+            yield self.replica.named_tensors()
             self.applied = version
         finally:
             self._lock.release()

@@ -57,9 +57,8 @@ _last: dict = {}
 
 def memory() -> dict[str, int]:
     """Bytes this scheduler spends on TensorHub beside SGLang's own parameters."""
-    copy = _checkpoint.replica.layout if _checkpoint is not None else None
     return {"compact_bytes": _native.compact_bytes if _native is not None else 0,
-            "checkpoint_copy_bytes": copy.nbytes if copy is not None else 0}
+            "checkpoint_copy_bytes": _checkpoint.nbytes if _checkpoint is not None else 0}
 
 
 def record(error: str | None = None) -> None:
@@ -98,8 +97,7 @@ def _drop_copy() -> None:
         return
     try:
         if holder.version is not None:
-            holder.replica.session.withdraw(holder.replica.model, holder.version,
-                                            holder.pull_timeout)
+            holder.withdraw()
     except Exception as exc:
         log.warning("withdrawing the checkpoint copy: %s", exc)
     holder.close()
@@ -112,7 +110,7 @@ def _apply_checkpoint(model, version: int) -> list[str]:
     sources: list[str] = []
     if holder.version != version:
         holder.pull(version)
-        sources = list(holder.replica.last_pull.sources) if holder.replica.last_pull else []
+        sources = holder.sources()
     if _native is not None:
         _native.release()  # nobody reads the live parameters while we write them
     with holder.tensors_of(version) as named:

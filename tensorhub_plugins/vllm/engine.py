@@ -74,7 +74,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout)
-            log.info("TensorHub holder %s ready (follow=%s)", self.holder.replica.session.name,
+            log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
                      init_info.follow)
         elif init_info.op == "prefetch":
             self._holder().prefetch(init_info.version or "latest")
