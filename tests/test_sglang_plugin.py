@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tensorhub.engines.auth import authorized
 from tensorhub.engines.settings import EngineSettings
@@ -179,3 +180,34 @@ def test_the_status_dir_goes_before_sglang_sigkills_its_own_main_process(monkeyp
     assert os.path.isdir(status_dir)
     _before_self_kill(os.getpid(), include_parent=True)
     assert not os.path.exists(status_dir)
+
+
+def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, coordinator):
+    """No worker holds our native layout: waiting for a native peer would only delay the
+    first version (by `NATIVE_WAIT`), so the checkpoint path is taken at once. Once another
+    engine holds any version in that layout, a new version waits for it."""
+    from tensorhub import Publisher, Replica
+
+    state = {"w": torch.arange(4.0)}
+    name, _ = launch_on(monkeypatch, "node")
+    settings = EngineSettings(coordinator=coordinator.address, model="policy")
+    driver = Driver(settings, "0.0.0.0", 30000, 1, name)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        peer_layout = "fedcba9876543210fedcba98"
+        write_json(status_path(0), {"applied": None, "native_name": f"{name}-tp0-native",
+                                    "native_layout": peer_layout})
+        try:
+            assert driver.next_update() == (1, "checkpoint")
+            with Replica(coordinator.address, "policy", transport="zmq",
+                         name="other-engine-tp0-native") as other:
+                other.pull(timeout=10)  # holds v1 in the layout we now claim as ours
+                write_json(status_path(0), {"applied": None,
+                                            "native_name": f"{name}-tp0-native",
+                                            "native_layout": other.layout.layout_id})
+                # v2 in another layout: nobody holds it in ours yet, but the other engine
+                # may soon (its own native path): wait for it
+                pub.publish({"w": torch.arange(4.0) + 1, "b": torch.zeros(2)})
+                assert driver.next_update() is None
+        finally:
+            driver.client.close()

@@ -8,9 +8,10 @@ update_weights_from_tensor (our loader, a small descriptor) → end_weight_updat
 Which path an update takes (see `worker`): the checkpoint path when every scheduler's
 checkpoint copy already holds the version (pulled in the background: the stall is
 `load_weights` only); else the native path when a peer of the same layout holds it (the
-stall is the pull straight into the live parameters); else, after `NATIVE_WAIT` seconds
-without either, the checkpoint path pulling inside the pause. A scheduler that reports torn
-parameters keeps generation paused until an update succeeds.
+stall is the pull straight into the live parameters); else the checkpoint path pulling
+inside the pause: at once when no other engine shares our native layout, and after
+`NATIVE_WAIT` seconds when one does (it may soon hold the version natively). A scheduler
+that reports torn parameters keeps generation paused until an update succeeds.
 
 What the driver knows (`status`) is served on the server's own port as
 `GET /tensorhub/status` (see `routes`), with the fields vLLM's route has.
@@ -115,18 +116,19 @@ class Driver:
         self.latest, self.held_version = reply.latest, max(common) if common else None
         return self.latest, self.held_version
 
-    def native_peers(self, version: int, states: list[dict]) -> bool:
-        """Whether, for every rank, a worker other than us holds `version` in that rank's
-        native layout."""
+    def native_peers(self, version: int, states: list[dict]) -> tuple[bool, bool]:
+        """(whether, for every rank, a worker other than us holds `version` in that rank's
+        native layout; whether one holds any version in it: an engine worth waiting for)."""
         ours = {s.get("native_name") for s in states}
         layouts = [s.get("native_layout") for s in states]
         if None in layouts:
-            return False
+            return False, False
         reply = self.client.call(StatusRequest())
-        held = {vs.layout_id for m in reply.models if m.model == self.settings.model
-                for vs in m.versions if vs.version == version
-                and any(h.name not in ours and not h.withdrawn for h in vs.holders)}
-        return all(lid in held for lid in layouts)
+        held = {(vs.version, vs.layout_id) for m in reply.models
+                if m.model == self.settings.model for vs in m.versions
+                if any(h.name not in ours and not h.withdrawn for h in vs.holders)}
+        now = all((version, lid) in held for lid in layouts)
+        return now, all(any(lid == got for _, got in held) for lid in layouts)
 
     def next_update(self) -> tuple[int, str] | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
@@ -138,8 +140,11 @@ class Driver:
         states = self.applied()
         if all(s.get("applied") == latest for s in states):
             return latest, "checkpoint"  # already applied (a join): only the label is missing
-        if self.native_peers(latest, states):
+        native_now, native_peer = self.native_peers(latest, states)
+        if native_now:
             return latest, "native"
+        if not native_peer:
+            return latest, "checkpoint"  # no engine shares our layout: nobody to wait for
         first = self._first_seen.setdefault(latest, time.monotonic())
         if time.monotonic() - first > NATIVE_WAIT:
             return latest, "checkpoint"
