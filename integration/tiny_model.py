@@ -325,8 +325,12 @@ if __name__ == "__main__":  # quick manual check: python integration/tiny_model.
 class Versions:
     """A tiny model on disk (version 1) and perturbed next versions, all float32."""
 
-    def __init__(self, root: Path, arch: str = "qwen2", tied: bool = False, count: int = 4):
-        self.dir = build_tiny_model(root / "model", arch=arch, tie_word_embeddings=tied)
+    def __init__(self, root: Path, arch: str = "qwen2", tied: bool = False, count: int = 4,
+                 **shape: int):
+        """`shape`: `build_tiny_model`'s sizes (heads, kv_heads, ...), where the defaults
+        do not suit (tensor parallelism needs heads divisible by the TP size)."""
+        self.dir = build_tiny_model(root / "model", arch=arch, tie_word_embeddings=tied,
+                                    **shape)
         self.states = [load_state_dict(self.dir)]
         for k in range(1, count):
             self.states.append(perturb_state_dict(self.states[-1], seed=k, scale=0.3))

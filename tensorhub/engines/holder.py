@@ -8,14 +8,19 @@ once, and is what the engine applies with its own `load_weights`.
 
 In follow mode a thread pulls each announced version, but only once the engine has applied
 what it holds, so the copy is never overwritten while the front end is about to apply it.
+
+An engine of several ranks (tensor or pipeline parallel) has a copy per rank, and applies a
+version on all of them or on none: `tensors_of` takes a vote (`agree`) among the ranks
+before any of them touches its weights.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,6 +31,14 @@ from tensorhub.parted import PartedReplica
 log = logging.getLogger("tensorhub.engines")
 
 STALE_APPLY = 30.0  # seconds after which a held, never-applied version may be overwritten
+# Fault injection for tests: "<version>@<name suffix>" makes the copy of the worker whose
+# name ends so refuse that version, as a copy that failed verification would.
+REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
+
+
+def alone(ok: bool) -> bool:
+    """The vote of an engine with one rank."""
+    return ok
 
 
 class CheckpointHolder:
@@ -35,6 +48,7 @@ class CheckpointHolder:
         self.replica = PartedReplica(coordinator, model, name=name, transport=transport)
         self.pull_timeout = pull_timeout
         self.applied: int | None = None
+        self.refused: int | None = None  # the last version the engine's ranks turned down
         self.last_error: str | None = None
         self._held_since = 0.0
         self._lock = threading.Lock()
@@ -85,7 +99,7 @@ class CheckpointHolder:
 
     def _may_replace(self) -> bool:
         held = self.replica.version
-        return held is None or held == self.applied or \
+        return held is None or held in (self.applied, self.refused) or \
             time.monotonic() - self._held_since > STALE_APPLY
 
     def _follow(self) -> None:
@@ -109,23 +123,42 @@ class CheckpointHolder:
                 log.exception("follow loop error")
                 self._stop.wait(1.0)
 
+    def _refused(self, version: int) -> bool:
+        spec = os.environ.get(REFUSE_ENV, "")
+        wanted, _, suffix = spec.partition("@")
+        return bool(spec) and wanted == str(version) and self.name.endswith(suffix)
+
     @contextmanager
-    def tensors_of(self, version: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def tensors_of(self, version: int, agree: Callable[[bool], bool] = alone,
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The checkpoint tensors of `version`, locked against replacement while the engine
-        applies them. Raises before yielding if we do not hold exactly that version."""
-        if not self._lock.acquire(timeout=10.0):
-            raise TensorHubError("the checkpoint copy is busy (a pull is running)",
-                                 code="busy")
+        applies them. Raises before yielding if we do not hold exactly that version, or if
+        another rank of the engine does not (`agree`: every rank's readiness in, whether
+        all are ready out; every rank reaches it, whatever happened here)."""
+        locked = self._lock.acquire(timeout=10.0)
         try:
-            if self.replica.version != version:
-                raise TensorHubError(
+            problem = None
+            if not locked:
+                problem = TensorHubError("the checkpoint copy is busy (a pull is running)",
+                                         code="busy")
+            elif self.replica.version != version:
+                held = self.replica.version
+                problem = TensorHubError(
                     f"asked to apply v{version} but this worker holds "
-                    f"{'nothing' if self.replica.version is None else f'v{self.replica.version}'}",
-                    code="unknown_version")
+                    f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
+            elif self._refused(version):
+                problem = TensorHubError(f"{self.name}: refusing v{version} ({REFUSE_ENV})",
+                                         code="refused")
+            if not agree(problem is None):
+                self.refused = version  # nobody applies it: the copy may move on
+                raise problem or TensorHubError(
+                    f"another rank of this engine cannot apply v{version}, so no rank "
+                    f"applies it; the engine keeps its current weights", code="refused")
             yield self.replica.named_tensors()
             self.applied = version
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def close(self) -> None:
         self._stop.set()

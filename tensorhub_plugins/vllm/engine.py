@@ -25,6 +25,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import CheckpointHolder
 
 log = logging.getLogger("tensorhub.vllm")
@@ -62,9 +63,19 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         world = self.parallel_config.world_size
         if world == 1:
             return base
+        return f"{base}-rank{self._rank()}"
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank of this engine is ready (all-reduce MIN on the CPU group of
+        all its workers): one version per engine, on all ranks or on none."""
+        if self.parallel_config.world_size == 1:
+            return ok
+        import torch.distributed as dist
         from vllm.distributed import get_world_group
 
-        return f"{base}-rank{get_world_group().rank}"
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_world_group().cpu_group)
+        return bool(flag.item())
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         if init_info.op == "init":
@@ -97,7 +108,28 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
         started = time.perf_counter()
-        with self._holder().tensors_of(update_info.version) as named:
+        try:
+            self._apply(update_info)
+        except TensorHubError as exc:
+            world = self.parallel_config.world_size
+            if world > 1 and self._rank() != world - 1:
+                # vLLM's executor reads the workers' answers in rank order and stops at the
+                # first failure, leaving later ones queued to answer the next call: only
+                # the last rank raises (every rank refused: the vote saw to that).
+                log.warning("not applying v%d: %s", update_info.version, exc)
+                return
+            raise
+        log.info("applied v%d in %.1f ms", update_info.version,
+                 (time.perf_counter() - started) * 1e3)
+
+    def _rank(self) -> int:
+        from vllm.distributed import get_world_group
+
+        return get_world_group().rank
+
+    def _apply(self, update_info: TensorHubUpdateInfo) -> None:
+        started = time.perf_counter()
+        with self._holder().tensors_of(update_info.version, self._agree) as named:
             locked = time.perf_counter()
             initialize_layerwise_reload(self.model)
             self.model.load_weights(iter(named))
@@ -107,8 +139,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 # A tied lm_head shares the embedding's parameter but keeps its own packed
                 # CPU GEMM, which the layerwise reload does not redo: redo it.
                 self.model.lm_head.quant_method.process_weights_after_loading(self.model.lm_head)
-        log.info("applied v%d in %.1f ms (%.1f ms waiting for the copy)", update_info.version,
-                 (time.perf_counter() - started) * 1e3, (locked - started) * 1e3)
+        log.debug("v%d: %.1f ms waiting for the copy", update_info.version,
+                  (locked - started) * 1e3)
 
     def finish_weight_update(self) -> None:
         pass

@@ -36,6 +36,9 @@ class UpdateRequest(BaseModel):
     timeout: float = Field(default=120.0, gt=0, le=3600)
 
 
+RETRY_REFUSED = 5.0  # seconds before a version that failed to swap is tried again
+
+
 class Frontend:
     def __init__(self, settings: EngineSettings, engine_client, name: str, world_size: int):
         self.settings = settings
@@ -50,6 +53,7 @@ class Frontend:
         self.last_error: str | None = None
         self._swap = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
 
     # ------------------------------------------------------------------ coordinator
     async def holdings(self) -> tuple[int, int | None]:
@@ -101,6 +105,9 @@ class Frontend:
                 except BaseException:
                     log.error("swap to v%d failed; still serving %s", version,
                               self.serving or "the weights loaded at start")
+                    # Close vLLM's update session (it refuses to start the next one
+                    # otherwise), keeping the weight version label as it was.
+                    await self.engine.finish_weight_update()
                     raise
                 await self.engine.finish_weight_update(weight_version=str(version))
                 await self.engine.reset_prefix_cache()
@@ -140,8 +147,14 @@ class Frontend:
         while True:
             try:
                 _, held = await self.holdings()
-                if held is not None and (self.serving is None or held > self.serving):
-                    await self.swap(held)
+                if held is not None and (self.serving is None or held > self.serving) \
+                        and time.monotonic() >= self._retry_at.get(held, 0.0):
+                    try:
+                        await self.swap(held)
+                    except Exception:
+                        # Each try pauses generation: a refused version waits a while.
+                        self._retry_at = {held: time.monotonic() + RETRY_REFUSED}
+                        raise
                 self.last_error = None
             except asyncio.CancelledError:
                 raise

@@ -1,0 +1,89 @@
+"""An engine's checkpoint copies, one per rank: a version is applied on every rank or on
+none (the ranks vote before any touches its weights)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tensorhub import Publisher, TensorHubError
+from tensorhub.engines.holder import REFUSE_ENV, CheckpointHolder
+
+
+class Vote:
+    """What an all-reduce MIN over the engine's ranks gives, for ranks that are threads."""
+
+    def __init__(self, ranks: int):
+        self._barrier = threading.Barrier(ranks)
+        self._votes: list[bool] = []
+
+    def __call__(self, ok: bool) -> bool:
+        self._votes.append(ok)
+        self._barrier.wait()
+        result = all(self._votes)
+        if self._barrier.wait() == 0:
+            self._votes.clear()
+        return result
+
+
+def apply_on_every_rank(holders, version: int, weights: list[dict]) -> list[str | None]:
+    """Each rank applies `version` to its weights in a thread of its own, as an engine's
+    workers do; returns each rank's error code (None: applied)."""
+    vote, codes = Vote(len(holders)), [None] * len(holders)
+
+    def apply(rank: int) -> None:
+        try:
+            with holders[rank].tensors_of(version, vote) as named:
+                weights[rank].update({n: t.clone() for n, t in named})
+        except TensorHubError as exc:
+            codes[rank] = exc.code
+
+    threads = [threading.Thread(target=apply, args=(r,)) for r in range(len(holders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return codes
+
+
+def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator, monkeypatch):
+    monkeypatch.setenv(REFUSE_ENV, "2@-rank1")  # rank 1's copy of v2 "fails verification"
+    states = {v: {"w": torch.full((8, 8), float(v))} for v in (1, 2, 3)}
+    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+                                transport="zmq", follow=False) for r in range(2)]
+    weights: list[dict] = [{}, {}]
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            for version, codes in ((1, [None, None]), (2, ["refused", "refused"]),
+                                   (3, [None, None])):
+                pub.publish(states[version])
+                for h in holders:
+                    assert h.pull(version) == version
+                assert apply_on_every_rank(holders, version, weights) == codes
+                served = 1 if version == 2 else version  # v2 refused: both stay on v1
+                assert all(torch.equal(w["w"], states[served]["w"]) for w in weights)
+    finally:
+        for h in holders:
+            h.close()
+
+
+def test_a_rank_without_the_version_makes_every_rank_refuse_it(coordinator):
+    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+                                transport="zmq", follow=False) for r in range(2)]
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            pub.publish({"w": torch.ones(4)})
+            holders[0].pull(1)  # rank 1 never pulled it
+            codes = apply_on_every_rank(holders, 1, [{}, {}])
+            assert codes == ["refused", "unknown_version"]
+            assert holders[0].applied is None and holders[1].applied is None
+    finally:
+        for h in holders:
+            h.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_refusals(monkeypatch):
+    monkeypatch.delenv(REFUSE_ENV, raising=False)
