@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from integration.sharded import publish_in_two_ranks
 from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
@@ -215,26 +216,7 @@ def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
 def test_engines_follow_a_version_published_in_two_parts_by_two_trainer_ranks(fleet):
     """Two ranks publish v7 together: each a share of the tensors, and the largest tensor
     split by rows between them. The engines serve it only whole, equal to HF."""
-    state = fleet.versions.state(7)
-    big = max(state, key=lambda n: state[n].numel())
-    rest = sorted(n for n in state if n != big)
-    total, split = state[big].shape[0], state[big].shape[0] // 2
-    shares = [{**{n: state[n] for n in rest[0::2]}, big: state[big][:split]},
-              {**{n: state[n] for n in rest[1::2]}, big: state[big][split:]}]
-    rows = [{big: (0, total)}, {big: (split, total)}]
-    ranks = [Publisher(fleet.address, MODEL, name=f"rank{r}", part=r, parts=2)
-             for r in range(2)]
-    try:
-        published: list[int] = []
-        first = threading.Thread(target=lambda: published.append(
-            ranks[0].publish(shares[0], version=7, rows=rows[0])))
-        first.start()
-        published.append(ranks[1].publish(shares[1], version=7, rows=rows[1]))
-        first.join(60)
-        assert published == [7, 7]
-        for e in fleet.engines:
-            assert wait_serving(e, 7)["vllm_weight_version"] == "7"
-            assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[6]
-    finally:
-        for rank in ranks:
-            rank.close()
+    publish_in_two_ranks(fleet.address, MODEL, fleet.versions.state(7), 7)
+    for e in fleet.engines:
+        assert wait_serving(e, 7)["vllm_weight_version"] == "7"
+        assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[6]

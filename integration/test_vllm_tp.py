@@ -6,12 +6,12 @@ Each TP rank still keeps and pulls a whole checkpoint copy (issue 17 is not done
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from integration.sharded import publish_in_two_ranks
 from integration.test_vllm import MODEL, PLUGIN_ARGS, TOKENS, plugin_env, wait_serving
 from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
@@ -51,26 +51,9 @@ def test_a_tp2_engine_joins_the_published_version(tp_engine):
 
 
 def test_a_tp2_engine_follows_a_version_published_by_two_trainer_ranks(tp_engine):
-    state = tp_engine.versions.state(2)
-    big = max(state, key=lambda n: state[n].numel())
-    rest = sorted(n for n in state if n != big)
-    total, split = state[big].shape[0], state[big].shape[0] // 2
-    shares = [{**{n: state[n] for n in rest[0::2]}, big: state[big][:split]},
-              {**{n: state[n] for n in rest[1::2]}, big: state[big][split:]}]
-    rows = [{big: (0, total)}, {big: (split, total)}]
-    ranks = [Publisher(tp_engine.address, MODEL, name=f"rank{r}", part=r, parts=2)
-             for r in range(2)]
-    try:
-        first = threading.Thread(target=ranks[0].publish, args=(shares[0], 2),
-                                 kwargs={"rows": rows[0]})
-        first.start()
-        assert ranks[1].publish(shares[1], version=2, rows=rows[1]) == 2
-        first.join(60)
-        wait_serving(tp_engine.engine, 2)
-        assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]
-    finally:
-        for rank in ranks:
-            rank.close()
+    publish_in_two_ranks(tp_engine.address, MODEL, tp_engine.versions.state(2), 2)
+    wait_serving(tp_engine.engine, 2)
+    assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]
 
 
 def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp_engine):

@@ -15,6 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "TENSORHUB_"
+# Seconds before a front end tries again a version whose swap failed: each try pauses
+# generation, so a version the engine refuses must not be tried at every poll.
+RETRY_REFUSED = 5.0
 
 
 class EngineSettings(BaseModel):

@@ -33,7 +33,7 @@ import torch
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest, StatusRequest
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.settings import EngineSettings
+from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings
 from tensorhub_plugins.sglang.naming import (
     LOADER,
     native_worker_name,
@@ -80,6 +80,7 @@ class Driver:
         self.last_update: dict | None = None
         self.last_error: str | None = None
         self._first_seen: dict[int, float] = {}
+        self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._stop = threading.Event()
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
@@ -253,8 +254,12 @@ class Driver:
         while not self._stop.wait(self.settings.poll_interval):
             try:
                 update = self.next_update()
-                if update is not None:
-                    self.swap(*update)
+                if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0):
+                    try:
+                        self.swap(*update)
+                    except Exception:
+                        self._retry_at = {update[0]: time.monotonic() + RETRY_REFUSED}
+                        raise
                 self.last_error = None
             except Exception as exc:  # log once, keep serving the old version
                 if str(exc) != self.last_error:

@@ -52,6 +52,22 @@ def _before_self_kill(parent_pid: int | None = None, include_parent: bool = True
         pass
 
 
+def _cpu_process_groups(original, *args, **kwargs):
+    """AROUND hook on SGLang's `init_model_parallel_group`: on a machine without CUDA,
+    no PyNccl communicator and no custom all-reduce (both need CUDA; SGLang builds them by
+    default off NPU/XPU), so tensor parallelism runs its collectives over gloo."""
+    import torch
+
+    if not torch.cuda.is_available():
+        args = list(args)
+        for position, name in ((3, "use_pynccl"), (4, "use_custom_allreduce")):
+            if len(args) > position:
+                args[position] = False
+            else:
+                kwargs[name] = False
+    return original(*args, **kwargs)
+
+
 def _start_main() -> None:
     """Main process: instance name and status directory for the schedulers (before SGLang
     spawns them), the route, and the driver when following."""
@@ -90,6 +106,8 @@ def register() -> None:
 
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
                               after_load_model, HookType.AFTER)
+        HookRegistry.register("sglang.srt.distributed.parallel_state.init_model_parallel_group",
+                              _cpu_process_groups, HookType.AROUND)
         if is_server_main():
             _start_main()
     except Exception:

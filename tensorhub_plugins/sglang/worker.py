@@ -30,9 +30,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from tensorhub.core.data_types import GetManifest
-from tensorhub.core.errors import CoordinatorError
-from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.core.errors import CoordinatorError, TensorHubError
+from tensorhub.engines.holder import CheckpointHolder, alone
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub_plugins.sglang.naming import (
     instance_name,
@@ -103,20 +105,30 @@ def _drop_copy() -> None:
     holder.close()
 
 
-def _apply_checkpoint(model, version: int) -> list[str]:
-    """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it."""
+def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
+    """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it;
+    with `agree` (`tp_vote`), only if every TP rank can."""
     global _torn
     holder = _copy()
     sources: list[str] = []
+    pull_error: Exception | None = None
     if holder.version != version:
-        holder.pull(version)
-        sources = holder.sources()
-    if _native is not None:
+        try:
+            holder.pull(version)
+            sources = holder.sources()
+        except Exception as exc:  # `tensors_of` refuses it then, on every rank when voting
+            pull_error = exc
+    if _native is not None and holder.version == version:
         _native.release()  # nobody reads the live parameters while we write them
-    with holder.tensors_of(version) as named:
-        _torn = True
-        model.load_weights(named)
-        _torn = False
+    try:
+        with holder.tensors_of(version, agree) as named:
+            _torn = True
+            model.load_weights(named)
+            _torn = False
+    except TensorHubError:
+        if pull_error is not None:
+            raise pull_error from None  # the reason this rank could not
+        raise
     return sources
 
 
@@ -156,7 +168,10 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     taken = "native" if sources is not None else "checkpoint"
     try:
         if sources is None:
-            sources = _apply_checkpoint(model, version)
+            # Every rank takes the checkpoint path when asked to: they vote. A rank that
+            # falls back from the native path does so alone (its peers may not).
+            sources = _apply_checkpoint(model, version,
+                                        tp_vote if path == "checkpoint" else alone)
     except Exception:
         if _checkpoint is not None and _checkpoint.version is None \
                 and _settings.checkpoint_copy != "always":
@@ -190,6 +205,20 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
              mem["checkpoint_copy_bytes"])
 
 
+def tp_vote(ok: bool) -> bool:
+    """Whether every TP rank of this engine is ready (all-reduce MIN on SGLang's TP CPU
+    group): a version is applied on all ranks or on none."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                 group=group.cpu_group)
+    return bool(flag.item())
+
+
 def _repair(model, previous: int | None) -> None:
     """The live parameters are torn: re-apply the old version from the checkpoint copy if it
     still has it. If not, `_torn` stays set and the driver keeps generation paused."""
@@ -213,12 +242,27 @@ def refused(error: str) -> None:
 
 
 def _tp_rank() -> int:
+    """This scheduler's TP rank: SGLang's runtime context (0.5.23), else its TP group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:
+        pass
     try:
         from sglang.srt.distributed import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
     except Exception:  # not initialised: a single-rank engine
         return 0
+
+
+def native_params(model, rank: int, tp_size: int) -> list[tuple[str, torch.Tensor]]:
+    """The live parameters, named for the native layout. At TP > 1 every rank's shards
+    have the same names and shapes but other bytes: the names carry the rank, so rank r's
+    layout is shared with rank r of another engine only."""
+    params = list(model.named_parameters())
+    return params if tp_size == 1 else [(f"tp{rank}:{n}", t) for n, t in params]
 
 
 def after_load_model(result, runner):
@@ -241,7 +285,7 @@ def after_load_model(result, runner):
         instance = instance_name(settings, args.port)
         _names = (worker_name(instance, _rank), native_worker_name(instance, _rank))
         _native = NativeHolder(settings.coordinator, settings.model, _names[1],
-                               list(runner.model.named_parameters()),
+                               native_params(runner.model, _rank, args.tp_size),
                                transport=settings.transport, pull_timeout=settings.update_timeout)
         if settings.checkpoint_copy == "always":
             _copy()

@@ -25,7 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 from tensorhub.core.client import CoordinatorClient, token_from_env
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.settings import EngineSettings, load_settings
+from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
 
 log = logging.getLogger("tensorhub.vllm")
 router = APIRouter()
@@ -34,9 +34,6 @@ router = APIRouter()
 class UpdateRequest(BaseModel):
     version: int | None = Field(default=None, ge=1, description="default: the latest")
     timeout: float = Field(default=120.0, gt=0, le=3600)
-
-
-RETRY_REFUSED = 5.0  # seconds before a version that failed to swap is tried again
 
 
 class Frontend:
