@@ -5,43 +5,30 @@ greedy tokens equal to HF; a version one rank refuses is applied on neither rank
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
-
 import pytest
 
 from integration.sglang_server import SGLangServer
 from integration.sharded import publish_in_two_ranks
-from integration.test_sglang import LOADER, MODEL, TOKENS, sglang_env, wait_sglang
-from integration.tiny_model import Versions, pick_stable_prompts
-from tensorhub import Publisher
+from integration.test_sglang import LOADER, sglang_env, sglang_version, wait_sglang
+from integration.tp_fleet import MODEL, REFUSED, TOKENS, refused_then_next, tp_fleet
 from tensorhub.engines.holder import REFUSE_ENV
-
-REFUSED = 3
 
 
 @pytest.fixture(scope="module")
 def tp_engine(tmp_path_factory, sglang_python, coordinator_process):
     root = tmp_path_factory.mktemp("sglang-tp")
-    versions = Versions(root, count=4, hidden=128, heads=4, kv_heads=2)
-    prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
-                                            state_dicts=versions.states)
     address = coordinator_process.address
-    pub = Publisher(address, MODEL, name="trainer")
-    pub.publish(versions.state(1))
-    engine = SGLangServer(
-        sglang_python, versions.dir,
-        env={**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-             REFUSE_ENV: f"{REFUSED}@-tp1"},
-        extra_args=["--custom-weight-loader", LOADER, "--tp-size", "2"],
-        log_path=root / "sglang-tp2.log").launch()
-    try:
-        engine.wait_healthy(300)
-        yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected, pub=pub,
-                              engine=engine, address=address)
-    finally:
-        engine.stop()
-        pub.close()
+
+    def launch(model_dir):
+        return SGLangServer(
+            sglang_python, model_dir,
+            env={**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
+                 REFUSE_ENV: f"{REFUSED}@-tp1"},
+            extra_args=["--custom-weight-loader", LOADER, "--tp-size", "2"],
+            log_path=root / "sglang-tp2.log").launch()
+
+    with tp_fleet(root, address, launch, healthy_timeout=300) as fleet:
+        yield fleet
 
 
 def test_a_tp2_sglang_engine_serves_the_published_version(tp_engine):
@@ -59,13 +46,5 @@ def test_a_tp2_sglang_engine_follows_a_version_published_by_two_ranks(tp_engine)
 
 def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp_engine):
     engine = tp_engine.engine
-    assert tp_engine.pub.publish(tp_engine.versions.state(REFUSED)) == REFUSED
-    deadline = time.monotonic() + 120
-    while f"refusing v{REFUSED}" not in engine.log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, "the engine never tried to apply v3"
-        time.sleep(0.5)
-    assert engine.request("/get_model_info")["weight_version"] == "2"
-    assert engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]  # v2, whole
-    assert tp_engine.pub.publish(tp_engine.versions.state(4)) == 4
-    wait_sglang(engine, 4)
-    assert engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[3]
+    refused_then_next(tp_engine, lambda: int(sglang_version(engine)),
+                      lambda v: wait_sglang(engine, v))

@@ -1,0 +1,58 @@
+"""What the TP=2 engine tests (`test_vllm_tp.py`, `test_sglang_tp.py`) share: a tiny model
+whose heads split over two ranks, a trainer at v1, one engine, and the scenario of a
+version one rank refuses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+from integration.engine_server import EngineServer
+from integration.tiny_model import Versions, pick_stable_prompts
+from tensorhub import Publisher
+
+MODEL = "policy"
+TOKENS = 16
+REFUSED = 3  # the version rank 1 refuses (`TENSORHUB_TEST_REFUSE`), as a failed copy would
+# Heads split over 2 ranks; head_dim 32 (vLLM's CPU attention kernels take no 16).
+TP_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2}
+
+
+@contextmanager
+def tp_fleet(root: Path, address: str, launch: Callable[[Path], EngineServer],
+             healthy_timeout: float) -> Iterator[SimpleNamespace]:
+    """Versions 1-4 of the model, a trainer that published v1, and the engine `launch`
+    starts from the model's folder (stopped at the end)."""
+    versions = Versions(root, count=4, **TP_SHAPE)
+    prompts, expected = pick_stable_prompts(versions.dir, 6, 12, TOKENS,
+                                            state_dicts=versions.states)
+    pub = Publisher(address, MODEL, name="trainer")
+    pub.publish(versions.state(1))
+    engine = launch(versions.dir)
+    try:
+        engine.wait_healthy(healthy_timeout)
+        yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected, pub=pub,
+                              engine=engine, address=address)
+    finally:
+        engine.stop()
+        pub.close()
+
+
+def refused_then_next(fleet: SimpleNamespace, serving: Callable[[], int],
+                      wait_serving: Callable[[int], object]) -> None:
+    """The engine serves v2. v3 is refused by rank 1: the engine must serve v2 whole on
+    both ranks (tokens equal HF), then take v4."""
+    engine = fleet.engine
+    assert fleet.pub.publish(fleet.versions.state(REFUSED)) == REFUSED
+    deadline = time.monotonic() + 120
+    while f"refusing v{REFUSED}" not in engine.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the engine never tried to apply v{REFUSED}"
+        time.sleep(0.5)
+    assert serving() == REFUSED - 1
+    assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[REFUSED - 2]
+    assert fleet.pub.publish(fleet.versions.state(REFUSED + 1)) == REFUSED + 1
+    wait_serving(REFUSED + 1)
+    assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[REFUSED]
