@@ -31,6 +31,7 @@ CORE = {
 ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
     "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
+    "tp_update": ("vllm", [], ["--updates", "1"]),
 }
 
 

@@ -1,0 +1,143 @@
+"""TP engine update benchmark (issue 17): a vLLM engine at `--tensor-parallel-size 2`.
+
+Measured in one run, on this machine, for each update the trainer publishes:
+  bytes pulled: what the engine's ranks read for the version (the coordinator's transfer
+                records), beside the bound: one model's bytes per engine.
+  copies held:  checkpoint copies of the version the engine keeps in host memory (its
+                workers that hold it), beside the bound: one.
+  stall:        the engine's pause-to-resume time for the update, beside vLLM's own
+                `reload_weights` of the same weights from safetensors at the same TP size.
+
+Run: python -m bench.tp_update [--updates 3]   (needs the vllm venv: scripts/setup.sh vllm)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.results import Report
+from integration.engine_server import free_port
+from integration.engine_venvs import engine_python
+from integration.tiny_model import build_tiny_model, load_state_dict
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import StatusRequest
+from tensorhub.processes import ChildProcess
+
+ARCH = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2048, vocab=1024)
+TP = 2
+
+
+def engine_figures(address: str, engine: str, version: int) -> tuple[int, int]:
+    """(bytes the engine's workers read for `version`, copies of it they hold)."""
+    client = CoordinatorClient(address, timeout=10.0)
+    try:
+        status = client.call(StatusRequest())
+    finally:
+        client.close()
+    pulled = sum(t.nbytes for t in status.transfers
+                 if t.version == version and t.ok and t.reader.startswith(engine))
+    holders = {h.name for m in status.models for v in m.versions if v.version == version
+               for h in v.holders if h.name.startswith(engine) and not h.withdrawn}
+    return pulled, len({name.split(".part")[0] for name in holders})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--updates", type=int, default=3)
+    args = p.parse_args()
+    from safetensors.torch import save_file
+
+    report = Report("tp_update")
+    work = Path(tempfile.mkdtemp(prefix="tensorhub-bench-tp-"))
+    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
+    state = load_state_dict(model_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"model: {model_bytes / 2**20:.0f} MiB bf16, TP={TP}")
+    python = engine_python("vllm")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+                                address, "--announce", f"tcp://127.0.0.1:{free_port()}"],
+                               name="coordinator")
+    tp_args = ["--tensor-parallel-size", str(TP)]
+    tp_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    servers: list[VLLMServer] = []
+    publisher = None
+    try:
+        coordinator.next_line(timeout=60)
+        publisher = Publisher(address, "policy")
+        publisher.publish(state)
+        ours = VLLMServer(python, model_dir, dtype="bfloat16",
+                          extra_args=[*tp_args, "--weight-transfer-config",
+                                      json.dumps({"backend": "tensorhub"})],
+                          env={**tp_env, "VLLM_PLUGINS": "tensorhub",
+                               "TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy",
+                               "TENSORHUB_NAME": "tp-engine"},
+                          log_path=work / "ours.log")
+        servers.append(ours)
+        ours.start(timeout=900)
+        ours.wait_serving(1, timeout=300)
+        pulled, copies, stalls = [], [], []
+        for k in range(2, args.updates + 2):
+            with torch.no_grad():
+                for t in state.values():
+                    t.add_(0.001)
+            publisher.publish(state)
+            status = ours.wait_serving(k, timeout=300, interval=0.01)
+            stalls.append(status["last_update"]["stall_ms"] / 1e3)
+            nbytes, held = engine_figures(address, "tp-engine", k)
+            pulled.append(nbytes)
+            copies.append(held)
+            print(f"update {k}: pulled {nbytes / 2**20:.1f} MiB, {held} copies held, "
+                  f"stall {stalls[-1] * 1e3:.0f} ms")
+        ours.stop()  # free the cores for the baseline
+
+        baseline = VLLMServer(python, model_dir, dtype="bfloat16", extra_args=tp_args,
+                              env={**tp_env, "VLLM_SERVER_DEV_MODE": "1"},
+                              log_path=work / "base.log")
+        servers.append(baseline)
+        baseline.start(timeout=900)
+        base_stall = []
+        for _ in range(args.updates):
+            with torch.no_grad():
+                for t in state.values():
+                    t.add_(0.001)
+            save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+            started = time.perf_counter()
+            baseline.request("/pause", {"mode": "wait"})
+            baseline.request("/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str(model_dir)}})
+            baseline.request("/reset_prefix_cache", {})
+            baseline.request("/resume", {})
+            base_stall.append(time.perf_counter() - started)
+
+        med = statistics.median
+        report.add(f"bytes pulled per update, engine at TP={TP}", med(pulled) / 2**20, "MiB",
+                   "one model (the bound)", model_bytes / 2**20, higher_is_better=False)
+        report.add(f"bytes pulled per rank, TP={TP}", med(pulled) / TP / 2**20, "MiB")
+        report.add(f"checkpoint copies held in host memory, engine at TP={TP}", med(copies),
+                   "copies", "one per engine (the bound)", 1.0, higher_is_better=False)
+        report.add(f"engine stall per update, TP={TP} (TensorHub)", med(stalls) * 1e3, "ms",
+                   f"vLLM reload_weights from safetensors, TP={TP}", med(base_stall) * 1e3,
+                   higher_is_better=False)
+        report.write()
+    finally:
+        for s in servers:
+            s.stop()
+        if publisher is not None:
+            publisher.close()
+        coordinator.stop()
+
+
+if __name__ == "__main__":
+    main()
