@@ -124,7 +124,7 @@ def main() -> None:
         med = statistics.median
         report.add(f"bytes pulled per update, engine at TP={TP}", med(pulled) / 2**20, "MiB",
                    "one model (the bound)", model_bytes / 2**20, higher_is_better=False)
-        report.add(f"bytes pulled per rank, TP={TP}", med(pulled) / TP / 2**20, "MiB")
+        report.add(f"bytes pulled per rank (mean), TP={TP}", med(pulled) / TP / 2**20, "MiB")
         report.add(f"checkpoint copies held in host memory, engine at TP={TP}", med(copies),
                    "copies", "one per engine (the bound)", 1.0, higher_is_better=False)
         report.add(f"engine stall per update, TP={TP} (TensorHub)", med(stalls) * 1e3, "ms",

@@ -15,6 +15,7 @@ import torch
 
 from tensorhub.core.data_types import GetManifest, Part
 from tensorhub.core.errors import CoordinatorError, LayoutError
+from tensorhub.core.layout import BoundLayout
 from tensorhub.replica import Replica
 
 
@@ -114,19 +115,7 @@ class PartedReplica:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version, whole: a tensor published as row slices by several
         ranks is joined here (a copy); the others are views of the pulled buffers."""
-        whole: dict[str, torch.Tensor] = {}
-        slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for replica in self.replicas:
-            specs = {s.name: s for s in replica.layout.manifest.tensors} if replica.layout else {}
-            for name, tensor in replica.tensors.items():
-                rows = specs[name].rows
-                if rows is None:
-                    whole[name] = tensor
-                else:
-                    slices.setdefault(name, []).append((rows[0], tensor))
-        for name, pieces in slices.items():
-            whole[name] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
-        return whole
+        return whole_tensors([r.layout for r in self.replicas if r.layout is not None])
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -137,3 +126,19 @@ class PartedReplica:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def whole_tensors(layouts: list[BoundLayout]) -> dict[str, torch.Tensor]:
+    """The tensors of a version's parts, by name; row slices of one tensor joined (a copy),
+    the others as they are (views of the parts' buffers)."""
+    whole: dict[str, torch.Tensor] = {}
+    slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for layout in layouts:
+        for spec, tensor in zip(layout.manifest.tensors, layout.tensors, strict=True):
+            if spec.rows is None:
+                whole[spec.name] = tensor
+            else:
+                slices.setdefault(spec.name, []).append((spec.rows[0], tensor))
+    for name, pieces in slices.items():
+        whole[name] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
+    return whole

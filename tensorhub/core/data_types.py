@@ -97,6 +97,24 @@ class SharedRegion(Strict):
     nbytes: int = Field(ge=1, lt=2**48)
 
 
+class SharedPart(Strict):
+    """One part of a checkpoint copy in shared memory: its manifest, and where its
+    `BoundLayout.allocate` arena lies (`offset` bytes into `region`)."""
+
+    manifest: Manifest
+    region: SharedRegion
+    offset: int = Field(ge=0, lt=2**48)
+
+
+class SharedCopy(Strict):
+    """An engine's checkpoint copy of `version`, as the engine's other ranks on the host
+    map it (`engines/shared_copy.py`): passed between ranks, never to the coordinator."""
+
+    pid: int = Field(ge=1)
+    version: Version
+    parts: list[SharedPart] = Field(max_length=MAX_PARTS)
+
+
 class Endpoint(Strict):
     """How peers reach a worker's memory: a NIXL agent, the zmq fallback server, or (on the
     same host) its process, read with cross-memory attach (`cma`; `auto` adds pid and host

@@ -66,6 +66,11 @@ def layout_id(manifest: Manifest) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+def arena_bytes(manifest: Manifest) -> int:
+    """Bytes of the one buffer `BoundLayout.allocate` gives a manifest's items."""
+    return sum(-(-item.nbytes // ALIGN) * ALIGN for item in plan_items(manifest))
+
+
 def check_manifest(manifest: Manifest) -> None:
     """Reject a manifest whose sizes do not follow from its dtypes and shapes."""
     for spec in manifest.tensors:
@@ -146,15 +151,24 @@ class BoundLayout:
         Small tensors are views into the compact region, so a read of that one region
         lands every small tensor in place: no scatter copy at all. On CPU the buffer is
         shared memory (`core.shared_memory`), which same-host readers map and memcpy."""
+        total = arena_bytes(manifest)
+        if torch.device(device).type == "cpu":
+            arena = shared_empty(total)
+        else:
+            arena = torch.zeros(total, dtype=torch.uint8, device=device)
+        return cls.over(manifest, arena)
+
+    @classmethod
+    def over(cls, manifest: Manifest, arena: torch.Tensor) -> BoundLayout:
+        """The tensors of `manifest` as views of `arena` (`arena_bytes(manifest)` bytes),
+        laid out as `allocate` lays them: another process that maps an allocated arena
+        (the ranks of one engine sharing its copy) sees the same tensors."""
         items = plan_items(manifest)
         offsets, total = [], 0
         for item in items:
             offsets.append(total)
             total += -(-item.nbytes // ALIGN) * ALIGN
-        if torch.device(device).type == "cpu":
-            arena = shared_empty(total)
-        else:
-            arena = torch.zeros(total, dtype=torch.uint8, device=device)
+        device = arena.device
         tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
         compact = None
         for item, start in zip(items, offsets, strict=True):

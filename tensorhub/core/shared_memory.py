@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -98,3 +99,44 @@ def regions_of(buffers: list[torch.Tensor]) -> list[SharedRegion]:
                 found[r.addr] = r
                 break
     return list(found.values())
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the whole mapping in at once
+
+
+class MapError(OSError):
+    """A shared region that cannot be mapped; `gone`: its process exited or freed it,
+    `denied`: we may not open its memory (another user, ptrace scope)."""
+
+    def __init__(self, message: str, gone: bool = False, denied: bool = False):
+        super().__init__(message)
+        self.gone, self.denied = gone, denied
+
+
+def map_region(pid: int, region: SharedRegion) -> torch.Tensor:
+    """Map process `pid`'s shared region read-only (through `/proc/<pid>/fd/<fd>`), after
+    checking it is still the same file (inode) and sealed against resizing (a file that
+    shrank under a mapping would kill us with SIGBUS). Raises `MapError`."""
+    try:
+        fd = os.open(f"/proc/{pid}/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MapError("it has exited or freed the buffer it advertised", gone=True) from None
+    except PermissionError:
+        raise MapError("not permitted: it must run as our user (and ptrace_scope allow it)",
+                       denied=True) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != region.inode:
+            raise MapError(f"fd {region.fd} is no longer the buffer it advertised (freed and "
+                           f"reused)", gone=True)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & SEALS != SEALS or st.st_size < region.nbytes:
+            raise MapError("its shared buffer is not sealed against resizing or is shorter "
+                           "than advertised; refusing to map it")
+        mapping = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED | _POPULATE,
+                            prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only on purpose: we never write through it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)

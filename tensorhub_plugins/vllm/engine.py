@@ -27,6 +27,8 @@ from vllm.model_executor.model_loader.reload import (
 
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.shared_copy import SharedCopyReader, describe
+from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
 
@@ -58,6 +60,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.holder: CheckpointHolder | None = None
+        # The ranks share rank 0's copy (`engines/shared_copy.py`): only rank 0 holds one.
+        self.one_copy = one_copy_per_engine(self.parallel_config)
+        self._shared: SharedCopyReader | None = None
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -81,6 +86,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         if init_info.op == "init":
             if self.holder is not None:
                 self.holder.close()
+            if self.one_copy and self._rank() != 0:
+                self._shared = SharedCopyReader()
+                log.info("TensorHub: this rank loads from rank 0's checkpoint copy")
+                return
             self.holder = CheckpointHolder(
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
@@ -88,7 +97,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
                      init_info.follow)
         elif init_info.op == "prefetch":
-            self._holder().prefetch(init_info.version or "latest")
+            if self._shared is None:
+                self._holder().prefetch(init_info.version or "latest")
         else:
             raise ValueError(f"unknown TensorHub init op {init_info.op!r}")
 
@@ -128,19 +138,71 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         return get_world_group().rank
 
     def _apply(self, update_info: TensorHubUpdateInfo) -> None:
-        started = time.perf_counter()
-        with self._holder().tensors_of(update_info.version, self._agree) as named:
-            locked = time.perf_counter()
-            initialize_layerwise_reload(self.model)
-            self.model.load_weights(iter(named))
-            finalize_layerwise_reload(self.model, self.model_config)
-            if getattr(self.model_config.hf_config, "tie_word_embeddings", False) and \
-                    hasattr(self.model, "lm_head") and hasattr(self.model.lm_head, "quant_method"):
-                # A tied lm_head shares the embedding's parameter but keeps its own packed
-                # CPU GEMM, which the layerwise reload does not redo: redo it.
-                self.model.lm_head.quant_method.process_weights_after_loading(self.model.lm_head)
-        log.debug("v%d: %.1f ms waiting for the copy", update_info.version,
-                  (locked - started) * 1e3)
+        version = update_info.version
+        if self._shared is not None:  # rank 0's copy, mapped
+            payload = self._broadcast(None)
+            named = None
+            if not payload:
+                log.warning("rank 0 cannot apply v%d (see its log)", version)
+            else:
+                try:
+                    named = self._shared.named_tensors(payload, version)
+                except Exception as exc:
+                    log.warning("cannot map rank 0's copy of v%d: %s", version, exc)
+            if not self._agree(named is not None):
+                raise TensorHubError(f"a rank of this engine cannot apply v{version}, so no "
+                                     f"rank applies it; the engine keeps its current weights",
+                                     code="refused")
+            try:
+                self._load(named)
+            finally:
+                self._agree(True)  # rank 0 keeps its copy locked until every rank is done
+            return
+        holder = self._holder()
+        agree = self._share_and_agree if self.one_copy else self._agree
+        with holder.tensors_of(version, agree) as named:
+            try:
+                self._load(named)
+            finally:
+                if self.one_copy:
+                    self._agree(True)
+
+    def _share_and_agree(self, ok: bool) -> bool:
+        """Rank 0 of an engine sharing its copy: tell the other ranks where it lies (or
+        that there is nothing to apply), then vote."""
+        payload = b""
+        if ok:
+            try:
+                payload = describe(self._holder().replica)
+            except Exception as exc:
+                log.warning("cannot share the checkpoint copy: %s", exc)
+                ok = False
+        self._broadcast(payload)
+        return self._agree(ok)
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's `payload` to every rank of the engine (its CPU group)."""
+        import torch.distributed as dist
+        from vllm.distributed import get_world_group
+
+        group = get_world_group()
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=group.ranks[0], group=group.cpu_group)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if payload else torch.empty(int(size.item()), dtype=torch.uint8))
+        if int(size.item()):
+            dist.broadcast(data, src=group.ranks[0], group=group.cpu_group)
+        return data.numpy().tobytes()
+
+    def _load(self, named) -> None:
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter(named))
+        finalize_layerwise_reload(self.model, self.model_config)
+        if getattr(self.model_config.hf_config, "tie_word_embeddings", False) and \
+                hasattr(self.model, "lm_head") and hasattr(self.model.lm_head, "quant_method"):
+            # A tied lm_head shares the embedding's parameter but keeps its own packed
+            # CPU GEMM, which the layerwise reload does not redo: redo it.
+            self.model.lm_head.quant_method.process_weights_after_loading(self.model.lm_head)
 
     def finish_weight_update(self) -> None:
         pass

@@ -26,6 +26,7 @@ from tensorhub.core.client import CoordinatorClient, token_from_env
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
+from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
 router = APIRouter()
@@ -37,12 +38,15 @@ class UpdateRequest(BaseModel):
 
 
 class Frontend:
-    def __init__(self, settings: EngineSettings, engine_client, name: str, world_size: int):
+    def __init__(self, settings: EngineSettings, engine_client, name: str, world_size: int,
+                 one_copy: bool = False):
         self.settings = settings
         self.engine = engine_client
         self.name = name
         self.workers = [name] if world_size == 1 else [f"{name}-rank{r}"
                                                        for r in range(world_size)]
+        if one_copy:
+            self.workers = self.workers[:1]  # rank 0 holds the engine's one copy
         self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
         self.serving: int | None = None
         self.last_update: dict | None = None
@@ -216,7 +220,8 @@ async def start_frontend(engine_client, args) -> Frontend | None:
         raise RuntimeError("TensorHub needs --weight-transfer-config '{\"backend\": "
                            "\"tensorhub\"}' (and VLLM_PLUGINS=tensorhub)")
     frontend = Frontend(settings, engine_client, settings.instance_name(
-        "vllm", getattr(args, "port", None)), config.parallel_config.world_size)
+        "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
+        one_copy_per_engine(config.parallel_config))
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
     if settings.mode == "follow":

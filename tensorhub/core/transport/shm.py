@@ -19,23 +19,18 @@ mapping until it leaves.)
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import mmap
-import os
 import threading
 import time
-import warnings
 
 import torch
 
 from tensorhub.core.data_types import SharedRegion
 from tensorhub.core.errors import TransferError
-from tensorhub.core.shared_memory import SEALS
+from tensorhub.core.shared_memory import MapError, map_region
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.cma import exited
 from tensorhub.core.transport.parallel_copy import CopyPool, Segment
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the whole mapping in at once
 PRUNE_EVERY = 1.0  # seconds between checks for mappings of holders that have exited
 
 
@@ -116,40 +111,15 @@ class ShmReader:
         return {wanted[k].addr: v for k, v in kept.items()}
 
     def _map(self, peer: Peer, region: SharedRegion) -> torch.Tensor:
-        pid = peer.endpoint.pid
-        who = f"holder {peer.worker_id} (pid {pid})"
+        who = f"holder {peer.worker_id} (pid {peer.endpoint.pid})"
         try:
-            fd = os.open(f"/proc/{pid}/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise TransferError(f"{who} has exited or freed the buffer it advertised",
-                                peer.worker_id) from None
-        except PermissionError:
-            raise ShmNotPermitted(f"shared-memory read from {who} not permitted: it must run "
-                                  f"as our user (and ptrace_scope allow it)",
-                                  peer.worker_id) from None
-        except OSError as exc:
-            raise TransferError(f"cannot open the shared memory of {who}: {exc}",
-                                peer.worker_id) from None
-        try:
-            st = os.fstat(fd)
-            if st.st_ino != region.inode:
-                raise TransferError(f"{who}: fd {region.fd} is no longer the buffer it "
-                                    f"advertised (freed and reused)", peer.worker_id)
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if seals & SEALS != SEALS or st.st_size < region.nbytes:
-                raise TransferError(f"{who}: its shared buffer is not sealed against "
-                                    f"resizing or is shorter than advertised; refusing to map "
-                                    f"it", peer.worker_id)
-            mapping = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED | _POPULATE,
-                                prot=mmap.PROT_READ)
+            view = map_region(peer.endpoint.pid, region)
+        except MapError as exc:
+            kind = ShmNotPermitted if exc.denied else TransferError
+            raise kind(f"shared-memory read from {who}: {exc}", peer.worker_id) from None
         except OSError as exc:
             raise TransferError(f"cannot map the shared memory of {who}: {exc}",
                                 peer.worker_id) from None
-        finally:
-            os.close(fd)
-        with warnings.catch_warnings():  # read-only on purpose: we never write through it
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(mapping, dtype=torch.uint8)
         with self._lock:
             self._maps.setdefault(peer.worker_id, {})[self._key(peer, region)] = view
         return view
