@@ -81,10 +81,12 @@ class Publisher:
         self._layout: BoundLayout | None = None
         self.version: int | None = None
 
-    def _latest(self) -> int:
+    def _latest(self, patient: bool = True) -> int:
+        request = GetManifest(model=self.model)
         try:
-            return self.session.call_patiently(GetManifest(model=self.model),
-                                               self.coordinator_wait).version
+            if not patient:
+                return self.session.client.call(request).version
+            return self.session.call_patiently(request, self.coordinator_wait).version
         except CoordinatorError as exc:
             if exc.code in ("unknown_model", "unknown_version"):
                 return 0
@@ -177,7 +179,9 @@ class Publisher:
             if status.state == "aborted":
                 raise TensorHubError(f"{self.model} v{publish.version} was given up before "
                                      f"all its parts were in: {status.reason}", code="aborted")
-            if status.state == "unknown":
+            if status.state == "unknown" or (status.state == "pending"
+                                             and self.part.part not in status.parts_in):
+                # (a coordinator that restarted meanwhile has forgotten our part)
                 self.session.call_patiently(publish, self.coordinator_wait)
             if time.monotonic() > deadline:
                 raise TensorHubError(
@@ -190,7 +194,7 @@ class Publisher:
         """Wait until `min_replicas` replicas hold our current version. False at once when
         no replica is registered and none is reading it (nobody could keep it); raises
         `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
-        if self.version is None or self._latest() > self.version:
+        if self.version is None or self._latest(patient=False) > self.version:
             return True  # (a newer version supersedes ours: nothing to keep)
         timeout = self.retain_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout

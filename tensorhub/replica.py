@@ -249,6 +249,10 @@ class Replica:
             # its layout): allocate them first.
             reply = self.session.call(GetManifest(model=self.model, version=version,
                                                   part=self.part.part))
+            if reply.parts > self.part.parts and self.part.parts == 1 and self.part.part == 0:
+                raise LayoutError(f"{self.model} v{reply.version} is published in "
+                                  f"{reply.parts} parts (a sharded trainer): read it with "
+                                  f"tensorhub.PartedReplica, which pulls every part")
             self.part = Part(part=self.part.part, parts=reply.parts)
             self._bind(BoundLayout.allocate(reply.manifest, self._device))
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []

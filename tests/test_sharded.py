@@ -253,3 +253,18 @@ def test_a_reader_follows_when_the_trainer_changes_how_it_shards(coordinator):
             finally:
                 for rank in ranks:
                     rank.close()
+
+
+def test_a_plain_replica_refuses_a_sharded_version_and_says_what_to_use(coordinator):
+    from tensorhub import LayoutError, Replica
+
+    with Publisher(coordinator.address, "policy", transport="zmq", name="rank0",
+                   part=0, parts=2) as rank0, \
+            Publisher(coordinator.address, "policy", transport="zmq", name="rank1",
+                      part=1, parts=2) as rank1:
+        thread, _ = in_background(functools.partial(rank0.publish, rank_state(0, 1), 1))
+        rank1.publish(rank_state(1, 1), version=1)
+        thread.join(10)
+        with Replica(coordinator.address, "policy", transport="zmq") as plain, \
+                pytest.raises(LayoutError, match="PartedReplica"):
+            plain.pull(timeout=10)  # part 0 alone would be half a state dict

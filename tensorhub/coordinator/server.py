@@ -1139,6 +1139,8 @@ class Coordinator:
             worker.last_seen += seconds
         for lease in self.table.leases.values():
             lease.expires += seconds
+        for pending in self.pending.versions.values():
+            pending.started += seconds
 
     def _forget_worker(self, worker_id: str, why: str) -> None:
         worker = self.table.workers.pop(worker_id, None)

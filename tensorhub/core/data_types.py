@@ -50,9 +50,9 @@ class TensorSpec(Strict):
     def _rows_fit(self) -> TensorSpec:
         if self.rows is not None:
             start, stop, total = self.rows
-            if not (start < stop <= total and self.shape and self.shape[0] == stop - start):
+            if not (start <= stop <= total and self.shape and self.shape[0] == stop - start):
                 raise ValueError(f"tensor {self.name!r}: rows {self.rows} do not fit shape "
-                                 f"{self.shape} (need start < stop <= total, shape[0] = "
+                                 f"{self.shape} (need start <= stop <= total, shape[0] = "
                                  f"stop - start)")
         return self
 

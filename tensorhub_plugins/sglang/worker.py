@@ -109,26 +109,25 @@ def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
     """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it;
     with `agree` (`tp_vote`), only if every TP rank can."""
     global _torn
-    holder = _copy()
     sources: list[str] = []
-    pull_error: Exception | None = None
-    if holder.version != version:
-        try:
+    failure: Exception | None = None
+    holder = None
+    try:  # whatever fails here, every rank must still reach the vote
+        holder = _copy()
+        if holder.version != version:
             holder.pull(version)
             sources = holder.sources()
-        except Exception as exc:  # `tensors_of` refuses it then, on every rank when voting
-            pull_error = exc
-    if _native is not None and holder.version == version:
-        _native.release()  # nobody reads the live parameters while we write them
-    try:
-        with holder.tensors_of(version, agree) as named:
-            _torn = True
-            model.load_weights(named)
-            _torn = False
-    except TensorHubError:
-        if pull_error is not None:
-            raise pull_error from None  # the reason this rank could not
-        raise
+        if _native is not None:
+            _native.release()  # nobody reads the live parameters while we write them
+    except Exception as exc:
+        failure = exc
+    if holder is None or failure is not None:
+        agree(False)  # the other ranks learn that this one cannot, and refuse it too
+        raise failure or TensorHubError("no checkpoint copy")
+    with holder.tensors_of(version, agree) as named:
+        _torn = True
+        model.load_weights(named)
+        _torn = False
     return sources
 
 
@@ -159,8 +158,10 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     global _applied
     if _settings is None:
         raise RuntimeError("TensorHub is not running in this scheduler")
-    if version == _applied and not _torn:
-        record()  # already applied (the driver's earlier request timed out): nothing to do
+    if version == _applied and not _torn and (path != "checkpoint" or _tp_size() == 1):
+        # Already applied (the driver's earlier request timed out): nothing to do. On the
+        # checkpoint path of a TP engine every rank must still take part in the vote.
+        record()
         return
     started = time.perf_counter()
     previous = _applied
@@ -239,6 +240,15 @@ def _repair(model, previous: int | None) -> None:
 def refused(error: str) -> None:
     """The loader refused an update: record why (the driver reads it)."""
     record(error)
+
+
+def _tp_size() -> int:
+    try:
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().world_size
+    except Exception:
+        return 1
 
 
 def _tp_rank() -> int:

@@ -11,6 +11,8 @@ PER_RANK_ENV = "TENSORHUB_COPY_PER_RANK"  # "1": a copy per rank, as before
 
 
 def one_copy_per_engine(parallel_config) -> bool:
-    """Several ranks, all on this node, shared memory available, not turned off."""
-    return (parallel_config.world_size > 1 and getattr(parallel_config, "nnodes", 1) == 1
+    """Several tensor-parallel ranks (no pipeline stages), all on this node, shared memory
+    available, not turned off."""
+    return (parallel_config.world_size > 1 and parallel_config.pipeline_parallel_size == 1
+            and getattr(parallel_config, "nnodes", 1) == 1
             and shared_memory.enabled() and os.environ.get(PER_RANK_ENV, "0") != "1")

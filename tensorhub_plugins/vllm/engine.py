@@ -70,23 +70,36 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             return base
         return f"{base}-rank{self._rank()}"
 
+    def _group(self):
+        """The process group of this engine's ranks (None: a single rank). With pipeline
+        parallelism and data parallelism both, vLLM's world group spans several engines:
+        then each rank decides alone (logged at start)."""
+        pc = self.parallel_config
+        if pc.world_size == 1:
+            return None
+        from vllm.distributed import get_tp_group, get_world_group
+
+        if pc.pipeline_parallel_size == 1:
+            return get_tp_group()
+        return get_world_group() if pc.data_parallel_size == 1 else None
+
     def _agree(self, ok: bool) -> bool:
-        """Whether every rank of this engine is ready (all-reduce MIN on the CPU group of
-        all its workers): one version per engine, on all ranks or on none."""
-        if self.parallel_config.world_size == 1:
+        """Whether every rank of this engine is ready (all-reduce MIN on its CPU group):
+        one version per engine, on all ranks or on none."""
+        group = self._group()
+        if group is None:
             return ok
         import torch.distributed as dist
-        from vllm.distributed import get_world_group
 
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_world_group().cpu_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
         return bool(flag.item())
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         if init_info.op == "init":
             if self.holder is not None:
                 self.holder.close()
-            if self.one_copy and self._rank() != 0:
+            if self.one_copy and self._group().rank_in_group != 0:
                 self._shared = SharedCopyReader()
                 log.info("TensorHub: this rank loads from rank 0's checkpoint copy")
                 return
@@ -121,8 +134,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         try:
             self._apply(update_info)
         except TensorHubError as exc:
-            world = self.parallel_config.world_size
-            if world > 1 and self._rank() != world - 1:
+            group = self._group()
+            if group is not None and group.rank_in_group != group.world_size - 1:
                 # vLLM's executor reads the workers' answers in rank order and stops at the
                 # first failure, leaving later ones queued to answer the next call: only
                 # the last rank raises (every rank refused: the vote saw to that).
@@ -158,9 +171,14 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             finally:
                 self._agree(True)  # rank 0 keeps its copy locked until every rank is done
             return
-        holder = self._holder()
+        if self.holder is None:  # (init failed here): the other ranks must still hear it
+            if self.one_copy:
+                self._share_and_agree(False)
+            else:
+                self._agree(False)
+            raise TensorHubError("TensorHub engine not initialised on this rank")
         agree = self._share_and_agree if self.one_copy else self._agree
-        with holder.tensors_of(version, agree) as named:
+        with self.holder.tensors_of(version, agree) as named:
             try:
                 self._load(named)
             finally:
@@ -183,9 +201,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _broadcast(self, payload: bytes | None) -> bytes:
         """Rank 0's `payload` to every rank of the engine (its CPU group)."""
         import torch.distributed as dist
-        from vllm.distributed import get_world_group
-
-        group = get_world_group()
+        group = self._group()
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
         dist.broadcast(size, src=group.ranks[0], group=group.cpu_group)
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8)

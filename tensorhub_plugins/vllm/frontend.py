@@ -107,8 +107,12 @@ class Frontend:
                     log.error("swap to v%d failed; still serving %s", version,
                               self.serving or "the weights loaded at start")
                     # Close vLLM's update session (it refuses to start the next one
-                    # otherwise), keeping the weight version label as it was.
-                    await self.engine.finish_weight_update()
+                    # otherwise), keeping the weight version label as it was. (A rank
+                    # that raised has closed its own: that answer is not the news.)
+                    try:
+                        await self.engine.finish_weight_update()
+                    except Exception as exc:
+                        log.debug("closing the update session: %s", exc)
                     raise
                 await self.engine.finish_weight_update(weight_version=str(version))
                 await self.engine.reset_prefix_cache()
