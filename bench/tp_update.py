@@ -114,11 +114,7 @@ def main() -> None:
                     t.add_(0.001)
             save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
             started = time.perf_counter()
-            baseline.request("/pause", {"mode": "wait"})
-            baseline.request("/collective_rpc", {"method": "reload_weights",
-                                                 "kwargs": {"weights_path": str(model_dir)}})
-            baseline.request("/reset_prefix_cache", {})
-            baseline.request("/resume", {})
+            baseline.reload_from_disk(model_dir)
             base_stall.append(time.perf_counter() - started)
 
         med = statistics.median

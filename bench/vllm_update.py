@@ -95,11 +95,7 @@ def main() -> None:
             started = time.perf_counter()
             save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
             saved = time.perf_counter()
-            baseline.request("/pause", {"mode": "wait"})
-            baseline.request("/collective_rpc", {"method": "reload_weights",
-                                                 "kwargs": {"weights_path": str(model_dir)}})
-            baseline.request("/reset_prefix_cache", {})
-            baseline.request("/resume", {})
+            baseline.reload_from_disk(model_dir)
             done = time.perf_counter()
             base_save.append(saved - started)
             base_total.append(done - started)

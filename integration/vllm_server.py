@@ -36,6 +36,16 @@ class VLLMServer(EngineServer):
                         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **(env or {})})
         super().__init__(args, env, port, log_path)
 
+    def reload_from_disk(self, model_dir) -> None:
+        """vLLM's own update, the baseline of the update benchmarks: pause, `reload_weights`
+        from the safetensors in `model_dir`, reset the prefix cache, resume (dev-mode
+        routes: start the server with `VLLM_SERVER_DEV_MODE=1`)."""
+        self.request("/pause", {"mode": "wait"})
+        self.request("/collective_rpc", {"method": "reload_weights",
+                                         "kwargs": {"weights_path": str(model_dir)}})
+        self.request("/reset_prefix_cache", {})
+        self.request("/resume", {})
+
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions as token ids, comparable with `tiny_model.hf_greedy`
         (token-id prompts, temperature 0, `ignore_eos`, `return_token_ids`)."""
