@@ -268,3 +268,43 @@ def test_a_plain_replica_refuses_a_sharded_version_and_says_what_to_use(coordina
         with Replica(coordinator.address, "policy", transport="zmq") as plain, \
                 pytest.raises(LayoutError, match="PartedReplica"):
             plain.pull(timeout=10)  # part 0 alone would be half a state dict
+
+
+def _part(client: CoordinatorClient, rank: int, version: int):
+    """A raw trainer rank: its worker id, and the Publish and Hold of its part."""
+    from tensorhub.core.data_types import Endpoint, Hold, Publish, Register
+    from tensorhub.core.layout import BoundLayout, manifest_of
+
+    state = rank_state(rank, version)
+    layout = BoundLayout.allocate(manifest_of(state.items()))
+    layout.copy_large_from(list(state.values()))
+    layout.pack(list(state.values()))
+    wid = client.call(Register(name=f"rank{rank}", role="trainer", endpoint=Endpoint(
+        transport="zmq", address="tcp://127.0.0.1:1"))).worker_id
+    common = dict(worker_id=wid, model="policy", version=version, part=rank, parts=2,
+                  manifest=layout.manifest, checksums=layout.checksums(),
+                  memory=layout.memory())
+    return Publish(**common), Hold(layout_id=layout.layout_id, **common)
+
+
+@pytest.mark.parametrize("first", ["hold", "publish"])
+def test_after_a_restart_mid_publish_the_parts_meet_in_one_version(coordinator, first):
+    """The coordinator restarted (this one is fresh) while v5 was being published: rank 1
+    had seen it complete and announces its part again (`Hold`); rank 0 was still waiting
+    and sends its part again (`Publish`). Whichever comes first, v5 is one version."""
+    client = CoordinatorClient(coordinator.address)
+    try:
+        publish0, _ = _part(client, 0, 5)
+        _, hold1 = _part(client, 1, 5)
+        if first == "hold":
+            client.call(hold1)
+            assert status(coordinator.address, 5).state == "pending"
+            assert client.call(publish0).complete
+        else:
+            assert not client.call(publish0).complete
+            client.call(hold1)
+        assert status(coordinator.address, 5).state == "complete"
+        manifest = client.call(GetManifest(model="policy", version=5, part=1))
+        assert (manifest.version, manifest.parts) == (5, 2)
+    finally:
+        client.close()

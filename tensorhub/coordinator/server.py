@@ -508,6 +508,9 @@ class Coordinator:
         """Part `req.part` of a sharded version: kept aside until all parts are in, then
         the version is made and announced like any other (`parts.py`)."""
         key = (req.model, req.version)
+        restored = self._restore_part(req, worker)
+        if restored is not None:
+            return restored
         if req.version <= latest:
             if req.version == latest and self._already_published(req):
                 vrec = self.table.models[req.model].versions[latest]
@@ -544,21 +547,47 @@ class Coordinator:
                      req.part, req.model, req.version, len(pending.have), req.parts)
             return Published(model=req.model, version=req.version, layout_id=lid,
                              complete=False)
+        self._complete(key, pending)
+        return Published(model=req.model, version=req.version, layout_id=lid, complete=True)
+
+    def _complete(self, key: tuple[str, int], pending: PendingVersion) -> None:
+        """Every part of a pending version is in: check they fit, then make and announce
+        the version (or abort it, `bad_request` to the caller)."""
+        model, version = key
         parts = [pending.have[r] for r in range(pending.parts)]
         try:
             check_parts_fit([p.layout.manifest for p in parts])
         except ValueError as exc:
             self._abort(key, str(exc))
-            raise Reject("bad_request", f"{req.model!r} v{req.version}: {exc}") from None
+            raise Reject("bad_request", f"{model!r} v{version}: {exc}") from None
         del self.pending.versions[key]
-        self._make_version(req.model, VersionRec(req.version, parts[0].layout_id,
-                                                 {p.layout_id: p.layout for p in parts},
-                                                 parts=[p.layout_id for p in parts]))
-        log.info("%s v%d published in %d parts (%.1f MiB)", req.model, req.version,
-                 len(parts), sum(p.layout.nbytes for p in parts) / 2**20)
-        self._announce(req.model, req.version, parts[0].layout_id, parts[0].layout,
+        self._make_version(model, VersionRec(version, parts[0].layout_id,
+                                             {p.layout_id: p.layout for p in parts},
+                                             parts=[p.layout_id for p in parts]))
+        log.info("%s v%d published in %d parts (%.1f MiB)", model, version, len(parts),
+                 sum(p.layout.nbytes for p in parts) / 2**20)
+        self._announce(model, version, parts[0].layout_id, parts[0].layout,
                        parts[0].publisher, parts[0].memory, parts=len(parts))
-        return Published(model=req.model, version=req.version, layout_id=lid, complete=True)
+
+    def _restore_part(self, req: Publish, worker: WorkerRec) -> Published | None:
+        """After a restart a sharded version can come back from its holders before one of
+        its ranks sends its part again (that rank was still waiting for the others): the
+        part fills the restored record's empty slot."""
+        mrec = self.table.models.get(req.model)
+        vrec = mrec.versions.get(req.version) if mrec else None
+        if vrec is None or vrec.parts is None or len(vrec.parts) != req.parts \
+                or vrec.parts[req.part] is not None:
+            return None
+        lid, layout = self._new_layout(req.manifest, req.checksums)
+        self._check_memory(layout, req.memory)
+        self._update_endpoint(worker, req.endpoint)
+        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        vrec.layouts[lid] = layout
+        vrec.parts[req.part] = lid
+        if req.part == 0:
+            vrec.origin_layout = lid
+        return Published(model=req.model, version=req.version, layout_id=lid,
+                         complete=None not in vrec.parts)
 
     def _abort(self, key: tuple[str, int], reason: str) -> None:
         if self.pending.abort(key, reason) is not None:
@@ -598,6 +627,22 @@ class Coordinator:
         worker = self._worker(req.worker_id)
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
+        pending = self.pending.versions.get((req.model, req.version))
+        if vrec is None and pending is not None and req.manifest is not None \
+                and req.parts == pending.parts and req.part not in pending.have:
+            # A restart while the version was pending: a rank that had it complete
+            # announces its part as the others send theirs again. It joins the pending
+            # version (which completes when all are in), not a record of its own.
+            lid, layout = self._new_layout(req.manifest, req.checksums)
+            self._check_memory(layout, req.memory)
+            self._update_endpoint(worker, req.endpoint)
+            layout.holders[worker.worker_id] = HolderRec(worker.worker_id,
+                                                         store_memory(req.memory))
+            pending.have[req.part] = PendingPart(lid, layout, worker.worker_id,
+                                                 list(req.memory))
+            if pending.complete:
+                self._complete((req.model, req.version), pending)
+            return _ACK
         if vrec is None:
             if req.manifest is None or (mrec is not None and req.version < mrec.latest):
                 raise Reject("unknown_version",
