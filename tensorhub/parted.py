@@ -91,9 +91,11 @@ class PartedReplica:
         return target
 
     def _rebuild(self, parts: int) -> None:
-        for replica in self.replicas:
+        # The new workers register before the old ones leave: a trainer deciding whether
+        # anyone could keep its version must never see this reader gone for a moment.
+        old, self.replicas = self.replicas, [self._replica(r) for r in range(parts)]
+        for replica in old:
             replica.close()
-        self.replicas = [self._replica(r) for r in range(parts)]
 
     def _pull_part(self, part: int, version: int, timeout: float) -> int:
         try:

@@ -191,20 +191,27 @@ class Publisher:
             time.sleep(0.02)
 
     def retained(self, timeout: float | None = None) -> bool:
-        """Wait until `min_replicas` replicas hold our current version. False at once when
-        no replica is registered and none is reading it (nobody could keep it); raises
+        """Wait until `min_replicas` replicas hold our current version. False when no
+        replica is registered and none is reading it for 1 s (nobody could keep it); raises
         `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
         if self.version is None or self._latest(patient=False) > self.version:
             return True  # (a newer version supersedes ours: nothing to keep)
         timeout = self.retain_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        nobody_since: float | None = None
         while True:
             r = self.session.client.call(RetentionRequest(model=self.model,
                                                           version=self.version))
             if r.replica_holders >= self.min_replicas:
                 return True
             if r.replicas == 0 and r.active_reads == 0:
-                return False
+                # Nobody could keep it, unless a replica is re-registering this instant
+                # (a reader re-buffering for a new sharding): seen twice, 1 s apart.
+                if nobody_since is not None and time.monotonic() - nobody_since >= 1.0:
+                    return False
+                nobody_since = nobody_since or time.monotonic()
+            else:
+                nobody_since = None
             if time.monotonic() > deadline:
                 raise TensorHubError(
                     f"{self.model} v{self.version}: {r.replica_holders} of {self.min_replicas} "
