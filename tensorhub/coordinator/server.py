@@ -452,21 +452,19 @@ class Coordinator:
         if worker.role != "trainer":
             raise Reject("bad_request", "only a worker registered as trainer may publish")
         latest = self.table.models[req.model].latest if req.model in self.table.models else 0
-        if req.parts > 1:
-            return self._publish_part(req, worker, latest)
         if req.version == latest and self._already_published(req):
             # A retry whose first try was answered but the answer lost (a pause, a
             # reconnect): answered as the first was, so a trainer may always retry.
             vrec = self.table.models[req.model].versions[latest]
-            return Published(model=req.model, version=latest, layout_id=vrec.origin_layout)
+            return Published(model=req.model, version=latest,
+                             layout_id=vrec.part_ids[req.part])
+        if req.parts > 1:
+            return self._publish_part(req, worker, latest)
         if req.version <= latest:
             raise Reject("stale_version",
                          f"model {req.model!r} is at version {latest}; a new version "
                          f"must be greater (got {req.version})")
-        lid, layout = self._new_layout(req.manifest, req.checksums)
-        self._check_memory(layout, req.memory)
-        self._update_endpoint(worker, req.endpoint)
-        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        lid, layout = self._held_layout(req, worker)
         self._make_version(req.model, VersionRec(req.version, lid, {lid: layout}))
         log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
                  req.version, len(layout.items), layout.nbytes / 2**20)
@@ -490,16 +488,22 @@ class Coordinator:
             self._abort(key, f"v{vrec.version} was published first")
         self.table.prune()
 
+    def _held_layout(self, req: Publish | Hold, worker: WorkerRec) -> tuple[str, LayoutRec]:
+        """The layout `req` describes, checked against the memory it registers, with
+        `worker` as its holder (stored by the caller)."""
+        lid, layout = self._new_layout(req.manifest, req.checksums)
+        self._check_memory(layout, req.memory)
+        self._update_endpoint(worker, req.endpoint)
+        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        return lid, layout
+
     def _already_published(self, req: Publish) -> bool:
         """`req` repeats the publish that made its version (or part): same trainer, same
         bytes."""
         vrec = self.table.models[req.model].versions.get(req.version)
-        if vrec is None:
+        if vrec is None or req.part >= len(vrec.part_ids):
             return False
-        lids = vrec.parts or [vrec.origin_layout]
-        if req.part >= len(lids) or lids[req.part] is None:
-            return False
-        layout = vrec.layouts.get(lids[req.part])
+        layout = vrec.part_layouts()[req.part]
         return (layout is not None and req.worker_id in layout.holders
                 and layout.checksums == list(req.checksums or []))
 
@@ -512,10 +516,6 @@ class Coordinator:
         if restored is not None:
             return restored
         if req.version <= latest:
-            if req.version == latest and self._already_published(req):
-                vrec = self.table.models[req.model].versions[latest]
-                return Published(model=req.model, version=latest,
-                                 layout_id=vrec.parts[req.part], complete=True)
             raise Reject("stale_version",
                          f"model {req.model!r} is at version {latest}; a new version "
                          f"must be greater (got {req.version})")
@@ -526,9 +526,7 @@ class Coordinator:
         if pending is not None and pending.parts != req.parts:
             raise Reject("bad_request", f"{req.model!r} v{req.version} is being published "
                          f"in {pending.parts} parts, not {req.parts}")
-        lid, layout = self._new_layout(req.manifest, req.checksums)
-        self._check_memory(layout, req.memory)
-        self._update_endpoint(worker, req.endpoint)
+        lid, layout = self._held_layout(req, worker)
         have = pending.have.get(req.part) if pending is not None else None
         if have is not None:
             if have.publisher == worker.worker_id and have.layout.checksums == layout.checksums:
@@ -540,7 +538,6 @@ class Coordinator:
             pending = self.pending.versions[key] = PendingVersion(req.version, req.parts,
                                                                   self.clock())
             self.pending.aborted.pop(key, None)
-        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
         pending.have[req.part] = PendingPart(lid, layout, worker.worker_id, list(req.memory))
         if not pending.complete:
             log.info("%s published part %d of %s v%d (%d of %d in)", worker.worker_id,
@@ -578,10 +575,7 @@ class Coordinator:
         if vrec is None or vrec.parts is None or len(vrec.parts) != req.parts \
                 or vrec.parts[req.part] is not None:
             return None
-        lid, layout = self._new_layout(req.manifest, req.checksums)
-        self._check_memory(layout, req.memory)
-        self._update_endpoint(worker, req.endpoint)
-        layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+        lid, layout = self._held_layout(req, worker)
         vrec.layouts[lid] = layout
         vrec.parts[req.part] = lid
         if req.part == 0:
@@ -604,15 +598,15 @@ class Coordinator:
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is not None:
-            lids = vrec.parts or [vrec.origin_layout]
-            back = [r for r, lid in enumerate(lids) if lid is not None and lid in vrec.layouts]
-            return PublishStatusReply(state="complete" if len(back) == len(lids) else "pending",
-                                      parts=len(lids), parts_in=back)
+            layouts = vrec.part_layouts()
+            back = [r for r, layout in enumerate(layouts) if layout is not None]
+            return PublishStatusReply(state="complete" if len(back) == len(layouts)
+                                      else "pending", parts=len(layouts), parts_in=back)
         return PublishStatusReply(state="unknown")
 
     def _part_layout(self, vrec: VersionRec, part: int, model: str) -> tuple[str, LayoutRec]:
         """Part `part` of a version (0: the whole of an unsharded one)."""
-        lids = vrec.parts or [vrec.origin_layout]
+        lids = vrec.part_ids
         if part >= len(lids):
             raise Reject("bad_request", f"{model!r} v{vrec.version} has {len(lids)} part(s), "
                          f"not a part {part}")
@@ -633,11 +627,7 @@ class Coordinator:
             # A restart while the version was pending: a rank that had it complete
             # announces its part as the others send theirs again. It joins the pending
             # version (which completes when all are in), not a record of its own.
-            lid, layout = self._new_layout(req.manifest, req.checksums)
-            self._check_memory(layout, req.memory)
-            self._update_endpoint(worker, req.endpoint)
-            layout.holders[worker.worker_id] = HolderRec(worker.worker_id,
-                                                         store_memory(req.memory))
+            lid, layout = self._held_layout(req, worker)
             pending.have[req.part] = PendingPart(lid, layout, worker.worker_id,
                                                  list(req.memory))
             if pending.complete:
@@ -690,8 +680,7 @@ class Coordinator:
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is not None and req.version == mrec.latest and not req.force:
-            for part, lid in enumerate(vrec.parts or [vrec.origin_layout]):
-                layout = vrec.layouts.get(lid) if lid is not None else None
+            for part, layout in enumerate(vrec.part_layouts()):
                 me = layout.holders.get(req.worker_id) if layout else None
                 others = [h for h in layout.holders.values()
                           if h.worker_id != req.worker_id and not h.withdrawn] if layout else []
@@ -1051,7 +1040,7 @@ class Coordinator:
         if vrec.parts is not None:  # the last holder of any one part
             return any(layout is not None and {h.worker_id for h in layout.holders.values()
                                                if not h.withdrawn} == {worker_id}
-                       for layout in (vrec.layouts.get(lid) for lid in vrec.parts if lid))
+                       for layout in vrec.part_layouts())
         complete = {h.worker_id for layout in vrec.layouts.values()
                     for h in layout.holders.values() if not h.withdrawn}
         return complete == {worker_id}
@@ -1078,7 +1067,7 @@ class Coordinator:
             vrec = mrec.versions[mrec.latest]
             announcement = Announcement(model=req.model, version=mrec.latest,
                                         layout_id=self._part_layout(vrec, 0, req.model)[0],
-                                        parts=len(vrec.parts or [vrec.origin_layout]))
+                                        parts=len(vrec.part_ids))
         return announcement
 
     def _manifest(self, req: GetManifest) -> ManifestReply:
@@ -1086,7 +1075,7 @@ class Coordinator:
         lid, layout = self._part_layout(vrec, req.part, req.model)
         return ManifestReply(model=req.model, version=vrec.version, layout_id=lid,
                              manifest=layout.manifest,
-                             parts=len(vrec.parts or [vrec.origin_layout]))
+                             parts=len(vrec.part_ids))
 
     def _holdings(self, req: HoldingsRequest) -> HoldingsReply:
         mrec = self.table.models.get(req.model)
@@ -1109,8 +1098,7 @@ class Coordinator:
     def _holds_every_part(self, name: str, vrec: VersionRec) -> bool:
         """A reader named `name` holds every part of a sharded version, each by the worker
         it runs for that part (`Part.worker_name`)."""
-        for r, lid in enumerate(vrec.parts or []):
-            layout = vrec.layouts.get(lid) if lid is not None else None
+        for r, layout in enumerate(vrec.part_layouts()):
             part_name = Part.worker_name(name, r)
             if layout is None or not any(
                     not h.withdrawn and (w := self.table.workers.get(h.worker_id)) is not None
@@ -1126,8 +1114,7 @@ class Coordinator:
         if vrec is not None and vrec.parts is not None:  # the least-held part counts
             held = min(len({h.worker_id for h in layout.holders.values() if not h.withdrawn}
                            & replicas) if layout else 0
-                       for layout in (vrec.layouts.get(lid) if lid else None
-                                      for lid in vrec.parts))
+                       for layout in vrec.part_layouts())
         elif vrec is not None:
             holders = {h.worker_id for layout in vrec.layouts.values()
                        for h in layout.holders.values() if not h.withdrawn}

@@ -213,6 +213,15 @@ class VersionRec:
     # after a restart). Holding the version means holding every part.
     parts: list[str | None] | None = None
 
+    @property
+    def part_ids(self) -> list[str | None]:
+        """Layout id of each part: the origin alone for an unsharded version."""
+        return self.parts if self.parts is not None else [self.origin_layout]
+
+    def part_layouts(self) -> list[LayoutRec | None]:
+        """Each part's record (None: not back yet after a restart)."""
+        return [self.layouts.get(lid) if lid is not None else None for lid in self.part_ids]
+
 
 @dataclass
 class ModelRec:
@@ -403,6 +412,5 @@ class Table:
 def _held(vrec: VersionRec) -> bool:
     """Someone holds the version: a layout of it, or every part of a sharded one."""
     if vrec.parts is not None:
-        return all(lid is not None and lid in vrec.layouts and vrec.layouts[lid].holders
-                   for lid in vrec.parts)
+        return all(layout is not None and layout.holders for layout in vrec.part_layouts())
     return any(lr.holders for lr in vrec.layouts.values())

@@ -9,8 +9,8 @@ once, and is what the engine applies with its own `load_weights`.
 In follow mode a thread pulls each announced version, but only once the engine has applied
 what it holds, so the copy is never overwritten while the front end is about to apply it.
 
-An engine of several ranks (tensor or pipeline parallel) has a copy per rank, and applies a
-version on all of them or on none: `tensors_of` takes a vote (`agree`) among the ranks
+An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
+share rank 0's (`shared_copy.py`), and applies a version on all of them or on none: `tensors_of` takes a vote (`agree`) among the ranks
 before any of them touches its weights.
 """
 
@@ -39,6 +39,16 @@ REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
 def alone(ok: bool) -> bool:
     """The vote of an engine with one rank."""
     return ok
+
+
+def all_agree(ok: bool, cpu_group) -> bool:
+    """The vote of an engine's ranks: whether every one is ready (an all-reduce MIN over
+    `cpu_group`, the engine's gloo group; every rank must call it)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(flag.item())
 
 
 class CheckpointHolder:

@@ -34,7 +34,7 @@ import torch
 
 from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import CoordinatorError, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, alone
+from tensorhub.engines.holder import CheckpointHolder, all_agree, alone
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub_plugins.sglang.naming import (
     instance_name,
@@ -212,12 +212,7 @@ def tp_vote(ok: bool) -> bool:
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    if group.world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
-                                 group=group.cpu_group)
-    return bool(flag.item())
+    return ok if group.world_size == 1 else all_agree(ok, group.cpu_group)
 
 
 def _repair(model, previous: int | None) -> None:

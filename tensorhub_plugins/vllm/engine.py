@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.holder import CheckpointHolder, all_agree
 from tensorhub.engines.shared_copy import SharedCopyReader, describe
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
@@ -87,13 +87,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         """Whether every rank of this engine is ready (all-reduce MIN on its CPU group):
         one version per engine, on all ranks or on none."""
         group = self._group()
-        if group is None:
-            return ok
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
-        return bool(flag.item())
+        return ok if group is None else all_agree(ok, group.cpu_group)
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         if init_info.op == "init":
