@@ -201,6 +201,9 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
             assert driver.next_update() == (1, "checkpoint")
             with Replica(coordinator.address, "policy", transport="zmq",
                          name="other-engine-tp0-native") as other:
+                # Another engine's native worker of our rank, holding nothing yet (it may
+                # be applying a version): worth waiting for.
+                assert driver.next_update() is None
                 other.pull(timeout=10)  # holds v1 in the layout we now claim as ours
                 write_json(status_path(0), {"applied": None,
                                             "native_name": f"{name}-tp0-native",

@@ -10,8 +10,8 @@ In follow mode a thread pulls each announced version, but only once the engine h
 what it holds, so the copy is never overwritten while the front end is about to apply it.
 
 An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
-share rank 0's (`shared_copy.py`), and applies a version on all of them or on none: `tensors_of` takes a vote (`agree`) among the ranks
-before any of them touches its weights.
+share rank 0's (`shared_copy.py`), and applies a version on all of them or on none:
+`tensors_of` takes a vote (`agree`) among the ranks before any of them touches its weights.
 """
 
 from __future__ import annotations

@@ -119,7 +119,9 @@ class Driver:
 
     def native_peers(self, version: int, states: list[dict]) -> tuple[bool, bool]:
         """(whether, for every rank, a worker other than us holds `version` in that rank's
-        native layout; whether one holds any version in it: an engine worth waiting for)."""
+        native layout; whether another engine could soon: one holds some version in those
+        layouts, or another SGLang engine's native workers of our ranks are registered
+        (one that is applying a version holds none for that moment))."""
         ours = {s.get("native_name") for s in states}
         layouts = [s.get("native_layout") for s in states]
         if None in layouts:
@@ -129,7 +131,10 @@ class Driver:
                 if m.model == self.settings.model for vs in m.versions
                 if any(h.name not in ours and not h.withdrawn for h in vs.holders)}
         now = all((version, lid) in held for lid in layouts)
-        return now, all(any(lid == got for _, got in held) for lid in layouts)
+        others = {str(w["name"]) for w in reply.workers} - ours
+        registered = all(any(n.endswith(f"-tp{r}-native") for n in others)
+                         for r in range(len(states)))
+        return now, registered or all(any(lid == got for _, got in held) for lid in layouts)
 
     def next_update(self) -> tuple[int, str] | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
