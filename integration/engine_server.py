@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -142,14 +144,35 @@ class EngineServer:
         req = urllib.request.Request(
             self.url + path, data=data, method=method or ("POST" if data else "GET"),
             headers={"Content-Type": "application/json", **(headers or {})})
-        with self._network(), urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
+        try:
+            with self._network(), urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+        except TimeoutError as exc:
+            raise TimeoutError(f"{self.kind} at {self.url} did not answer {path} within "
+                               f"{timeout} s; where its threads were:\n{self.stacks()}") from exc
         if not body:
             return {}
         try:
             return json.loads(body)
         except json.JSONDecodeError:
             return body.decode(errors="replace")
+
+    def stacks(self) -> str:
+        """The threads of each process in this server's group that were doing something or
+        were in our code (py-spy, with native frames): what a server that stopped answering
+        was blocked on. CI keeps no files, so this goes into the error itself."""
+        spy = _py_spy(self.args[0])
+        if spy is None or self.proc is None:
+            return "<py-spy not found: no stacks>"
+        out = []
+        for pid in _group(self.proc.pid):
+            try:
+                dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)],
+                                      capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                dump = f"<py-spy failed: {exc}>"
+            out.append(_busy_threads(dump))
+        return "\n".join(out)
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         raise NotImplementedError
@@ -180,6 +203,37 @@ class EngineServer:
                                    f"v{status.get('serving_version')}, not v{version} after "
                                    f"{timeout}s: {status}\n{self.log_tail()}")
             time.sleep(interval)
+
+
+def _py_spy(engine_python: str) -> str | None:
+    """py-spy from this venv, the engine's, or a sibling venv (SGLang's pins it)."""
+    here = [Path(sys.executable).parent, Path(engine_python).parent]
+    venvs = Path(engine_python).parent.parent.parent
+    candidates = [d / "py-spy" for d in here] + sorted(venvs.glob("*/bin/py-spy"))
+    found = [str(c) for c in candidates if c.exists()] + [shutil.which("py-spy") or ""]
+    return next((c for c in found if c), None)
+
+
+def _group(leader: int) -> list[int]:
+    """The processes of the group `leader` started (`start_new_session`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == leader:  # fields after the name: state, ppid, pgrp
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _busy_threads(dump: str) -> str:
+    """A py-spy dump without its idle threads that are outside our code."""
+    head, *threads = dump.split("\nThread ")
+    keep = [t for t in threads if "(idle)" not in t.split("\n", 1)[0]
+            or "tensorhub" in t or "nixl" in t]
+    return "\n".join([head] + ["Thread " + t for t in keep])
 
 
 def base_env(extra: Mapping[str, str] | None) -> dict[str, str]:
