@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -41,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.results import RESULTS, Report
+from bench.workdir import make_scratch, remove_scratch
 from integration.engine_server import free_port
 from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
@@ -228,7 +227,7 @@ def main() -> None:
     torch_dtype = getattr(torch, args.dtype)
 
     report = Report("sglang_update")
-    work = Path(tempfile.mkdtemp(prefix="tensorhub-bench-sglang-"))
+    work = make_scratch("sglang")
     model_dir = build_tiny_model(work / "model", dtype=torch_dtype, **arch)
     ckpt = _checkpoint_dir(model_dir, work / "ckpt")
     state = load_state_dict(model_dir)
@@ -358,10 +357,7 @@ def main() -> None:
         if publisher is not None:
             publisher.close()
         coordinator.stop()
-        if os.environ.get("TENSORHUB_BENCH_KEEP") != "1":
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"kept {work}")
+        remove_scratch(work)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from bench.results import Report
+from bench.workdir import make_scratch, remove_scratch
 from integration.engine_server import free_port
 from integration.engine_venvs import engine_python
 from integration.tiny_model import build_tiny_model, load_state_dict
@@ -59,7 +58,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     report = Report("tp_update")
-    work = Path(tempfile.mkdtemp(prefix="tensorhub-bench-tp-"))
+    work = make_scratch("tp")
     model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
     state = load_state_dict(model_dir)
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -133,6 +132,7 @@ def main() -> None:
         if publisher is not None:
             publisher.close()
         coordinator.stop()
+        remove_scratch(work)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """An engine's checkpoint copies, one per rank: a version is applied on every rank or on
-none (the ranks vote before any touches its weights)."""
+none (the ranks vote before any touches its weights), and a copy is replaced only once its
+version was applied, refused or let go, never after a time."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from tensorhub import Publisher, TensorHubError
-from tensorhub.engines.holder import REFUSE_ENV, CheckpointHolder
+from tensorhub.engines.holder import REFUSE_ENV, CheckpointHolder, versions_to_release
 
 
 class Vote:
@@ -82,6 +84,37 @@ def test_a_rank_without_the_version_makes_every_rank_refuse_it(coordinator):
     finally:
         for h in holders:
             h.close()
+
+
+def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(coordinator):
+    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq")
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            pub.publish({"w": torch.ones(4)})
+            wait_until(lambda: holder.version == 1)
+            pub.publish({"w": torch.full((4,), 2.0)})
+            time.sleep(1.5)  # the follow loop hears of v2 within its 1 s wait, and waits
+            assert holder.version == 1  # v1 may still be applied: it stays
+            holder.release(1)
+            wait_until(lambda: holder.version == 2)
+            assert holder.refused == 1 and holder.applied is None
+    finally:
+        holder.close()
+
+
+def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
+    assert versions_to_release({"r0": [5], "r1": [6]}, serving=4) == {5}
+    assert versions_to_release({"r0": [5], "r1": [5]}, serving=4) == set()
+    assert versions_to_release({"r0": [5], "r1": []}, serving=4) == set()  # r1 is pulling
+    assert versions_to_release({"r0": [4], "r1": [5]}, serving=4) == set()  # v4 is served
+    assert versions_to_release({"r0": [5], "r1": [7], "r2": [6]}, serving=None) == {5, 6}
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never met"
+        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,9 @@ version while the engine keeps generating with the old one, serves it to other e
 once, and is what the engine applies with its own `load_weights`.
 
 In follow mode a thread pulls each announced version, but only once the engine has applied
-what it holds, so the copy is never overwritten while the front end is about to apply it.
+what it holds, or turned it down, so the copy is never overwritten while the front end may
+still apply it. Nothing times out: a version the ranks of one engine cannot all apply (one
+rank holds a newer one) is let go by the front end (`release`, `versions_to_release`).
 
 An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
 share rank 0's (`shared_copy.py`), and applies a version on all of them or on none:
@@ -19,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -30,7 +31,6 @@ from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
 
-STALE_APPLY = 30.0  # seconds after which a held, never-applied version may be overwritten
 # Fault injection for tests: "<version>@<name suffix>" makes the copy of the worker whose
 # name ends so refuse that version, as a copy that failed verification would.
 REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
@@ -39,6 +39,18 @@ REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
 def alone(ok: bool) -> bool:
     """The vote of an engine with one rank."""
     return ok
+
+
+def versions_to_release(holdings: dict[str, list[int]], serving: int | None) -> set[int]:
+    """Versions that ranks of one engine hold (worker name -> versions held) and that the
+    engine will never apply: another rank already holds a newer one, and a rank's copy
+    keeps one version. Their ranks should let them go (`CheckpointHolder.release`) and
+    pull the newest. None while a rank holds nothing (it is pulling)."""
+    newest = [max(held) for held in holdings.values() if held]
+    if len(newest) < len(holdings) or not newest:
+        return set()
+    top = max(newest)
+    return {v for v in newest if v < top and (serving is None or v > serving)}
 
 
 def all_agree(ok: bool, cpu_group) -> bool:
@@ -60,7 +72,6 @@ class CheckpointHolder:
         self.applied: int | None = None
         self.refused: int | None = None  # the last version the engine's ranks turned down
         self.last_error: str | None = None
-        self._held_since = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,7 +104,6 @@ class CheckpointHolder:
         """Pull now (blocking) into the checkpoint copy; the engine keeps serving meanwhile."""
         with self._lock:
             got = self.replica.pull(version, timeout=self.pull_timeout)
-            self._held_since = time.monotonic()
             self.last_error = None
             return got
 
@@ -107,10 +117,18 @@ class CheckpointHolder:
                 log.warning("prefetch of %s failed: %s", version, exc)
         threading.Thread(target=run, daemon=True, name="tensorhub-prefetch").start()
 
+    def release(self, version: int) -> None:
+        """The engine gives up `version` (another of its ranks holds a newer one): if this
+        copy holds it unapplied, it may move on. Waits for a swap that is using the copy."""
+        with self._lock:
+            if self.replica.version == version and self.applied != version:
+                self.refused = version
+                log.info("%s: letting v%d go (another rank holds a newer version)",
+                         self.name, version)
+
     def _may_replace(self) -> bool:
         held = self.replica.version
-        return held is None or held in (self.applied, self.refused) or \
-            time.monotonic() - self._held_since > STALE_APPLY
+        return held is None or held in (self.applied, self.refused)
 
     def _follow(self) -> None:
         backoff = 0.5

@@ -35,7 +35,9 @@ log = logging.getLogger("tensorhub.vllm")
 
 @dataclass
 class TensorHubInitInfo(WeightTransferInitInfo):
-    """`op="init"` creates the holder; `op="prefetch"` pulls `version` in the background."""
+    """`op="init"` creates the holder; `op="prefetch"` pulls `version` in the background;
+    `op="release"` lets `version` go on a rank that holds it unapplied (another rank holds a
+    newer one, so the engine will never apply it)."""
 
     op: str = "init"
     coordinator: str = ""
@@ -103,6 +105,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 pull_timeout=init_info.pull_timeout)
             log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
                      init_info.follow)
+        elif init_info.op == "release":
+            if self.holder is not None:
+                self.holder.release(init_info.version)
         elif init_info.op == "prefetch":
             if self._shared is None:
                 self._holder().prefetch(init_info.version or "latest")

@@ -25,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 from tensorhub.core.client import CoordinatorClient, token_from_env
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.holder import versions_to_release
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
@@ -62,6 +63,10 @@ class Frontend:
         reply = await asyncio.to_thread(
             self.client.call, HoldingsRequest(model=self.settings.model, names=self.workers))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
+        for version in sorted(versions_to_release(reply.holdings, self.serving)):
+            # A rank holds it unapplied while another has moved on: it would wait forever.
+            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
+                init_info={"op": "release", "version": version}))
         return reply.latest, max(common) if common else None
 
     async def _init_workers(self) -> None:
