@@ -49,9 +49,11 @@ class PartedReplica:
         """Who the last pull of each part read from."""
         return sorted({s for r in self.replicas if r.last_pull for s in r.last_pull.sources})
 
-    def wait_for_newer(self, timeout: float) -> int | None:
-        """Block until the coordinator knows a version newer than the one we hold whole."""
-        return self.replicas[0].wait_for_newer(timeout, than=self.version)
+    def wait_for_newer(self, timeout: float, than: int | str | None = "ours") -> int | None:
+        """Block until the coordinator knows a version newer than the one we hold whole (or
+        than `than`); None at the timeout."""
+        return self.replicas[0].wait_for_newer(timeout,
+                                               than=self.version if than == "ours" else than)
 
     def withdraw(self, timeout: float) -> None:
         """Stop serving what every part holds, and wait (bounded) for reads of it to end."""

@@ -120,7 +120,10 @@ class StripedReader:
         try:
             self._take(self.ask(action))
         except CoordinatorError as exc:
-            if exc.code not in ("busy", "no_holder", "unknown_model", "unknown_version"):
+            # `no_holder` (after `_plan`'s grace): no copy is left that could finish this
+            # version; the pull fails now rather than at its timeout, and the caller can
+            # take a newer version.
+            if exc.code not in ("busy", "unknown_model", "unknown_version"):
                 raise
             self.state.asked_failed(time.monotonic(), exc.retry_after or 0.2)
 

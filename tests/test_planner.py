@@ -25,6 +25,7 @@ from tensorhub.core.data_types import (
     ReadDone,
     ReadPlan,
     Register,
+    Unregister,
     TensorSpec,
 )
 from tensorhub.core.layout import layout_id
@@ -339,3 +340,29 @@ def test_a_readers_memory_comes_with_its_first_progress_report_only(fleet_of):
     plan = fleet.plan(other, missing=[ByteRange(item=1, offset=0, nbytes=ITEM)])
     assert source_by_item(plan) == {1: reader}  # served from the memory reported first
     assert {s.worker_id: s.memory for s in plan.sources}[reader] == MEMORY
+
+
+def test_readers_that_only_have_each_other_are_told_no_holder_once_the_last_copy_is_gone(
+        fleet_of):
+    """The trainer dies mid-fan-out: two readers hold chunks {0, 1} and {1, 2}; nobody has
+    chunk 3, so neither can finish. They are told so, not to wait (`busy`) until their
+    timeouts."""
+    fleet = fleet_of()
+    a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
+    fleet.progress(a, [0, 1])
+    fleet.progress(b, [1, 2])
+    assert fleet.plan(a).type == "read_plan"  # the trainer still holds everything
+    fleet.call(Unregister(worker_id=fleet.trainer))
+    for reader in (a, b):
+        reply = fleet.plan(reader)
+        assert isinstance(reply, ErrorReply) and reply.code == "no_holder"
+
+
+def test_readers_whose_chunks_together_make_the_version_still_read_from_each_other(fleet_of):
+    fleet = fleet_of()
+    a, b = fleet.join("a", dc="dc0"), fleet.join("b", dc="dc0")
+    fleet.progress(a, [0, 1])
+    fleet.progress(b, [2, 3])
+    fleet.call(Unregister(worker_id=fleet.trainer))
+    plan = fleet.plan(a)
+    assert plan.type == "read_plan" and set(source_by_item(plan).values()) == {b}

@@ -132,9 +132,13 @@ class CheckpointHolder:
 
     def _follow(self) -> None:
         backoff = 0.5
+        lost = None  # the newest version no copy is left of: wait for a newer one
         while not self._stop.is_set():
+            newer = None
             try:
-                newer = self.replica.wait_for_newer(timeout=1.0)
+                held = self.replica.version
+                newer = self.replica.wait_for_newer(
+                    timeout=1.0, than=held if lost is None or (held or 0) > lost else lost)
                 if newer is None or not self._may_replace():
                     if newer is not None:
                         self._stop.wait(0.05)
@@ -143,6 +147,10 @@ class CheckpointHolder:
                 backoff = 0.5
             except TensorHubError as exc:
                 self.last_error = str(exc)
+                if exc.code == "no_holder" and newer is not None:
+                    lost, backoff = newer, 0.5
+                    log.warning("%s: %s; waiting for a newer version", self.name, exc)
+                    continue
                 log.warning("%s: pulling a new version failed (%s); retrying in %.1fs",
                             self.name, exc, backoff)
                 self._stop.wait(backoff)
