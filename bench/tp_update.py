@@ -1,4 +1,4 @@
-"""TP engine update benchmark (issue 17): a vLLM engine at `--tensor-parallel-size 2`.
+"""TP engine update benchmark (issue 17): a vLLM or SGLang engine at TP=2.
 
 Measured in one run, on this machine, for each update the trainer publishes:
   bytes pulled: what the engine's ranks read for the version (the coordinator's transfer
@@ -8,7 +8,12 @@ Measured in one run, on this machine, for each update the trainer publishes:
   stall:        the engine's pause-to-resume time for the update, beside vLLM's own
                 `reload_weights` of the same weights from safetensors at the same TP size.
 
-Run: python -m bench.tp_update [--updates 3]   (needs the vllm venv: scripts/setup.sh vllm)
+SGLang (`--engine sglang`) is measured twice in one run, its ranks sharing one copy (the
+default) and with a copy per rank (TENSORHUB_COPY_PER_RANK=1, as before issue 17), beside
+SGLang's own `/update_weights_from_disk` at the same TP size.
+
+Run: python -m bench.tp_update [--engine vllm|sglang] [--updates 3]
+     (needs that engine's venv: scripts/setup.sh vllm|sglang)
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ ARCH = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2048, vocab=
 TP = 2
 
 
-def engine_figures(address: str, engine: str, version: int) -> tuple[int, int]:
-    """(bytes the engine's workers read for `version`, copies of it they hold)."""
+def engine_figures(address: str, engine: str, version: int,
+                   skip: str | None = None) -> tuple[int, int]:
+    """(bytes the engine's workers read for `version`, copies of it they hold; workers whose
+    name has `skip` are left out: SGLang's native holders keep the live shards, no copy)."""
     client = CoordinatorClient(address, timeout=10.0)
     try:
         status = client.call(StatusRequest())
@@ -46,7 +53,8 @@ def engine_figures(address: str, engine: str, version: int) -> tuple[int, int]:
     pulled = sum(t.nbytes for t in status.transfers
                  if t.version == version and t.ok and t.reader.startswith(engine))
     holders = {h.name for m in status.models for v in m.versions if v.version == version
-               for h in v.holders if h.name.startswith(engine) and not h.withdrawn}
+               for h in v.holders if h.name.startswith(engine) and not h.withdrawn
+               and not (skip and skip in h.name)}
     return pulled, len({name.split(".part")[0] for name in holders})
 
 
@@ -54,7 +62,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     args = p.parse_args()
+    if args.engine == "sglang":
+        return sglang_main(args.updates)
     from safetensors.torch import save_file
 
     report = Report("tp_update")
@@ -133,6 +144,94 @@ def main() -> None:
             publisher.close()
         coordinator.stop()
         remove_scratch(work)
+
+
+def sglang_main(updates: int) -> None:
+    from bench.sglang_update import _checkpoint_dir, disk_update
+    from integration.sglang_server import SGLangServer
+    from integration.test_sglang import LOADER
+
+    report = Report("tp_update_sglang")
+    work = make_scratch("tp-sglang")
+    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
+    ckpt = _checkpoint_dir(model_dir, work / "ckpt")
+    state = load_state_dict(model_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"model: {model_bytes / 2**20:.0f} MiB bf16, SGLang TP={TP}")
+    python = engine_python("sglang")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+                                address, "--announce", f"tcp://127.0.0.1:{free_port()}"],
+                               name="coordinator")
+    tp_args = ["--tp-size", str(TP)]
+    tp_env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    servers: list = []
+    publisher = None
+    version = 1
+    try:
+        coordinator.next_line(timeout=60)
+        publisher = Publisher(address, "policy")
+        publisher.publish(state)
+        for mode, extra in (("one copy per engine", {}),
+                            ("a copy per rank (before)", {"TENSORHUB_COPY_PER_RANK": "1"})):
+            name = f"tp-sglang-{len(servers)}"
+            engine = SGLangServer(
+                python, model_dir, dtype="bfloat16", log_path=work / f"{name}.log",
+                extra_args=[*tp_args, "--custom-weight-loader", LOADER],
+                env={**tp_env, **extra, "SGLANG_PLUGINS": "tensorhub",
+                     "TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy",
+                     "TENSORHUB_NAME": name, "TENSORHUB_CHECKPOINT_COPY": "always"})
+            servers.append(engine)
+            engine.start(timeout=900)
+            engine.wait_serving(version, timeout=300)
+            pulled, copies, memory, stalls = [], [], [], []
+            for _ in range(updates):
+                _bump(state)
+                version = publisher.publish(state)
+                status = engine.wait_serving(version, timeout=300, interval=0.01)
+                stalls.append(status["last_update"]["stall_ms"] / 1e3)
+                nbytes, held = engine_figures(address, name, version, skip="-native")
+                pulled.append(nbytes)
+                copies.append(held)
+                memory.append((status.get("memory") or {}).get("checkpoint_copy_bytes", 0))
+                print(f"{mode}, v{version}: pulled {nbytes / 2**20:.1f} MiB, {held} copies, "
+                      f"copy memory {memory[-1] / 2**20:.1f} MiB, stall {stalls[-1] * 1e3:.0f} ms")
+            engine.stop()
+            med = statistics.median
+            report.add(f"bytes pulled per update, {mode}", med(pulled) / 2**20, "MiB",
+                       "one model (the bound)", model_bytes / 2**20, higher_is_better=False)
+            report.add(f"bytes pulled per rank (mean), {mode}", med(pulled) / TP / 2**20,
+                       "MiB")
+            report.add(f"checkpoint copies held, {mode}", med(copies), "copies",
+                       "one per engine (the bound)", 1.0, higher_is_better=False)
+            report.add(f"checkpoint copy memory per engine, {mode}", med(memory) / 2**20,
+                       "MiB", "one model (the bound)", model_bytes / 2**20,
+                       higher_is_better=False)
+            report.add(f"engine stall per update, {mode}", med(stalls) * 1e3, "ms")
+        baseline = SGLangServer(python, model_dir, dtype="bfloat16", extra_args=tp_args,
+                                env=tp_env, log_path=work / "base.log")
+        servers.append(baseline)
+        baseline.start(timeout=900)
+        base_stall = []
+        for k in range(updates):
+            _bump(state)
+            base_stall.append(disk_update(baseline, ckpt, state, 100 + k)[1])
+        report.add(f"SGLang update_weights_from_disk, TP={TP} (baseline stall)",
+                   statistics.median(base_stall) * 1e3, "ms")
+        report.write()
+    finally:
+        for s in servers:
+            s.stop()
+        if publisher is not None:
+            publisher.close()
+        coordinator.stop()
+        remove_scratch(work)
+
+
+def _bump(state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(0.001)
 
 
 if __name__ == "__main__":

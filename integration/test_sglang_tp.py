@@ -1,7 +1,8 @@
 """SGLang at tensor parallelism 2 on CPU (real `sglang.launch_server --tp-size 2`; the
 plugin turns off the CUDA-only PyNccl and custom all-reduce, so collectives run on gloo):
 it follows versions published by one trainer and by two trainer ranks together, with
-greedy tokens equal to HF; a version one rank refuses is applied on neither rank."""
+greedy tokens equal to HF, pulling and keeping one checkpoint copy for both ranks; a version
+one rank refuses is applied on neither rank."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from integration.sglang_server import SGLangServer
 from integration.sharded import publish_in_two_ranks
 from integration.test_sglang import LOADER, sglang_env, sglang_version, wait_sglang
+from integration.test_vllm import coordinator_status
 from integration.tp_fleet import MODEL, REFUSED, TOKENS, refused_then_next, tp_fleet
 from tensorhub.engines.holder import REFUSE_ENV
 
@@ -23,7 +25,7 @@ def tp_engine(tmp_path_factory, sglang_python, coordinator_process):
         return SGLangServer(
             sglang_python, model_dir,
             env={**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-                 REFUSE_ENV: f"{REFUSED}@-tp1"},
+                 REFUSE_ENV: f"{REFUSED}@-tp0"},
             extra_args=["--custom-weight-loader", LOADER, "--tp-size", "2"],
             log_path=root / "sglang-tp2.log").launch()
 
@@ -35,13 +37,20 @@ def test_a_tp2_sglang_engine_serves_the_published_version(tp_engine):
     wait_sglang(tp_engine.engine, 1)
     assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[0]
     workers = tp_engine.engine.request("/tensorhub/status")["workers"]
-    assert [w.rsplit("-", 1)[1] for w in workers] == ["tp0", "tp1"]
+    assert [w.rsplit("-", 1)[1] for w in workers] == ["tp0"]  # one copy, rank 0's
 
 
 def test_a_tp2_sglang_engine_follows_a_version_published_by_two_ranks(tp_engine):
-    publish_in_two_ranks(tp_engine.address, MODEL, tp_engine.versions.state(2), 2)
+    state = tp_engine.versions.state(2)
+    publish_in_two_ranks(tp_engine.address, MODEL, state, 2)
     wait_sglang(tp_engine.engine, 2)
     assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]
+    # Rank 1 loads its shard from rank 0's copy: the engine pulled one model's bytes.
+    instance = tp_engine.engine.request("/tensorhub/status")["name"]
+    pulled = sum(t.nbytes for t in coordinator_status(tp_engine.address).transfers
+                 if t.version == 2 and t.ok and t.reader.startswith(instance))
+    model = sum(t.numel() * t.element_size() for t in state.values())
+    assert model <= pulled < 1.01 * model
 
 
 def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp_engine):

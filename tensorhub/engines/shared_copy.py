@@ -7,20 +7,104 @@ buffers are (`SharedCopy`, over the engine's own process group); they map them r
 (`map_region`) and load their shard from them, as rank 0 does. So an engine pulls and keeps
 one model's bytes whatever its TP size. The holder's lock is held until every rank has
 loaded, so the copy is never replaced under a rank still reading it.
+
+`apply_shared` is that exchange, the same for every engine: the engine gives it its rank
+group's broadcast, vote and its own way to load named tensors.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
 import msgpack
 import torch
 
+from tensorhub.core import shared_memory
 from tensorhub.core.data_types import SharedCopy, SharedPart
+from tensorhub.core.errors import TensorHubError
 from tensorhub.core.layout import BoundLayout, arena_bytes
 from tensorhub.core.shared_memory import map_region, regions_of
 from tensorhub.core.wire import encode
+from tensorhub.engines.holder import CheckpointHolder
 from tensorhub.parted import PartedReplica, whole_tensors
+
+log = logging.getLogger("tensorhub.engines")
+PER_RANK_ENV = "TENSORHUB_COPY_PER_RANK"  # "1": a copy per rank, as without sharing
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
+    """Whether an engine's ranks share one copy: several tensor-parallel ranks (no pipeline
+    stages), all on this node, shared memory available, not turned off."""
+    return (ranks > 1 and stages == 1 and nodes == 1 and shared_memory.enabled()
+            and os.environ.get(PER_RANK_ENV, "0") != "1")
+
+
+def apply_shared(version: int, load: Callable[[Named], None],
+                 broadcast: Callable[[bytes | None], bytes], agree: Callable[[bool], bool],
+                 holder: CheckpointHolder | None = None,
+                 reader: SharedCopyReader | None = None,
+                 failure: Exception | None = None) -> None:
+    """Apply `version` on every rank of an engine from rank 0's copy, or on none. Every
+    rank calls it at once: rank 0 with its `holder` (None, or a `failure`, when it has
+    nothing to share), the others with a `reader`. `broadcast` sends rank 0's bytes to
+    every rank (its argument is ignored elsewhere); `agree` is the ranks' vote. Raises on
+    every rank when any rank cannot apply it; the weights are then untouched."""
+    if reader is not None:
+        payload, named = broadcast(None), None
+        if not payload:
+            log.warning("rank 0 cannot apply v%d (see its log)", version)
+        else:
+            try:
+                named = reader.named_tensors(payload, version)
+            except Exception as exc:
+                log.warning("cannot map rank 0's copy of v%d: %s", version, exc)
+        if not agree(named is not None):
+            raise TensorHubError(f"a rank of this engine cannot apply v{version}, so no "
+                                 f"rank applies it; the engine keeps its current weights",
+                                 code="refused")
+        try:
+            load(named)
+        finally:
+            agree(True)  # rank 0 keeps its copy locked until every rank is done
+        return
+    if holder is None or failure is not None:
+        broadcast(b"")
+        agree(False)
+        raise failure or TensorHubError("no checkpoint copy on this rank")
+
+    def share_and_agree(ok: bool) -> bool:
+        payload = b""
+        if ok:
+            try:
+                payload = describe(holder.replica)
+            except Exception as exc:
+                log.warning("cannot share the checkpoint copy: %s", exc)
+                ok = False
+        broadcast(payload)
+        return agree(ok)
+
+    with holder.tensors_of(version, share_and_agree) as named:
+        try:
+            load(named)
+        finally:
+            agree(True)
+
+
+def broadcast_from_first(payload: bytes | None, ranks: list[int], cpu_group) -> bytes:
+    """The first rank's `payload` to every rank of a group (gloo, CPU)."""
+    import torch.distributed as dist
+
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=ranks[0], group=cpu_group)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload else torch.empty(int(size.item()), dtype=torch.uint8))
+    if int(size.item()):
+        dist.broadcast(data, src=ranks[0], group=cpu_group)
+    return data.numpy().tobytes()
 
 
 def describe(replica: PartedReplica) -> bytes:

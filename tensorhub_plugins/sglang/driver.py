@@ -64,13 +64,14 @@ class Driver:
     after `instance` (see `naming.start_instance`)."""
 
     def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int,
-                 instance: str):
+                 instance: str, one_copy: bool = False):
         self.settings = settings
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
         self.port = port
         self.tp_size = tp_size
         self.instance = instance
-        self.names = [worker_name(instance, r) for r in range(tp_size)]
+        # The checkpoint copies: rank 0's alone when the ranks share it (`shared_copy`).
+        self.names = [worker_name(instance, r) for r in range(1 if one_copy else tp_size)]
         self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
         self.following = False
         self.serving: int | None = None

@@ -122,8 +122,13 @@ class NativeHolder:
                     log.info("%s holds v%d in the native layout (%.1f ms)", self.name,
                              version, (time.perf_counter() - started) * 1e3)
                 except CoordinatorError as exc:
-                    log.warning("%s: the coordinator refused our native v%d (%s): this "
-                                "engine's bytes differ from a peer's", self.name, version, exc)
+                    if exc.code in ("unknown_version", "unknown_model"):
+                        log.info("%s: not serving v%d natively: the coordinator no longer "
+                                 "keeps it (%s)", self.name, version, exc)
+                    else:
+                        log.warning("%s: the coordinator refused our native v%d (%s): this "
+                                    "engine's bytes differ from a peer's", self.name, version,
+                                    exc)
                 except Exception as exc:
                     log.warning("%s: holding v%d natively failed: %s", self.name, version, exc)
         threading.Thread(target=run, daemon=True, name="tensorhub-native-hold").start()

@@ -76,13 +76,17 @@ def _start_main() -> None:
     settings = load_settings(None)
     driver = None
     if settings is not None:
+        from tensorhub.engines.shared_copy import one_copy_per_engine
         from tensorhub_plugins.sglang.driver import Driver
         from tensorhub_plugins.sglang.naming import start_instance
 
         port = int(_arg("--port", "30000"))
         instance, status_dir = start_instance(settings, port)
-        driver = Driver(settings, _arg("--host", "127.0.0.1"), port,
-                        int(_arg("--tp-size", _arg("--tp", "1"))), instance)
+        tp_size = int(_arg("--tp-size", _arg("--tp", "1")))
+        driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
+                        one_copy=one_copy_per_engine(
+                            tp_size, int(_arg("--pp-size", _arg("--pp", "1"))),
+                            int(_arg("--nnodes", "1"))))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -36,6 +36,12 @@ from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.engines.holder import CheckpointHolder, all_agree, alone
 from tensorhub.engines.settings import EngineSettings, load_settings
+from tensorhub.engines.shared_copy import (
+    SharedCopyReader,
+    apply_shared,
+    broadcast_from_first,
+    one_copy_per_engine,
+)
 from tensorhub_plugins.sglang.naming import (
     instance_name,
     native_worker_name,
@@ -52,6 +58,8 @@ _names: tuple[str, str] = ("", "")  # (checkpoint copy, native holder) worker na
 _checkpoint: CheckpointHolder | None = None
 _native: NativeHolder | None = None
 _rank = 0  # this scheduler's TP rank
+_one_copy = False  # the TP ranks share rank 0's checkpoint copy (`shared_copy`)
+_reader = SharedCopyReader()  # ranks other than 0: their view of rank 0's copy
 _applied: int | None = None
 _torn = False
 _last: dict = {}
@@ -107,27 +115,38 @@ def _drop_copy() -> None:
 
 def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
     """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it;
-    with `agree` (`tp_vote`), only if every TP rank can."""
-    global _torn
+    with `agree` (`tp_vote`), only if every TP rank can, and from rank 0's copy when the
+    ranks share one (`shared_copy`; a rank that falls back alone uses a copy of its own)."""
+    shared = _one_copy and agree is tp_vote
     sources: list[str] = []
     failure: Exception | None = None
     holder = None
     try:  # whatever fails here, every rank must still reach the vote
-        holder = _copy()
-        if holder.version != version:
-            holder.pull(version)
-            sources = holder.sources()
+        if not shared or _rank == 0:
+            holder = _copy()
+            if holder.version != version:
+                holder.pull(version)
+                sources = holder.sources()
         if _native is not None:
             _native.release()  # nobody reads the live parameters while we write them
     except Exception as exc:
         failure = exc
+
+    def load(named) -> None:
+        global _torn
+        _torn = True
+        model.load_weights(named)
+        _torn = False
+
+    if shared:
+        apply_shared(version, load, _tp_broadcast, tp_vote, holder=holder, failure=failure,
+                     reader=_reader if _rank != 0 else None)
+        return sources
     if holder is None or failure is not None:
         agree(False)  # the other ranks learn that this one cannot, and refuse it too
         raise failure or TensorHubError("no checkpoint copy")
     with holder.tensors_of(version, agree) as named:
-        _torn = True
-        model.load_weights(named)
-        _torn = False
+        load(named)
     return sources
 
 
@@ -192,8 +211,9 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     else:
         if _native is not None:
             _native.hold_applied(version)
-        if _settings is not None and _settings.checkpoint_copy == "never":
-            _drop_copy()
+        if _settings is not None and (_settings.checkpoint_copy == "never"
+                                      or (_one_copy and _rank != 0)):
+            _drop_copy()  # (a rank that fell back alone built its own copy: rank 0 keeps one)
     if _native is not None and _native.params_moved():
         log.error("SGLang moved a parameter's storage: the native holder is stale")
     _last.update(path=taken, sources=sources,
@@ -202,8 +222,17 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     mem = memory()
     log.info("applied v%d via the %s path from %s in %.1f ms (TensorHub memory: compact "
              "region %d B, checkpoint copy %d B)", version, taken,
-             ",".join(sources) or "the local copy", _last["apply_ms"], mem["compact_bytes"],
+             ",".join(sources) or ("rank 0's copy" if _one_copy and _rank and taken ==
+                                   "checkpoint" else "the local copy"),
+             _last["apply_ms"], mem["compact_bytes"],
              mem["checkpoint_copy_bytes"])
+
+
+def _tp_broadcast(payload: bytes | None) -> bytes:
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return broadcast_from_first(payload, group.ranks, group.cpu_group)
 
 
 def tp_vote(ok: bool) -> bool:
@@ -275,7 +304,7 @@ def after_load_model(result, runner):
     newest version (natively when a same-layout peer holds it). With `--load-format dummy`
     a failed join stops start-up (random weights must never be served), and so does one that
     tore the weights; otherwise it is logged and the weights from disk are served."""
-    global _settings, _names, _native, _rank
+    global _settings, _names, _native, _rank, _one_copy
     settings = load_settings(None)
     if settings is None:
         log.warning("TensorHub plugin loaded but TENSORHUB_COORDINATOR is not set: inactive")
@@ -287,12 +316,14 @@ def after_load_model(result, runner):
     try:
         _rank = _tp_rank()
         _settings = settings
+        _one_copy = one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
+                                        getattr(args, "nnodes", 1))
         instance = instance_name(settings, args.port)
         _names = (worker_name(instance, _rank), native_worker_name(instance, _rank))
         _native = NativeHolder(settings.coordinator, settings.model, _names[1],
                                native_params(runner.model, _rank, args.tp_size),
                                transport=settings.transport, pull_timeout=settings.update_timeout)
-        if settings.checkpoint_copy == "always":
+        if settings.checkpoint_copy == "always" and (_rank == 0 or not _one_copy):
             _copy()
         record()
         try:

@@ -27,7 +27,11 @@ from vllm.model_executor.model_loader.reload import (
 
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import CheckpointHolder, all_agree
-from tensorhub.engines.shared_copy import SharedCopyReader, describe
+from tensorhub.engines.shared_copy import (
+    SharedCopyReader,
+    apply_shared,
+    broadcast_from_first,
+)
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -151,63 +155,19 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def _apply(self, update_info: TensorHubUpdateInfo) -> None:
         version = update_info.version
-        if self._shared is not None:  # rank 0's copy, mapped
-            payload = self._broadcast(None)
-            named = None
-            if not payload:
-                log.warning("rank 0 cannot apply v%d (see its log)", version)
-            else:
-                try:
-                    named = self._shared.named_tensors(payload, version)
-                except Exception as exc:
-                    log.warning("cannot map rank 0's copy of v%d: %s", version, exc)
-            if not self._agree(named is not None):
-                raise TensorHubError(f"a rank of this engine cannot apply v{version}, so no "
-                                     f"rank applies it; the engine keeps its current weights",
-                                     code="refused")
-            try:
-                self._load(named)
-            finally:
-                self._agree(True)  # rank 0 keeps its copy locked until every rank is done
+        if self.one_copy:  # rank 0's copy, mapped by the other ranks
+            apply_shared(version, self._load, self._broadcast, self._agree,
+                         holder=self.holder, reader=self._shared)
             return
         if self.holder is None:  # (init failed here): the other ranks must still hear it
-            if self.one_copy:
-                self._share_and_agree(False)
-            else:
-                self._agree(False)
+            self._agree(False)
             raise TensorHubError("TensorHub engine not initialised on this rank")
-        agree = self._share_and_agree if self.one_copy else self._agree
-        with self.holder.tensors_of(version, agree) as named:
-            try:
-                self._load(named)
-            finally:
-                if self.one_copy:
-                    self._agree(True)
-
-    def _share_and_agree(self, ok: bool) -> bool:
-        """Rank 0 of an engine sharing its copy: tell the other ranks where it lies (or
-        that there is nothing to apply), then vote."""
-        payload = b""
-        if ok:
-            try:
-                payload = describe(self._holder().replica)
-            except Exception as exc:
-                log.warning("cannot share the checkpoint copy: %s", exc)
-                ok = False
-        self._broadcast(payload)
-        return self._agree(ok)
+        with self.holder.tensors_of(version, self._agree) as named:
+            self._load(named)
 
     def _broadcast(self, payload: bytes | None) -> bytes:
-        """Rank 0's `payload` to every rank of the engine (its CPU group)."""
-        import torch.distributed as dist
         group = self._group()
-        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        dist.broadcast(size, src=group.ranks[0], group=group.cpu_group)
-        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if payload else torch.empty(int(size.item()), dtype=torch.uint8))
-        if int(size.item()):
-            dist.broadcast(data, src=group.ranks[0], group=group.cpu_group)
-        return data.numpy().tobytes()
+        return broadcast_from_first(payload, group.ranks, group.cpu_group)
 
     def _load(self, named) -> None:
         initialize_layerwise_reload(self.model)
