@@ -32,7 +32,10 @@ ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
     "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
     "tp_update": ("vllm", [], ["--updates", "1"]),
+    "tp_update_sglang": ("sglang", ["--engine", "sglang"],
+                         ["--engine", "sglang", "--updates", "1"]),
 }
+MODULES = {"tp_update_sglang": "tp_update"}  # a benchmark run by another's module
 
 
 
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kind, full, quick = ENGINES[name]
             python = engine_python(kind)
-        cmd = [python, "-m", f"bench.{name}", *(quick if args.quick else full)]
+        cmd = [python, "-m", f"bench.{MODULES.get(name, name)}", *(quick if args.quick else full)]
         print(f"\n=== bench.{name}: {' '.join(cmd[1:])}", flush=True)
         started = time.monotonic()
         rc = subprocess.call(cmd, cwd=ROOT, env=env)
