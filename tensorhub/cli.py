@@ -49,6 +49,9 @@ def _coordinator(args: argparse.Namespace) -> int:
     if coordinator.curve_public_key:
         print(f"CURVE on: clients need {curve.SERVER_KEY_ENV}='{coordinator.curve_public_key}'",
               flush=True)
+    if args.metrics_port is not None:
+        coordinator.serve_metrics(args.metrics_port, args.metrics_addr)
+        print(f"metrics: http://{args.metrics_addr}:{args.metrics_port}/metrics", flush=True)
     settle_gc()
     try:
         coordinator.serve_forever()
@@ -301,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "
                    "this secret key (from `tensorhub keygen`; default: "
                    "$TENSORHUB_CURVE_SECRET_FILE, else no CURVE)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://ADDR:PORT/metrics: versions, "
+                        "holders, plans and busy replies, plan latency, evictions, bytes by "
+                        "source, reads in flight (default: off)")
+    p.add_argument("--metrics-addr", default="0.0.0.0",
+                   help="address the metrics server listens on (default 0.0.0.0)")
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for the coordinator",

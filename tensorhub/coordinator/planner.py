@@ -120,7 +120,7 @@ class ChunkPlan:
     chunks: tuple[int, ...] = ()  # the chunks planned
 
 
-def _distance(reader: WorkerRec, holder: WorkerRec) -> int:
+def distance(reader: WorkerRec, holder: WorkerRec) -> int:
     """0 same node, 1 same datacenter, 2 remote (a missing label counts as equal)."""
     r, h = reader.labels, holder.labels
     if r.get("dc", "") != h.get("dc", ""):
@@ -212,7 +212,7 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
         rec = holders.get(hid)
         if (rec is not None and rec.withdrawn) or (rec is None and hid not in partial):
             return None  # withdrew or left since the list was made
-        dist = _distance(reader, worker)
+        dist = distance(reader, worker)
         if dist == 2 and remote_room <= 0:
             return None
         if rec is None and partial[hid].chunks.isdisjoint(want):

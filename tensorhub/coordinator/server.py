@@ -22,8 +22,15 @@ import msgpack
 import zmq
 
 from tensorhub.coordinator.forest import Forest
+from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.parts import Pending, PendingPart, PendingVersion, check_parts_fit
-from tensorhub.coordinator.planner import NoSource, PlannerConfig, plan_chunks, plan_ranges
+from tensorhub.coordinator.planner import (
+    NoSource,
+    PlannerConfig,
+    distance,
+    plan_chunks,
+    plan_ranges,
+)
 from tensorhub.coordinator.table import (
     HolderRec,
     LayoutRec,
@@ -227,6 +234,7 @@ class Coordinator:
         self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         self._announcements: dict[str, Announcement] = {}  # model -> its newest
         self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
+        self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -274,6 +282,12 @@ class Coordinator:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0"):
+        """Prometheus `/metrics` on `port`, from a thread of its own (`metrics.py`)."""
+        server = self.metrics.serve(port, addr)
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+        return server
 
     def stop(self) -> None:
         self._stop.set()
@@ -345,6 +359,12 @@ class Coordinator:
                               message="wrong or missing token (set TENSORHUB_TOKEN)")
         request = envelope.request
         try:
+            if type(request) is PlanRequest:
+                started = time.perf_counter()
+                reply = make_plan(self._answers[PlanRequest](request))
+                self.metrics.plan_latency.observe(time.perf_counter() - started)
+                self.metrics.plans.labels(request.model).inc()
+                return reply
             reply = self._answers[type(request)](request)
             return make_plan(reply) if type(reply) is _Plan else reply
         except Reject as rej:
@@ -444,7 +464,7 @@ class Coordinator:
         return _ACK
 
     def _unregister(self, req: Unregister) -> Ack:
-        self._forget_worker(req.worker_id, "unregistered")
+        self._forget_worker(req.worker_id, "unregistered", "unregistered")
         return _ACK
 
     def _publish(self, req: Publish) -> Published:
@@ -477,6 +497,7 @@ class Coordinator:
         previous = mrec.versions.get(mrec.latest)
         mrec.versions[vrec.version] = vrec
         mrec.latest = vrec.version
+        self.metrics.published.labels(model).inc()
         for lid, layout in vrec.layouts.items():
             last = previous.layouts.get(lid) if previous is not None else None
             if last is not None and last.forest is not None:
@@ -789,6 +810,7 @@ class Coordinator:
                 f"(UCX_NET_DEVICES, UCX_TLS, TENSORHUB_TRANSPORT, firewalls). They are "
                 f"offered to it again after {self.config.trust.window:.0f} s")
         if exc.busy:
+            self.metrics.busy.labels(model).inc()
             return Reject("busy", busy, retry_after=self._busy_retry(layout))
         return Reject("no_holder", f"no live holder of {model!r} v{version} is left; the "
                       f"trainer must publish it again", retry_after=1.0)
@@ -985,10 +1007,13 @@ class Coordinator:
             del layout.striped_leases[req.worker_id]
         for sid in sorted(req.by_source or lease.sources):
             source = self.table.workers.get(sid)
+            nbytes = req.by_source.get(sid, req.nbytes)
             self.table.record(TransferRecord(
                 reader=reader.name, source=source.name if source else sid, model=lease.model,
-                version=lease.version, nbytes=req.by_source.get(sid, req.nbytes),
-                seconds=req.seconds, ok=req.ok, error=req.error))
+                version=lease.version, nbytes=nbytes, seconds=req.seconds, ok=req.ok,
+                error=req.error))
+            if req.ok and source is not None:
+                self.metrics.served(source.role, distance(reader, source), nbytes)
         if req.ok:
             self.trust.read_ok(req.worker_id)
             if req.nbytes >= 1 << 20 and req.seconds > 0:
@@ -1026,6 +1051,7 @@ class Coordinator:
                         "dropping its reference", model, version,
                         holder.name if holder else failed, reader.name, error)
             self.table.drop_holder(failed, model, version)
+            self.metrics.evictions.labels("failed_reads").inc()
         else:
             log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
                         reader.name, model, version, holder.name if holder else failed, error)
@@ -1094,6 +1120,17 @@ class Coordinator:
                             and v not in holdings[w.name]:
                         holdings[w.name].append(v)
         return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings)
+
+    def _complete_holders(self, vrec: VersionRec) -> int:
+        """Workers holding the version completely: every part, for a sharded one (by the
+        name each part's worker has, `Part.worker_name`)."""
+        if vrec.parts is None:
+            return len({h.worker_id for layout in vrec.layouts.values()
+                        for h in layout.holders.values() if not h.withdrawn})
+        first = vrec.part_layouts()[0]
+        names = {w.name for h in (first.holders.values() if first is not None else ())
+                 if not h.withdrawn and (w := self.table.workers.get(h.worker_id))}
+        return sum(self._holds_every_part(name, vrec) for name in names)
 
     def _holds_every_part(self, name: str, vrec: VersionRec) -> bool:
         """A reader named `name` holds every part of a sharded version, each by the worker
@@ -1174,10 +1211,12 @@ class Coordinator:
         for pending in self.pending.versions.values():
             pending.started += seconds
 
-    def _forget_worker(self, worker_id: str, why: str) -> None:
+    def _forget_worker(self, worker_id: str, why: str, reason: str) -> None:
+        """`why` for the log, `reason` for the evictions metric."""
         worker = self.table.workers.pop(worker_id, None)
         if worker is None:
             return
+        self.metrics.evictions.labels(reason).inc()
         if worker.role == "replica":
             self._workers_in_dc[worker.labels.get("dc", "")] -= 1
         log.info("worker %s %s: dropping its references and reads", worker_id, why)
@@ -1196,9 +1235,20 @@ class Coordinator:
                 self._abort(key, f"part(s) {pv.missing()} of {pv.parts} not in within "
                                  f"{self.config.part_wait:.0f} s")
         for w in [w for w in self.table.workers.values() if now - w.last_seen > ttl]:
-            self._forget_worker(w.worker_id, "stopped heartbeating")
+            self._forget_worker(w.worker_id, "stopped heartbeating", "heartbeat")
         for lease in [x for x in self.table.leases.values() if x.expires < now]:
             log.warning("read lease of %s on %s v%d expired", lease.reader, lease.model,
                         lease.version)
             del self.table.leases[lease.lease_id]
             self._finish_withdrawals(lease.sources, lease.model, lease.version)
+        self._measure_fleet()
+
+    def _measure_fleet(self) -> None:
+        holders, latest = {}, {}
+        for model, mrec in self.table.models.items():
+            latest[model] = mrec.latest
+            for version, vrec in mrec.versions.items():
+                holders[(model, version)] = self._complete_holders(vrec)
+        roles = Counter(w.role for w in self.table.workers.values())
+        self.metrics.fleet(holders, latest, len(self.table.leases), roles)
+
