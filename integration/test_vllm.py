@@ -220,3 +220,19 @@ def test_engines_follow_a_version_published_in_two_parts_by_two_trainer_ranks(fl
     for e in fleet.engines:
         assert wait_serving(e, 7)["vllm_weight_version"] == "7"
         assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[6]
+
+
+def test_an_engines_own_metrics_endpoint_shows_its_version_and_switches(fleet):
+    """vLLM's `/metrics` (no new scrape target) carries the plugin's series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for e in fleet.engines:
+        serving = e.request("/tensorhub/status")["serving_version"]
+        samples = {(s.name, s.labels.get("model")): s.value
+                   for f in text_string_to_metric_families(e.request("/metrics"))
+                   for s in f.samples}
+        assert samples[("tensorhub_engine_serving_version", MODEL)] == serving == 7
+        # It joined at v1 or later, then switched once per version since (v5 was lost).
+        assert samples[("tensorhub_engine_updates_total", MODEL)] >= 3
+        assert samples[("tensorhub_engine_stall_seconds_count", MODEL)] == \
+            samples[("tensorhub_engine_updates_total", MODEL)]

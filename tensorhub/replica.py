@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorhub import metrics
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
@@ -326,6 +327,7 @@ class Replica:
             self._end_lease(plan, ok=self.version == plan.version, stats=stats,
                             by_source=by_source)
         self.last_pull = stats
+        metrics.pulled(self.model, plan.version, stats.nbytes, stats.seconds)
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)

@@ -30,6 +30,7 @@ import urllib.request
 
 import torch
 
+from tensorhub import metrics
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest, StatusRequest
 from tensorhub.core.errors import TensorHubError
@@ -188,6 +189,7 @@ class Driver:
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
         self.updates += 1
+        metrics.switched(self.settings.model, version, stall)
         self.last_update = {
             "version": version, "stall_ms": round(stall * 1e3, 2), "at": time.time(),
             "path": states[0].get("path"), "asked_path": path,
@@ -264,6 +266,7 @@ class Driver:
                     try:
                         self.swap(*update)
                     except Exception:
+                        metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
                         self._retry_at = {update[0]: time.monotonic() + RETRY_REFUSED}
                         raise
                 self.last_error = None

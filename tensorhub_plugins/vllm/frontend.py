@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from tensorhub import metrics
 from tensorhub.core.client import CoordinatorClient, token_from_env
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
@@ -109,6 +110,7 @@ class Frontend:
                         WeightTransferUpdateRequest(update_info={"version": version}))
                     marks["swap"] = time.perf_counter()
                 except BaseException:
+                    metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
                     log.error("swap to v%d failed; still serving %s", version,
                               self.serving or "the weights loaded at start")
                     # Close vLLM's update session (it refuses to start the next one
@@ -132,6 +134,7 @@ class Frontend:
                 last = t
             stall_ms = (time.perf_counter() - started) * 1e3
             self.serving = version
+            metrics.switched(self.settings.model, version, stall_ms / 1e3)
             self.updates += 1
             self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
                                 "at": time.time()}

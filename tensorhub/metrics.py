@@ -1,0 +1,41 @@
+"""A worker's Prometheus series, in the process's default registry: what an engine's own
+`/metrics` already serves (vLLM's front end; SGLang with `--enable-metrics`), and what
+`prometheus_client.start_http_server` serves for a standalone replica or trainer.
+
+Labelled by model only: a worker's name is per process and would make a new series at
+every restart (Prometheus's `instance` label tells processes apart).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# A pull of a small model on one host takes milliseconds; of a large one across datacenters,
+# minutes. An engine's stall is a reload: tens of milliseconds to seconds.
+PULL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+PULL_SECONDS = Histogram("tensorhub_pull_seconds", "Time to pull one version (or part) "
+                         "into a replica", ["model"], buckets=PULL_BUCKETS)
+PULL_BYTES = Counter("tensorhub_pull_bytes", "Bytes pulled into replicas", ["model"])
+VERSION_HELD = Gauge("tensorhub_version_held", "Newest version a replica of this process "
+                     "holds completely", ["model"])
+STALL_SECONDS = Histogram("tensorhub_engine_stall_seconds", "Time an engine paused "
+                          "generation to switch versions", ["model"], buckets=STALL_BUCKETS)
+SERVING_VERSION = Gauge("tensorhub_engine_serving_version", "Version the engine serves",
+                        ["model"])
+UPDATES = Counter("tensorhub_engine_updates", "Versions the engine switched to", ["model"])
+UPDATE_FAILURES = Counter("tensorhub_engine_update_failures", "Switches that failed (the "
+                          "engine kept its weights)", ["model"])
+
+
+def pulled(model: str, version: int, nbytes: int, seconds: float) -> None:
+    PULL_SECONDS.labels(model).observe(seconds)
+    PULL_BYTES.labels(model).inc(nbytes)
+    VERSION_HELD.labels(model).set(version)
+
+
+def switched(model: str, version: int, stall_seconds: float) -> None:
+    STALL_SECONDS.labels(model).observe(stall_seconds)
+    SERVING_VERSION.labels(model).set(version)
+    UPDATES.labels(model).inc()
