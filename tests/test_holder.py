@@ -102,6 +102,20 @@ def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(
         holder.close()
 
 
+def test_a_version_the_engine_fails_to_load_is_refused_so_the_copy_moves_on(coordinator):
+    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+                              follow=False)
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            pub.publish({"w": torch.ones(4)})
+            holder.pull(1)
+            with pytest.raises(RuntimeError, match="shape"), holder.tensors_of(1):
+                raise RuntimeError("the engine's load_weights: wrong shape")
+            assert holder.refused == 1 and holder.applied is None
+    finally:
+        holder.close()
+
+
 def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
     assert versions_to_release({"r0": [5], "r1": [6]}, serving=4) == {5}
     assert versions_to_release({"r0": [5], "r1": [5]}, serving=4) == set()

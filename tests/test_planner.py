@@ -25,8 +25,8 @@ from tensorhub.core.data_types import (
     ReadDone,
     ReadPlan,
     Register,
-    Unregister,
     TensorSpec,
+    Unregister,
 )
 from tensorhub.core.layout import layout_id
 

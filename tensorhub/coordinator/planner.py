@@ -191,14 +191,14 @@ def _plan_chunks(table: Table, layout: LayoutRec, layout_id: str, reader: Worker
     if not ids:
         raise NoSource(busy=False)
     holders, partial = layout.holders, layout.partial
+    reads = table.leases.chunk_reads
     if not any(not h.withdrawn for h in holders.values()) and \
-            any(not partial.having(c) for c in want):
-        # No complete copy is left and no reader has these chunks: partial holders can
-        # only wait on each other, so nobody can finish this version. Waiting for one
-        # that can never free up would hold every such reader until its timeout.
+            any(not partial.having(c) and not reads[(layout_id, c)] for c in want):
+        # No complete copy is left and no reader has or is reading these chunks: partial
+        # holders can only wait on each other, so nobody can finish this version. Waiting
+        # for one that can never free up would hold every such reader until its timeout.
         raise NoSource(busy=False)
     pairs, loads, workers = table.leases.by_pair, table.leases.by_holder, table.workers
-    reads = table.leases.chunk_reads
 
     def usable_key(hid: str) -> tuple | None:
         # The cheapest test first: in a large fleet most holders are busy (it is most of

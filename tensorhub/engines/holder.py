@@ -9,7 +9,8 @@ once, and is what the engine applies with its own `load_weights`.
 In follow mode a thread pulls each announced version, but only once the engine has applied
 what it holds, or turned it down, so the copy is never overwritten while the front end may
 still apply it. Nothing times out: a version the ranks of one engine cannot all apply (one
-rank holds a newer one) is let go by the front end (`release`, `versions_to_release`).
+rank holds a newer one) is let go by vLLM's front end (`release`, `versions_to_release`;
+SGLang's pulls the version it applies, so its ranks never wait on each other).
 
 An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
 share rank 0's (`shared_copy.py`), and applies a version on all of them or on none:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -31,6 +33,9 @@ from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
 
+# A version no copy was left of is tried again after this long if nothing newer came (its
+# holders may have been re-registering with a restarted coordinator).
+LOST_RETRY = 15.0
 # Fault injection for tests: "<version>@<name suffix>" makes the copy of the worker whose
 # name ends so refuse that version, as a copy that failed verification would.
 REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
@@ -119,12 +124,12 @@ class CheckpointHolder:
 
     def release(self, version: int) -> None:
         """The engine gives up `version` (another of its ranks holds a newer one): if this
-        copy holds it unapplied, it may move on. Waits for a swap that is using the copy."""
-        with self._lock:
-            if self.replica.version == version and self.applied != version:
-                self.refused = version
-                log.info("%s: letting v%d go (another rank holds a newer version)",
-                         self.name, version)
+        copy holds it unapplied, it may move on. Never waits: a swap or a pull may hold the
+        copy's lock, and `refused` matters only while the copy holds that version."""
+        if self.replica.version == version and self.applied != version:
+            self.refused = version
+            log.info("%s: letting v%d go (another rank holds a newer version)", self.name,
+                     version)
 
     def _may_replace(self) -> bool:
         held = self.replica.version
@@ -132,13 +137,15 @@ class CheckpointHolder:
 
     def _follow(self) -> None:
         backoff = 0.5
-        lost = None  # the newest version no copy is left of: wait for a newer one
+        lost, lost_until = None, 0.0  # a version no copy was left of: wait for a newer one
         while not self._stop.is_set():
             newer = None
             try:
                 held = self.replica.version
+                if lost is not None and (time.monotonic() > lost_until or (held or 0) >= lost):
+                    lost = None  # try it again: holders may have come back (a restart)
                 newer = self.replica.wait_for_newer(
-                    timeout=1.0, than=held if lost is None or (held or 0) > lost else lost)
+                    timeout=1.0, than=held if lost is None else max(lost, held or 0))
                 if newer is None or not self._may_replace():
                     if newer is not None:
                         self._stop.wait(0.05)
@@ -148,8 +155,9 @@ class CheckpointHolder:
             except TensorHubError as exc:
                 self.last_error = str(exc)
                 if exc.code == "no_holder" and newer is not None:
-                    lost, backoff = newer, 0.5
-                    log.warning("%s: %s; waiting for a newer version", self.name, exc)
+                    lost, lost_until, backoff = newer, time.monotonic() + LOST_RETRY, 0.5
+                    log.warning("%s: %s; waiting for a newer version (or trying it again "
+                                "in %.0f s)", self.name, exc, LOST_RETRY)
                     continue
                 log.warning("%s: pulling a new version failed (%s); retrying in %.1fs",
                             self.name, exc, backoff)
@@ -190,7 +198,11 @@ class CheckpointHolder:
                 raise problem or TensorHubError(
                     f"another rank of this engine cannot apply v{version}, so no rank "
                     f"applies it; the engine keeps its current weights", code="refused")
-            yield self.replica.named_tensors()
+            try:
+                yield self.replica.named_tensors()
+            except BaseException:
+                self.refused = version  # the engine could not load it: the copy moves on
+                raise
             self.applied = version
         finally:
             if locked:

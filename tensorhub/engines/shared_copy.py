@@ -50,19 +50,24 @@ def apply_shared(version: int, load: Callable[[Named], None],
                  failure: Exception | None = None) -> None:
     """Apply `version` on every rank of an engine from rank 0's copy, or on none. Every
     rank calls it at once: rank 0 with its `holder` (None, or a `failure`, when it has
-    nothing to share), the others with a `reader`. `broadcast` sends rank 0's bytes to
-    every rank (its argument is ignored elsewhere); `agree` is the ranks' vote. Raises on
-    every rank when any rank cannot apply it; the weights are then untouched."""
+    nothing to share), the others with a `reader` (and their own `failure`, if any).
+    `broadcast` sends rank 0's bytes to every rank (its argument is ignored elsewhere);
+    `agree` is the ranks' vote. Raises on every rank when any rank cannot apply it (the
+    weights are then untouched), or where `load` raises."""
     if reader is not None:
         payload, named = broadcast(None), None
-        if not payload:
+        if failure is not None:
+            log.warning("this rank cannot apply v%d: %s", version, failure)
+        elif not payload:
             log.warning("rank 0 cannot apply v%d (see its log)", version)
         else:
             try:
                 named = reader.named_tensors(payload, version)
             except Exception as exc:
                 log.warning("cannot map rank 0's copy of v%d: %s", version, exc)
-        if not agree(named is not None):
+        if not agree(named is not None and failure is None):
+            if failure is not None:
+                raise failure
             raise TensorHubError(f"a rank of this engine cannot apply v{version}, so no "
                                  f"rank applies it; the engine keeps its current weights",
                                  code="refused")
@@ -144,3 +149,7 @@ class SharedCopyReader:
             layouts.append(BoundLayout.over(part.manifest, arena))
         self._maps = wanted  # buffers rank 0 no longer uses are unmapped
         return list(whole_tensors(layouts).items())
+
+    def forget(self) -> None:
+        """Unmap rank 0's copy (it may free it: the memory goes back once no rank maps it)."""
+        self._maps = {}

@@ -82,11 +82,11 @@ def _start_main() -> None:
 
         port = int(_arg("--port", "30000"))
         instance, status_dir = start_instance(settings, port)
-        tp_size = int(_arg("--tp-size", _arg("--tp", "1")))
+        tp_size = int(_arg("--tp-size", _arg("--tp", _arg("--tensor-parallel-size", "1"))))
+        pp_size = int(_arg("--pp-size", _arg("--pipeline-parallel-size", "1")))
         driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
-                        one_copy=one_copy_per_engine(
-                            tp_size, int(_arg("--pp-size", _arg("--pp", "1"))),
-                            int(_arg("--nnodes", "1"))))
+                        one_copy=one_copy_per_engine(tp_size, pp_size,
+                                                     int(_arg("--nnodes", "1"))))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

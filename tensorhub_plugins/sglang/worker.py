@@ -139,8 +139,11 @@ def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
         _torn = False
 
     if shared:
-        apply_shared(version, load, _tp_broadcast, tp_vote, holder=holder, failure=failure,
-                     reader=_reader if _rank != 0 else None)
+        try:
+            apply_shared(version, load, _tp_broadcast, tp_vote, holder=holder,
+                         failure=failure, reader=_reader if _rank != 0 else None)
+        finally:
+            _reader.forget()  # rank 0 may free its copy (`checkpoint_copy`): do not pin it
         return sources
     if holder is None or failure is not None:
         agree(False)  # the other ranks learn that this one cannot, and refuse it too

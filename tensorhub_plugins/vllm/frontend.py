@@ -57,6 +57,7 @@ class Frontend:
         self._swap = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
+        self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
 
     # ------------------------------------------------------------------ coordinator
     async def holdings(self) -> tuple[int, int | None]:
@@ -64,11 +65,15 @@ class Frontend:
         reply = await asyncio.to_thread(
             self.client.call, HoldingsRequest(model=self.settings.model, names=self.workers))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        for version in sorted(versions_to_release(reply.holdings, self.serving)):
-            # A rank holds it unapplied while another has moved on: it would wait forever.
+        self._held_by_rank = reply.holdings
+        return reply.latest, max(common) if common else None
+
+    async def _release_stale(self) -> None:
+        """Let go of versions a rank holds unapplied while another rank holds a newer one:
+        that rank would wait for them forever (`versions_to_release`)."""
+        for version in sorted(versions_to_release(self._held_by_rank, self.serving)):
             await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
                 init_info={"op": "release", "version": version}))
-        return reply.latest, max(common) if common else None
 
     async def _init_workers(self) -> None:
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
@@ -160,6 +165,7 @@ class Frontend:
         while True:
             try:
                 _, held = await self.holdings()
+                await self._release_stale()
                 if held is not None and (self.serving is None or held > self.serving) \
                         and time.monotonic() >= self._retry_at.get(held, 0.0):
                     try:

@@ -1,0 +1,101 @@
+"""One checkpoint copy per engine: the ranks of an engine apply a version from rank 0's
+copy (`apply_shared`), all of them or none. Ranks are threads here; the group's broadcast
+and vote are what gloo gives the real ranks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tensorhub import Publisher, TensorHubError
+from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
+
+
+class Group:
+    """A broadcast from rank 0 and an all-reduce MIN vote, for ranks that are threads."""
+
+    def __init__(self, ranks: int):
+        self._barrier = threading.Barrier(ranks)
+        self._votes: list[bool] = []
+        self._payload = b""
+
+    def _sync(self) -> None:
+        self._barrier.wait(timeout=30)
+
+    def broadcast_from(self, rank: int):
+        def broadcast(payload: bytes | None) -> bytes:
+            if rank == 0:
+                self._payload = payload or b""
+            self._sync()
+            got = self._payload
+            self._sync()
+            return got
+        return broadcast
+
+    def vote(self, ok: bool) -> bool:
+        self._votes.append(ok)
+        self._sync()
+        result = all(self._votes)
+        if self._barrier.wait(timeout=30) == 0:
+            self._votes.clear()
+        self._sync()
+        return result
+
+
+def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = None):
+    """Each rank applies `version` in a thread; returns (loaded tensors, error) per rank."""
+    group, results = Group(2), [None, None]
+
+    def run(rank: int) -> None:
+        loaded: dict[str, torch.Tensor] = {}
+        try:
+            apply_shared(version, lambda named: loaded.update(
+                {n: t.clone() for n, t in named}), group.broadcast_from(rank), group.vote,
+                holder=holder if rank == 0 else None,
+                reader=SharedCopyReader() if rank == 1 else None,
+                failure=failure_on_rank1 if rank == 1 else None)
+            results[rank] = (loaded, None)
+        except Exception as exc:
+            results[rank] = (loaded, exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+@pytest.fixture
+def holder_of_v1(coordinator):
+    state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
+    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq",
+                              follow=False)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        holder.pull(1)
+        yield holder, state
+    holder.close()
+
+
+def test_every_rank_loads_the_version_from_rank_0s_copy(holder_of_v1):
+    holder, state = holder_of_v1
+    (rank0, error0), (rank1, error1) = apply_on_both(holder, 1)
+    assert error0 is None and error1 is None
+    for loaded in (rank0, rank1):
+        assert loaded.keys() == state.keys()
+        assert all(torch.equal(loaded[n], state[n]) for n in state)
+    assert holder.applied == 1
+
+
+def test_a_rank_that_cannot_apply_makes_every_rank_keep_its_weights(holder_of_v1):
+    holder, _ = holder_of_v1
+    (rank0, error0), (rank1, error1) = apply_on_both(
+        holder, 1, failure_on_rank1=RuntimeError("its live parameters are still being read"))
+    assert rank0 == {} and rank1 == {}  # nothing loaded anywhere
+    assert isinstance(error0, TensorHubError) and error0.code == "refused"
+    assert "still being read" in str(error1)
+    assert holder.refused == 1 and holder.applied is None  # the copy may move on
