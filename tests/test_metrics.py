@@ -74,3 +74,27 @@ def test_a_worker_that_leaves_is_counted_as_an_eviction(coordinator_with_metrics
     address, port = coordinator_with_metrics
     Replica(address, "policy", name="brief", transport="zmq").close()
     assert scrape(port)[("tensorhub_evictions_total", (("reason", "unregistered"),))] == 1
+
+
+def test_the_grafana_dashboard_queries_only_series_we_export():
+    """Every `tensorhub_...` name in `deploy/grafana/tensorhub.json` is a series of the
+    coordinator's registry or of a worker's (a renamed metric would leave a blank panel)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import REGISTRY
+
+    import tensorhub.metrics  # noqa: F401 - registers the worker series
+    from tensorhub.coordinator.metrics import CoordinatorMetrics
+
+    exported = set()
+    for registry in (CoordinatorMetrics().registry, REGISTRY):
+        for family in registry.collect():
+            exported.update(s.name for s in family.samples)
+            exported.update(f"{family.name}{suffix}" for suffix in ("", "_total", "_bucket"))
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" /
+                            "tensorhub.json").read_text())
+    queried = {name for p in dashboard["panels"] for t in p["targets"]
+               for name in re.findall(r"tensorhub_[a-z_]+", t["expr"])}
+    assert queried and queried <= exported, queried - exported
