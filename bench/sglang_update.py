@@ -30,7 +30,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -39,13 +38,13 @@ from pathlib import Path
 import torch
 
 from bench.results import RESULTS, Report
-from bench.workdir import make_scratch, remove_scratch
+from bench.workdir import make_scratch, tear_down
 from integration.engine_server import free_port
 from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
 from integration.tiny_model import build_tiny_model, load_state_dict
 from tensorhub import Publisher
-from tensorhub.processes import ChildProcess
+from tensorhub.processes import coordinator_process
 from tensorhub_plugins.sglang.naming import LOADER
 
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
@@ -239,10 +238,7 @@ def main() -> None:
                          "engines": args.engines, "sglang": "0.5.23 CPU, torch_native attention",
                          "driver_poll_s": 0.2})
     python = engine_python("sglang")
-    address = f"tcp://127.0.0.1:{free_port()}"
-    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
-                                address, "--announce", f"tcp://127.0.0.1:{free_port()}",
-                                "--max-readers-per-holder", "1"], name="coordinator")
+    coordinator, address = coordinator_process("--max-readers-per-holder", "1")
     servers: list[SGLangServer] = []
     publisher = None
     sender = None
@@ -352,12 +348,7 @@ def main() -> None:
                 sender.close()
             except Exception as exc:  # the server may be gone already
                 print(f"closing the gloo group: {exc}")
-        for s in servers:
-            s.stop()
-        if publisher is not None:
-            publisher.close()
-        coordinator.stop()
-        remove_scratch(work)
+        tear_down(servers, publisher, coordinator, work)
 
 
 if __name__ == "__main__":

@@ -21,21 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 
 from bench.results import Report
-from bench.workdir import make_scratch, remove_scratch
-from integration.engine_server import free_port
+from bench.workdir import make_scratch, tear_down
 from integration.engine_venvs import engine_python
 from integration.tiny_model import build_tiny_model, load_state_dict
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.processes import ChildProcess
+from tensorhub.processes import coordinator_process
 
 ARCH = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2048, vocab=1024)
 TP = 2
@@ -75,10 +73,7 @@ def main() -> None:
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     print(f"model: {model_bytes / 2**20:.0f} MiB bf16, TP={TP}")
     python = engine_python("vllm")
-    address = f"tcp://127.0.0.1:{free_port()}"
-    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
-                                address, "--announce", f"tcp://127.0.0.1:{free_port()}"],
-                               name="coordinator")
+    coordinator, address = coordinator_process()
     tp_args = ["--tensor-parallel-size", str(TP)]
     tp_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     servers: list[VLLMServer] = []
@@ -138,12 +133,7 @@ def main() -> None:
                    higher_is_better=False)
         report.write()
     finally:
-        for s in servers:
-            s.stop()
-        if publisher is not None:
-            publisher.close()
-        coordinator.stop()
-        remove_scratch(work)
+        tear_down(servers, publisher, coordinator, work)
 
 
 def sglang_main(updates: int) -> None:
@@ -159,10 +149,7 @@ def sglang_main(updates: int) -> None:
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     print(f"model: {model_bytes / 2**20:.0f} MiB bf16, SGLang TP={TP}")
     python = engine_python("sglang")
-    address = f"tcp://127.0.0.1:{free_port()}"
-    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
-                                address, "--announce", f"tcp://127.0.0.1:{free_port()}"],
-                               name="coordinator")
+    coordinator, address = coordinator_process()
     tp_args = ["--tp-size", str(TP)]
     tp_env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
     servers: list = []
@@ -220,12 +207,7 @@ def sglang_main(updates: int) -> None:
                    statistics.median(base_stall) * 1e3, "ms")
         report.write()
     finally:
-        for s in servers:
-            s.stop()
-        if publisher is not None:
-            publisher.close()
-        coordinator.stop()
-        remove_scratch(work)
+        tear_down(servers, publisher, coordinator, work)
 
 
 def _bump(state: dict[str, torch.Tensor]) -> None:

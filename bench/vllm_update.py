@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 
 from bench.results import Report
-from bench.workdir import make_scratch, remove_scratch
-from integration.engine_server import free_port
+from bench.workdir import make_scratch, tear_down
 from integration.engine_venvs import engine_python
 from integration.tiny_model import build_tiny_model, load_state_dict
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
-from tensorhub.processes import ChildProcess
+from tensorhub.processes import coordinator_process
 
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 
@@ -55,10 +53,7 @@ def main() -> None:
     print(f"model: {params / 1e6:.0f}M parameters, "
           f"{sum(t.numel() * t.element_size() for t in state.values()) / 2**20:.0f} MiB bf16")
     python = engine_python("vllm")
-    address = f"tcp://127.0.0.1:{free_port()}"
-    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
-                                address, "--announce", f"tcp://127.0.0.1:{free_port()}"],
-                               name="coordinator")
+    coordinator, address = coordinator_process()
     common = ["--dtype", "bfloat16"]
     plugin_env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
                   "TENSORHUB_MODEL": "policy"}
@@ -128,12 +123,7 @@ def main() -> None:
                    higher_is_better=False)
         report.write()
     finally:
-        for s in servers:
-            s.stop()
-        if publisher is not None:
-            publisher.close()
-        coordinator.stop()
-        remove_scratch(work)
+        tear_down(servers, publisher, coordinator, work)
 
 
 if __name__ == "__main__":

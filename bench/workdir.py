@@ -1,5 +1,6 @@
-"""A benchmark's scratch folder (models, checkpoints, engine logs): made at the start,
-removed when the run ends, kept with TENSORHUB_BENCH_KEEP=1 to read the logs."""
+"""A benchmark run's scratch folder (models, checkpoints, engine logs) and its teardown:
+made at the start, removed when the run ends (kept with TENSORHUB_BENCH_KEEP=1 to read the
+logs), after every process the run started has stopped."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ def remove_scratch(work: Path) -> None:
         print(f"kept {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def tear_down(servers: list, publisher, coordinator, work: Path) -> None:
+    """Stop the engine servers, close the trainer, stop the coordinator, drop the folder."""
+    for server in servers:
+        server.stop()
+    if publisher is not None:
+        publisher.close()
+    coordinator.stop()
+    remove_scratch(work)

@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from integration.engine_server import free_port
 from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
 from integration.tiny_model import Versions
@@ -28,7 +27,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.processes import ChildProcess
+from tensorhub.processes import coordinator_process
 
 PROMPT = "the trainer will publish a new policy and the engine"
 
@@ -43,10 +42,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     vllm_python = engine_python("vllm") if args.vllm else None
     sglang_python = engine_python("sglang") if args.sglang else None
-    address = f"tcp://127.0.0.1:{free_port()}"
-    coordinator = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
-                                address, "--announce", f"tcp://127.0.0.1:{free_port()}",
-                                "--max-readers-per-holder", "1"], name="coordinator")
+    coordinator, address = coordinator_process("--max-readers-per-holder", "1")
     engines: list = []
     publisher = None
     try:

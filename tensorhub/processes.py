@@ -118,3 +118,13 @@ class ChildProcess:
         if self._log:
             self._log.close()
         return self.proc.returncode
+
+
+def coordinator_process(*args: str, log_path: str | None = None) -> tuple[ChildProcess, str]:
+    """A `tensorhub coordinator` child on free loopback ports, with extra `args`; returns it
+    and its request address. Its first line says it serves (`next_line`)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+                         address, "--announce", f"tcp://127.0.0.1:{free_port()}", *args],
+                        name="coordinator", log_path=log_path)
+    return proc, address
