@@ -9,10 +9,14 @@ from __future__ import annotations
 import pytest
 
 from integration.sglang_server import SGLangServer
-from integration.sharded import publish_in_two_ranks
 from integration.test_sglang import LOADER, sglang_env, sglang_version, wait_sglang
-from integration.test_vllm import coordinator_status
-from integration.tp_fleet import MODEL, REFUSED, TOKENS, refused_then_next, tp_fleet
+from integration.tp_fleet import (
+    REFUSED,
+    TOKENS,
+    refused_then_next,
+    tp_fleet,
+    two_rank_version_pulled_once,
+)
 from tensorhub.engines.holder import REFUSE_ENV
 
 
@@ -41,16 +45,10 @@ def test_a_tp2_sglang_engine_serves_the_published_version(tp_engine):
 
 
 def test_a_tp2_sglang_engine_follows_a_version_published_by_two_ranks(tp_engine):
-    state = tp_engine.versions.state(2)
-    publish_in_two_ranks(tp_engine.address, MODEL, state, 2)
-    wait_sglang(tp_engine.engine, 2)
-    assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]
-    # Rank 1 loads its shard from rank 0's copy: the engine pulled one model's bytes.
-    instance = tp_engine.engine.request("/tensorhub/status")["name"]
-    pulled = sum(t.nbytes for t in coordinator_status(tp_engine.address).transfers
-                 if t.version == 2 and t.ok and t.reader.startswith(instance))
-    model = sum(t.numel() * t.element_size() for t in state.values())
-    assert model <= pulled < 1.01 * model
+    # Rank 1 loads its shard from rank 0's copy: the engine pulls one model's bytes.
+    two_rank_version_pulled_once(
+        tp_engine, lambda v: wait_sglang(tp_engine.engine, v),
+        lambda: tp_engine.engine.request("/tensorhub/status")["name"])
 
 
 def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp_engine):

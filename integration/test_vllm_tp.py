@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from integration.sharded import publish_in_two_ranks
-from integration.test_vllm import PLUGIN_ARGS, coordinator_status, plugin_env, wait_serving
-from integration.tp_fleet import MODEL, REFUSED, TOKENS, refused_then_next, tp_fleet
+from integration.test_vllm import PLUGIN_ARGS, plugin_env, wait_serving
+from integration.tp_fleet import (
+    REFUSED,
+    TOKENS,
+    refused_then_next,
+    tp_fleet,
+    two_rank_version_pulled_once,
+)
 from integration.vllm_server import VLLMServer
 from tensorhub.engines.holder import REFUSE_ENV
 
@@ -38,18 +43,10 @@ def test_a_tp2_engine_joins_the_published_version(tp_engine):
 
 
 def test_a_tp2_engine_follows_a_version_published_by_two_trainer_ranks(tp_engine):
-    state = tp_engine.versions.state(2)
-    publish_in_two_ranks(tp_engine.address, MODEL, state, 2)
-    wait_serving(tp_engine.engine, 2)
-    assert tp_engine.engine.greedy(tp_engine.prompts, TOKENS) == tp_engine.expected[1]
-    # One copy for the engine: it pulled one model's bytes, not one per rank.
     workers = tp_engine.engine.request("/tensorhub/status")["workers"]
-    assert [w.rsplit("-", 1)[1] for w in workers] == ["rank0"]
-    engine = workers[0].rsplit("-rank", 1)[0]
-    pulled = sum(t.nbytes for t in coordinator_status(tp_engine.address).transfers
-                 if t.version == 2 and t.ok and t.reader.startswith(engine))
-    model = sum(t.numel() * t.element_size() for t in state.values())
-    assert model <= pulled < 1.01 * model
+    assert [w.rsplit("-", 1)[1] for w in workers] == ["rank0"]  # one copy, rank 0's
+    two_rank_version_pulled_once(tp_engine, lambda v: wait_serving(tp_engine.engine, v),
+                                 lambda: workers[0].rsplit("-rank", 1)[0])
 
 
 def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp_engine):

@@ -11,12 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from integration.engine_server import EngineServer
+from integration.sharded import publish_in_two_ranks
 from integration.tiny_model import Versions, pick_stable_prompts
 from tensorhub import Publisher
 
 MODEL = "policy"
 TOKENS = 16
-REFUSED = 3  # the version rank 1 refuses (`TENSORHUB_TEST_REFUSE`), as a failed copy would
+REFUSED = 3  # the version one rank refuses (`TENSORHUB_TEST_REFUSE`), as a failed copy would
 # Heads split over 2 ranks; head_dim 32 (vLLM's CPU attention kernels take no 16).
 TP_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2}
 
@@ -43,7 +44,7 @@ def tp_fleet(root: Path, address: str, launch: Callable[[Path], EngineServer],
 
 def refused_then_next(fleet: SimpleNamespace, serving: Callable[[], int],
                       wait_serving: Callable[[int], object]) -> None:
-    """The engine serves v2. v3 is refused by rank 1: the engine must serve v2 whole on
+    """The engine serves v2. v3 is refused by one rank: the engine must serve v2 whole on
     both ranks (tokens equal HF), then take v4."""
     engine = fleet.engine
     assert fleet.pub.publish(fleet.versions.state(REFUSED)) == REFUSED
@@ -56,3 +57,21 @@ def refused_then_next(fleet: SimpleNamespace, serving: Callable[[], int],
     assert fleet.pub.publish(fleet.versions.state(REFUSED + 1)) == REFUSED + 1
     wait_serving(REFUSED + 1)
     assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[REFUSED]
+
+
+def two_rank_version_pulled_once(fleet: SimpleNamespace, wait_serving: Callable[[int], object],
+                                 reader_prefix: Callable[[], str]) -> None:
+    """v2, published by two trainer ranks together, is served with tokens equal HF, and the
+    engine's workers (names starting `reader_prefix()`) pulled one model's bytes in all: one
+    copy for the engine, not one per rank."""
+    from integration.test_vllm import coordinator_status
+
+    state = fleet.versions.state(2)
+    publish_in_two_ranks(fleet.address, MODEL, state, 2)
+    wait_serving(2)
+    assert fleet.engine.greedy(fleet.prompts, TOKENS) == fleet.expected[1]
+    prefix = reader_prefix()
+    pulled = sum(t.nbytes for t in coordinator_status(fleet.address).transfers
+                 if t.version == 2 and t.ok and t.reader.startswith(prefix))
+    model = sum(t.numel() * t.element_size() for t in state.values())
+    assert model <= pulled < 1.01 * model

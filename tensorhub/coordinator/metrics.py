@@ -3,8 +3,9 @@
 They live in a registry of their own, so a coordinator embedded in another process (a test,
 the simulator, a Ray actor) neither clashes with that process's series nor exports them.
 Event series (publishes, plans, busy replies, evictions, bytes) are counted where the event
-is handled; the fleet's shape (holders per version, reads in flight, workers) is set on the
-coordinator's expiry walk, so a scrape never reads the table while the loop changes it.
+is handled; the fleet's shape (holders per version, reads in flight, workers) is measured
+on the coordinator's expiry walk, once a second and only while the metrics are served, so a
+scrape never reads the table while the loop changes it.
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ log = logging.getLogger("tensorhub.coordinator")
 # Seconds between walks of the table for workers that stopped heartbeating and expired
 # leases (TTLs are seconds: a tenth of a second late is within their slack).
 EXPIRY_PERIOD = 0.1
+FLEET_PERIOD = 1.0  # seconds between measurements of the fleet's shape (metrics served)
 # A gap this long between two reads of the queue (each waits at most 0.1 s) means the
 # coordinator itself was not listening: see `Coordinator.forgive_pause`.
 PAUSE_FORGIVEN = 1.0
@@ -235,6 +236,7 @@ class Coordinator:
         self._announcements: dict[str, Announcement] = {}  # model -> its newest
         self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
         self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
+        self._fleet_measured_at: float | None = None  # None: no metrics served, never
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -286,6 +288,7 @@ class Coordinator:
     def serve_metrics(self, port: int, addr: str = "0.0.0.0"):
         """Prometheus `/metrics` on `port`, from a thread of its own (`metrics.py`)."""
         server = self.metrics.serve(port, addr)
+        self._fleet_measured_at = float("-inf")
         log.info("metrics on http://%s:%d/metrics", addr, port)
         return server
 
@@ -1241,9 +1244,13 @@ class Coordinator:
                         lease.version)
             del self.table.leases[lease.lease_id]
             self._finish_withdrawals(lease.sources, lease.model, lease.version)
-        self._measure_fleet()
+        if self._fleet_measured_at is not None and now - self._fleet_measured_at >= FLEET_PERIOD:
+            self._fleet_measured_at = now
+            self._measure_fleet()
 
     def _measure_fleet(self) -> None:
+        """The fleet's shape for the metrics: another walk of every worker and holder, so
+        only while metrics are served, and at most every `FLEET_PERIOD`."""
         holders, latest = {}, {}
         for model, mrec in self.table.models.items():
             latest[model] = mrec.latest

@@ -144,8 +144,8 @@ class CheckpointHolder:
                 held = self.replica.version
                 if lost is not None and (time.monotonic() > lost_until or (held or 0) >= lost):
                     lost = None  # try it again: holders may have come back (a restart)
-                newer = self.replica.wait_for_newer(
-                    timeout=1.0, than=held if lost is None else max(lost, held or 0))
+                newer = self.replica.wait_for_newer(timeout=1.0,
+                                                    than=held if lost is None else lost)
                 if newer is None or not self._may_replace():
                     if newer is not None:
                         self._stop.wait(0.05)
