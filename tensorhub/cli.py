@@ -78,6 +78,11 @@ def _status(args: argparse.Namespace) -> int:
     from tensorhub.core.client import CoordinatorClient
     from tensorhub.core.data_types import StatusRequest
 
+    if args.watch:
+        from tensorhub.live_view import watch
+
+        watch(args.coordinator, interval=args.interval, timeout=args.timeout)
+        return 0
     client = CoordinatorClient(args.coordinator, timeout=args.timeout)
     try:
         reply = client.call(StatusRequest())
@@ -91,6 +96,9 @@ def _status(args: argparse.Namespace) -> int:
     for w in reply.workers:
         print(f"  worker {w['worker_id']:<28} {w['role']:<8} {w['transport']:<5} "
               f"seen {w['seen_ago']}s ago  {w.get('labels', '')}")
+    for p in reply.pulls:
+        print(f"  pulling {p.reader} <- {p.model} v{p.version}: {p.done / 2**20:.1f} of "
+              f"{p.total / 2**20:.1f} MiB in {p.seconds:.0f} s")
     for m in reply.models:
         print(f"model {m.model}: latest v{m.latest}")
         for v in m.versions:
@@ -324,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="models, versions, holders and recent pulls")
     p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", action="store_true",
+                   help="redraw the fleet every --interval seconds (Ctrl-C ends): versions, "
+                        "holders, pulls in flight with progress and GB/s, recent pulls")
+    p.add_argument("--interval", type=_positive, default=1.0,
+                   help="seconds between redraws with --watch (default 1)")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=_status)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from tensorhub.core.data_types import (
     GetManifest,
     Part,
     PlanRequest,
+    PullProgress,
     ReadDone,
     ReadPlan,
     Source,
@@ -181,13 +183,12 @@ class Replica:
             log.warning("could not end read lease %s: %s", plan.lease_id, exc)
 
     def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-              max_replans: int, verifier: Verifier | None = None,
+              max_replans: int, verifier: Verifier | None, total: PullStats,
               ) -> tuple[ReadPlan, PullStats]:
-        """Read a whole-item plan; a failed source is reported and the bytes not yet read
-        are planned again elsewhere, up to `max_replans` failures. The last plan's lease is
-        left to the caller, to end after `Hold`."""
+        """Read a whole-item plan into `total`'s count; a failed source is reported and the
+        bytes not yet read are planned again elsewhere, up to `max_replans` failures. The
+        last plan's lease is left to the caller, to end after `Hold`."""
         done: set[tuple[int, int, int]] = set()
-        total = PullStats(self.model, plan.version, [], 0, 0.0)
         failures = 0
         while True:
             try:
@@ -280,6 +281,8 @@ class Replica:
         previous = self.version
         by_source: dict[str, int] | None = None
         reader: StripedReader | None = None
+        stats = PullStats(self.model, plan.version, [], 0, 0.0)
+        self.session.pulling = self._progress(plan.version, dest, stats, lambda: reader)
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
@@ -294,7 +297,8 @@ class Replica:
                     plan = reader.run(deadline, max_replans)
                     stats, by_source = reader.stats, reader.by_source
                 else:
-                    plan, stats = self._read(plan, dest, deadline, max_replans, verifier)
+                    plan, stats = self._read(plan, dest, deadline, max_replans, verifier,
+                                             stats)
             except BaseException:
                 if verifier is not None:
                     verifier.close()
@@ -302,6 +306,7 @@ class Replica:
             if verifier is not None:
                 stats.verify_seconds = verifier.finish()
         except BaseException as exc:
+            self.session.pulling = None
             if self.chunked and not self.staging:
                 self.session.progress.zero_()  # our children stop reading from us
             self._end_lease(plan, ok=False, error=str(exc))
@@ -324,6 +329,7 @@ class Replica:
             if reader is not None and not self.staging:
                 self._remember_parents(reader)
         finally:
+            self.session.pulling = None
             self._end_lease(plan, ok=self.version == plan.version, stats=stats,
                             by_source=by_source)
         self.last_pull = stats
@@ -332,6 +338,20 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _progress(self, version: int, dest: list[torch.Tensor], stats: PullStats,
+                  striped: Callable[[], StripedReader | None]) -> Callable[[], PullProgress]:
+        """How far this pull is, for the session's heartbeats (a striped pull counts in its
+        reader's stats, a whole-item pull in `stats`)."""
+        total = sum(t.numel() * t.element_size() for t in dest)
+        started = time.monotonic()
+
+        def progress() -> PullProgress:
+            reader = striped()
+            done = (reader.stats if reader is not None else stats).nbytes
+            return PullProgress(model=self.model, version=version, done=min(done, total),
+                                total=total, seconds=time.monotonic() - started)
+        return progress
 
     def _remember_parents(self, reader: StripedReader) -> None:
         """Keep the parents this pull ended with, for the next version (`_warm_plan`), and

@@ -65,6 +65,7 @@ from tensorhub.core.data_types import (
     Published,
     PublishStatus,
     PublishStatusReply,
+    PullInFlight,
     ReadDone,
     ReadPlan,
     ReadRange,
@@ -463,7 +464,7 @@ class Coordinator:
                           announce_address=self.announce_address)
 
     def _heartbeat(self, req: Heartbeat) -> Ack:
-        self._worker(req.worker_id)
+        self._worker(req.worker_id).pull = req.pull
         return _ACK
 
     def _unregister(self, req: Unregister) -> Ack:
@@ -1194,9 +1195,12 @@ class Coordinator:
             models.append(ModelStatus(model=name, latest=mrec.latest, versions=versions))
         suspects = [self.table.workers[r].name for r in self.trust.suspects()
                     if r in self.table.workers]
+        pulls = [PullInFlight(reader=w.name, **dict(w.pull))
+                 for w in self.table.workers.values() if w.pull is not None]
         return StatusReply(workers=workers, models=models,
                            reads_in_flight=len(self.table.leases),
-                           transfers=self.table.transfers[-200:], suspect_readers=suspects)
+                           transfers=self.table.transfers[-200:], suspect_readers=suspects,
+                           pulls=pulls)
 
     # ------------------------------------------------------------------ expiry
     def forgive_pause(self, seconds: float) -> None:

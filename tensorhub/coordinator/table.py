@@ -19,7 +19,14 @@ from pydantic import TypeAdapter
 
 from tensorhub.coordinator.forest import Forest
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
-from tensorhub.core.data_types import Endpoint, Item, Manifest, MemoryDesc, TransferRecord
+from tensorhub.core.data_types import (
+    Endpoint,
+    Item,
+    Manifest,
+    MemoryDesc,
+    PullProgress,
+    TransferRecord,
+)
 from tensorhub.core.wire import Packed, encode
 
 _seq = itertools.count()
@@ -62,6 +69,7 @@ class WorkerRec:
     last_seen: float
     seq: int = field(default_factory=lambda: next(_seq))
     progress: MemoryDesc | None = None  # its progress bytes (striped pulls)
+    pull: PullProgress | None = None  # its pull in flight, as of its last heartbeat
 
 
 class _PackedMemory:

@@ -142,9 +142,21 @@ class Register(Strict):
     progress: MemoryDesc | None = None
 
 
+class PullProgress(Strict):
+    """A pull in flight, as its reader's heartbeat reports it: the live view
+    (`tensorhub status --watch`) shows it with no per-chunk message to the coordinator."""
+
+    model: Name
+    version: Version
+    done: Annotated[int, Field(ge=0, lt=2**62)]  # bytes landed so far
+    total: Annotated[int, Field(ge=0, lt=2**62)]  # bytes of the whole pull
+    seconds: Annotated[float, Field(ge=0, lt=1e9)]  # since it began
+
+
 class Heartbeat(Strict):
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: Name
+    pull: PullProgress | None = None
 
 
 class Unregister(Strict):
@@ -495,12 +507,17 @@ class TransferRecord(Strict):
     error: str | None = None
 
 
+class PullInFlight(PullProgress):
+    reader: str
+
+
 class StatusReply(Strict):
     type: Literal["status_reply"] = "status_reply"
     workers: list[dict[str, str | float]]
     models: list[ModelStatus]
     reads_in_flight: int
     transfers: list[TransferRecord]
+    pulls: list[PullInFlight] = Field(default_factory=list)  # as of each reader's last beat
     # readers that failed on every holder they tried: their reports no longer drop anyone
     suspect_readers: list[str] = Field(default_factory=list)
 

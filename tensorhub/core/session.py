@@ -11,11 +11,20 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import Heartbeat, Hold, Part, Register, Unregister, Withdraw
+from tensorhub.core.data_types import (
+    Heartbeat,
+    Hold,
+    Part,
+    PullProgress,
+    Register,
+    Unregister,
+    Withdraw,
+)
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
@@ -26,6 +35,7 @@ from tensorhub.core.transport import Transport, make_transport
 
 log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
+PROGRESS_LOG_SECONDS = 10.0  # a pull (or join) running longer logs its progress this often
 
 
 
@@ -66,6 +76,10 @@ class WorkerSession:
         self.registrations = 0  # times registered: a new coordinator knows nothing of ours
         self.heartbeat_interval = 1.0
         self.announce_address = ""
+        # The pull in flight, if any (`Replica.pull` sets it): heartbeats carry it to the
+        # coordinator's status (the live view), and a long one is logged every 10 s.
+        self.pulling: Callable[[], PullProgress] | None = None
+        self._progress_logged = 0.0
         self._register()
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -146,11 +160,28 @@ class WorkerSession:
                 log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
                             deadline - time.monotonic())
 
+    def _pull_progress(self) -> PullProgress | None:
+        """The pull in flight, logged when it has run long (a join of a big model, a slow
+        link): an operator sees it move without watching the coordinator."""
+        pulling = self.pulling
+        if pulling is None:
+            return None
+        pull = pulling()
+        if pull.seconds >= PROGRESS_LOG_SECONDS \
+                and time.monotonic() - self._progress_logged >= PROGRESS_LOG_SECONDS:
+            self._progress_logged = time.monotonic()
+            log.info("%s: pulling %s v%d: %.0f%% (%.1f of %.1f MiB) in %.0f s, %.2f GB/s",
+                     self.name, pull.model, pull.version,
+                     100 * pull.done / max(pull.total, 1), pull.done / 2**20,
+                     pull.total / 2**20, pull.seconds, pull.done / max(pull.seconds, 1e-9) / 1e9)
+        return pull
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
                 try:
-                    self._beat_client.call(Heartbeat(worker_id=self.worker_id),
+                    self._beat_client.call(Heartbeat(worker_id=self.worker_id,
+                                                     pull=self._pull_progress()),
                                            timeout=max(2.0, 2 * self.heartbeat_interval))
                 except CoordinatorError as exc:
                     if exc.code != "unknown_worker":
