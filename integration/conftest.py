@@ -33,6 +33,11 @@ def sglang_python() -> str:
     return _engine_python("sglang")
 
 
+@pytest.fixture(scope="session")
+def verl_python() -> str:
+    return _engine_python("verl")
+
+
 @pytest.fixture(scope="module")
 def coordinator_process(tmp_path_factory):
     """A real `tensorhub coordinator` process; one reader per holder at a time, so that a

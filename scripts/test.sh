@@ -3,7 +3,8 @@
 #
 # Every venv the suite uses is built here, before the first test, never inside a timed test:
 # the core venv runs pytest, the vLLM and SGLang venvs run the real engine servers of
-# integration/. On a bare machine that is ~8 minutes once (each step prints its duration);
+# integration/, the verl venv runs verl's checkpoint-engine manager. On a bare machine that
+# is ~10 minutes once (each step prints its duration);
 # later runs find them in the cache and start at once. TENSORHUB_TEST_ENGINES=0 skips the
 # engine venvs (and so the engine tests, which then say why they skip).
 set -euo pipefail
@@ -11,7 +12,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 started=$SECONDS
 venv=$(bash "$here/scripts/setup.sh" core)
 if [ "${TENSORHUB_TEST_ENGINES:-1}" != 0 ]; then
-  for engine in vllm sglang; do bash "$here/scripts/setup.sh" "$engine" >/dev/null; done
+  for engine in vllm sglang verl; do bash "$here/scripts/setup.sh" "$engine" >/dev/null; done
 fi
 echo "test.sh: set-up done in $((SECONDS - started)) s; running the tests" >&2
 cd "$here"

@@ -1,0 +1,1 @@
+"""TensorHub for verl: a checkpoint engine (`checkpoint_engine.py`)."""
