@@ -236,3 +236,10 @@ def test_an_engines_own_metrics_endpoint_shows_its_version_and_switches(fleet):
         assert samples[("tensorhub_engine_updates_total", MODEL)] >= 3
         assert samples[("tensorhub_engine_stall_seconds_count", MODEL)] == \
             samples[("tensorhub_engine_updates_total", MODEL)]
+        # its worker's pulls, which happen in another process: whole versions, v7 the last
+        version_bytes = sum(t.numel() * t.element_size() for t in fleet.versions.state(7).values())
+        pulls = samples[("tensorhub_pull_seconds_count", MODEL)]
+        assert samples[("tensorhub_version_held", MODEL)] == 7
+        assert pulls >= 1
+        assert samples[("tensorhub_pull_bytes_total", MODEL)] == pytest.approx(
+            pulls * version_bytes, rel=0.01)

@@ -8,7 +8,11 @@ every restart (Prometheus's `instance` label tells processes apart).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from tensorhub.core.data_types import TransferRecord
 
 # A pull of a small model on one host takes milliseconds; of a large one across datacenters,
 # minutes. An engine's stall is a reload: tens of milliseconds to seconds.
@@ -39,3 +43,20 @@ def switched(model: str, version: int, stall_seconds: float) -> None:
     STALL_SECONDS.labels(model).observe(stall_seconds)
     SERVING_VERSION.labels(model).set(version)
     UPDATES.labels(model).inc()
+
+
+class WorkerPulls:
+    """An engine's front end counts its workers' pulls here, once each, from what the
+    coordinator's holdings reply says of them: the pulls happen in worker processes, whose
+    series the engine's own /metrics (served by the front end's process) does not see."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._counted: dict[str, tuple[int, int, float]] = {}  # worker -> its last pull
+
+    def count(self, pulls: Mapping[str, TransferRecord]) -> None:
+        for name, pull in pulls.items():
+            key = (pull.version, pull.nbytes, pull.seconds)
+            if self._counted.get(name) != key:
+                self._counted[name] = key
+                pulled(self.model, pull.version, pull.nbytes, pull.seconds)

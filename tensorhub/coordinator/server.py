@@ -1123,7 +1123,8 @@ class Coordinator:
                     if w is not None and w.name in wanted and not h.withdrawn \
                             and v not in holdings[w.name]:
                         holdings[w.name].append(v)
-        return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings)
+        pulls = {n: self.table.last_pull[n] for n in req.names if n in self.table.last_pull}
+        return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls)
 
     def _complete_holders(self, vrec: VersionRec) -> int:
         """Workers holding the version completely: every part, for a sharded one (by the
@@ -1230,6 +1231,7 @@ class Coordinator:
         for key in self.pending.published_by(worker_id):
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
+        self.table.last_pull.pop(worker.name, None)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
             self._finish_withdrawals(lease.sources, lease.model, lease.version)

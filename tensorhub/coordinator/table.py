@@ -352,6 +352,7 @@ class Table:
     leases: Leases = field(default_factory=Leases)
     transfers: Transfers = field(default_factory=Transfers)
     max_transfers: int = 10_000
+    last_pull: dict[str, TransferRecord] = field(default_factory=dict)  # reader name -> it
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
     plans: int = 0  # chunked plans made: rotates where the planner starts looking
     # dc -> {reader: when}: readers refused a chunked plan while reading nothing (their NIC
@@ -384,6 +385,8 @@ class Table:
     def record(self, rec: TransferRecord) -> None:
         self.transfers.append(rec)
         self.transfers.keep_last(self.max_transfers)
+        if rec.ok and rec.nbytes:
+            self.last_pull[rec.reader] = rec
 
     def drop_holder(self, worker_id: str, model: str | None = None,
                     version: int | None = None) -> None:

@@ -526,6 +526,9 @@ class HoldingsReply(Strict):
     type: Literal["holdings_reply"] = "holdings_reply"
     latest: int  # 0: the model has no version yet
     holdings: dict[str, list[int]]  # name -> versions held completely (not withdrawn)
+    # name -> its last successful pull: an engine's front end puts its workers' pulls on
+    # the engine's own /metrics (the pulls happen in worker processes it cannot read)
+    pulls: dict[str, TransferRecord] = Field(default_factory=dict)
 
 
 class Announcement(Strict):

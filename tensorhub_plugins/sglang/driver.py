@@ -84,6 +84,7 @@ class Driver:
         self._first_seen: dict[int, float] = {}
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._stop = threading.Event()
+        self._worker_pulls = metrics.WorkerPulls(settings.model)  # on SGLang's /metrics
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -116,6 +117,7 @@ class Driver:
         """(the model's latest version, the newest version every checkpoint copy holds)."""
         reply = self.client.call(HoldingsRequest(model=self.settings.model, names=self.names))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
+        self._worker_pulls.count(reply.pulls)
         self.latest, self.held_version = reply.latest, max(common) if common else None
         return self.latest, self.held_version
 

@@ -58,6 +58,7 @@ class Frontend:
         self._task: asyncio.Task | None = None
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
+        self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
     # ------------------------------------------------------------------ coordinator
     async def holdings(self) -> tuple[int, int | None]:
@@ -66,6 +67,7 @@ class Frontend:
             self.client.call, HoldingsRequest(model=self.settings.model, names=self.workers))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
         self._held_by_rank = reply.holdings
+        self._worker_pulls.count(reply.pulls)
         return reply.latest, max(common) if common else None
 
     async def _release_stale(self) -> None:
