@@ -147,9 +147,15 @@ def run(args: argparse.Namespace) -> int:
                               strict=True))}), flush=True)
         return 0
     finally:
-        ray.get([e.stop.remote() for e in engines])
-        ray.get(trainer.close.remote())
-        stop_coordinator()
+        try:
+            for actor in (*engines, trainer):
+                try:
+                    ray.get(actor.stop.remote() if actor is not trainer
+                            else trainer.close.remote(), timeout=60)
+                except Exception as exc:  # a dead actor: the others are still stopped
+                    print(f"stopping {actor}: {exc}", file=sys.stderr)
+        finally:
+            stop_coordinator()
 
 
 def main() -> int:

@@ -45,7 +45,10 @@ def wait_all_serving(engines: list[EngineServer], version: int, since: float,
     while None in statuses:
         for i, e in enumerate(engines):
             if statuses[i] is None:
-                status = e.tensorhub_status()
+                try:
+                    status = e.tensorhub_status()
+                except OSError:  # busy or restarting: asked again next round
+                    continue
                 if status.get("serving_version") == version:
                     statuses[i], seconds[i] = status, time.perf_counter() - since
         if time.monotonic() > deadline:
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             statuses, seconds = wait_all_serving(engines, version, started)
             if version > 1:
                 print(f"\nversion {version} (trainer loss {loss:.2f}): all engines serving "
-                      f"it {max(seconds):.2f}s after publish")
+                      f"it {max(seconds, default=0.0):.2f}s after publish")
             else:
                 print("\nversion 1: engines joined it at start-up")
             for e, name, status, delay in zip(engines, names, statuses, seconds, strict=True):

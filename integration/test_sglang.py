@@ -11,6 +11,7 @@ import base64
 import pickle
 import socket
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -55,7 +56,7 @@ def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
     pub = Publisher(address, MODEL, name="trainer")
     pub.publish(versions.state(1))
     sgl = SGLangServer(sglang_python, versions.dir, env=sglang_env(address),
-                       extra_args=["--custom-weight-loader", LOADER],
+                       extra_args=["--custom-weight-loader", LOADER, "--enable-metrics"],
                        log_path=root / "sglang.log").launch()
     vllm = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
                       env=plugin_env(address), log_path=root / "vllm.log").launch()
@@ -79,6 +80,26 @@ def test_sglang_joins_the_published_version_at_start(fleet):
     assert status["serving_version"] == 1 and status["ranks"][0]["applied"] == 1
     assert status["workers"] == [status["name"] + "-tp0"]
     assert status["name"].startswith(f"sglang-{socket.gethostname()}:{fleet.sgl.port}-")
+
+
+def test_sglangs_own_metrics_endpoint_shows_its_version_switches_and_pulls(fleet):
+    """SGLang's `/metrics` (`--enable-metrics`; no new scrape target) carries the plugin's
+    series, its scheduler's pulls included."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wait_sglang(fleet.sgl, 1)
+    with urllib.request.urlopen(f"{fleet.sgl.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    samples = {(s.name, s.labels.get("model")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    ours = [line for line in text.splitlines() if line.startswith("tensorhub_")]
+    assert ("tensorhub_engine_serving_version", MODEL) in samples, ours
+    assert samples[("tensorhub_engine_serving_version", MODEL)] == 1
+    assert samples[("tensorhub_version_held", MODEL)] == 1
+    version_bytes = sum(t.numel() * t.element_size() for t in fleet.versions.state(1).values())
+    assert samples[("tensorhub_pull_seconds_count", MODEL)] == 1
+    assert samples[("tensorhub_pull_bytes_total", MODEL)] == pytest.approx(version_bytes,
+                                                                          rel=0.01)
 
 
 @pytest.mark.parametrize("version", [2, 3])

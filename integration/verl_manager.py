@@ -12,13 +12,13 @@ the cluster's coordinator actor at the first sync.
 
 Steps: two syncs to two replicas; a third replica joins and takes the current weights
 from its peers with no sync (the trainer sends nothing); then it is added to the manager
-and a third sync reaches all three.
+and a third sync reaches all three; then verl sends that step again, as its validation
+does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -38,6 +38,8 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout import RolloutReplica
 
+from tensorhub.core.checksum import checksum
+
 BACKEND_MODULE = "tensorhub_plugins.verl.checkpoint_engine"
 
 
@@ -53,9 +55,7 @@ def make_weights(step: int):
 
 
 def checksums(named) -> dict[str, list]:
-    return {n: [list(t.shape), str(t.dtype),
-                hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()]
-            for n, t in named}
+    return {n: [list(t.shape), str(t.dtype), checksum(t.contiguous())] for n, t in named}
 
 
 class Trainer(Worker):
@@ -185,6 +185,9 @@ async def main() -> int:
         metrics = await manager.update_weights(global_steps=3)
         ok &= _report("sync", first_two, 3, metrics=metrics)
         ok &= _report("sync", late, 3, metrics=metrics)
+        # verl sends a step again (validation does): a new version of the same weights
+        metrics = await manager.update_weights(global_steps=3)
+        ok &= _report("resent", first_two, 3, metrics=metrics)
         return 0 if ok else 1
     finally:
         stop_coordinator()

@@ -8,6 +8,7 @@ every restart (Prometheus's `instance` label tells processes apart).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -22,15 +23,31 @@ STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 PULL_SECONDS = Histogram("tensorhub_pull_seconds", "Time to pull one version (or part) "
                          "into a replica", ["model"], buckets=PULL_BUCKETS)
 PULL_BYTES = Counter("tensorhub_pull_bytes", "Bytes pulled into replicas", ["model"])
+# "livemax": where several processes write multiprocess files (SGLang's schedulers and
+# front end), one series, the newest version among the living processes
 VERSION_HELD = Gauge("tensorhub_version_held", "Newest version a replica of this process "
-                     "holds completely", ["model"])
+                     "holds completely", ["model"], multiprocess_mode="livemax")
 STALL_SECONDS = Histogram("tensorhub_engine_stall_seconds", "Time an engine paused "
                           "generation to switch versions", ["model"], buckets=STALL_BUCKETS)
 SERVING_VERSION = Gauge("tensorhub_engine_serving_version", "Version the engine serves",
-                        ["model"])
+                        ["model"], multiprocess_mode="livemax")
 UPDATES = Counter("tensorhub_engine_updates", "Versions the engine switched to", ["model"])
 UPDATE_FAILURES = Counter("tensorhub_engine_update_failures", "Switches that failed (the "
                           "engine kept its weights)", ["model"])
+
+
+def use_multiprocess_files() -> bool:
+    """Series created from now on go to prometheus_client's multiprocess files, where a
+    server that serves /metrics from them will find them (SGLang with `--enable-metrics`
+    sets PROMETHEUS_MULTIPROC_DIR as it starts, after its main process, and this plugin in
+    it, imported prometheus_client; its scheduler processes start with it set). False where
+    no such directory is set."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return False
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()
+    return True
 
 
 def pulled(model: str, version: int, nbytes: int, seconds: float) -> None:
@@ -55,6 +72,9 @@ class WorkerPulls:
         self._counted: dict[str, tuple[int, int, float]] = {}  # worker -> its last pull
 
     def count(self, pulls: Mapping[str, TransferRecord]) -> None:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return  # the workers' own series reach /metrics through the files (vLLM with
+            # several API servers): counting them here would count them twice
         for name, pull in pulls.items():
             key = (pull.version, pull.nbytes, pull.seconds)
             if self._counted.get(name) != key:

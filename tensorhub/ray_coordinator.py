@@ -8,11 +8,12 @@ actor, on any node, its address and token. The actor is detached, so it outlives
 that started it (a restarted driver finds the same coordinator, and the engines' references
 survive); `stop_coordinator` ends it.
 
-Across nodes by default: the coordinator binds every interface of its node and is reached
-at the node's Ray address, with a token made for the cluster (anyone who can reach the port
-but is not in the cluster cannot publish or read references). `coordinator_env` is what a
-launcher puts in an engine's environment (`vllm serve`, an SGLang server) so that its
-TensorHub plugin finds the coordinator with no flag.
+Across nodes by default: the coordinator binds its node's Ray address, with a token made
+for the cluster (anyone who can reach the port but is not in the cluster cannot publish or
+read references). The token travels in clear text; on a network others share, pass a
+CURVE secret (`curve_secret=`, from `tensorhub keygen`) and give the engines its public
+key. `coordinator_env` is what a launcher puts in an engine's environment (`vllm serve`,
+an SGLang server) so that its TensorHub plugin finds the coordinator with no flag.
 
 Ray is imported only here, so TensorHub itself does not depend on it.
 """
@@ -57,13 +58,17 @@ class CoordinatorActor:
         self.node_ip = ray.util.get_node_ip_address()
         port = port or free_port()
         self.token = token
+        if token is None:
+            log.warning("the coordinator actor runs without a token: anyone who can reach "
+                        "%s can publish and read references", self.node_ip)
+        # the node's Ray address only: the interface the cluster reaches it by
         self.coordinator = Coordinator(CoordinatorConfig(
-            bind=f"tcp://0.0.0.0:{port}", announce=f"tcp://0.0.0.0:{free_port()}",
+            bind=f"tcp://{self.node_ip}:{port}", announce=f"tcp://{self.node_ip}:{free_port()}",
             token=token, **config)).start()
         self.address = f"tcp://{self.node_ip}:{port}"
         self.metrics_url = None
         if metrics_port is not None:
-            self.coordinator.serve_metrics(metrics_port, "0.0.0.0")
+            self.coordinator.serve_metrics(metrics_port, self.node_ip)
             self.metrics_url = f"http://{self.node_ip}:{metrics_port}/metrics"
         log.info("tensorhub coordinator actor on %s: requests on %s", self.node_ip,
                  self.address)

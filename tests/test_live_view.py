@@ -70,8 +70,9 @@ def test_a_pull_in_flight_shows_in_status_with_the_bytes_landed(coordinator, mon
                     chunked=False) as replica:
         pub.publish({"w": torch.arange(MiB, dtype=torch.float32)})
         thread, release = _gated_pull(replica, block_at_read=3)
-        try:
-            pulls = _wait_for(lambda: _status(coordinator.address).pulls)
+        try:  # (a beat before the gate reports less: wait for the one after it)
+            pulls = _wait_for(lambda: [p for p in _status(coordinator.address).pulls
+                                       if p.done == 2 * MiB])
         finally:
             release.set()
             thread.join(30)

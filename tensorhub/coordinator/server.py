@@ -1018,6 +1018,13 @@ class Coordinator:
                 error=req.error))
             if req.ok and source is not None:
                 self.metrics.served(source.role, distance(reader, source), nbytes)
+        if req.ok and req.nbytes:  # the whole pull (the records above are per source)
+            self.table.last_pull[reader.name] = TransferRecord(
+                reader=reader.name, source=",".join(
+                    self.table.workers[s].name if s in self.table.workers else s
+                    for s in sorted(req.by_source or lease.sources)),
+                model=lease.model, version=lease.version, nbytes=req.nbytes,
+                seconds=req.seconds, ok=True)
         if req.ok:
             self.trust.read_ok(req.worker_id)
             if req.nbytes >= 1 << 20 and req.seconds > 0:
@@ -1231,7 +1238,8 @@ class Coordinator:
         for key in self.pending.published_by(worker_id):
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
-        self.table.last_pull.pop(worker.name, None)
+        if not any(w.name == worker.name for w in self.table.workers.values()):
+            self.table.last_pull.pop(worker.name, None)  # (names are per process)
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
             self._finish_withdrawals(lease.sources, lease.model, lease.version)

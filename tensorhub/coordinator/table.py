@@ -385,8 +385,6 @@ class Table:
     def record(self, rec: TransferRecord) -> None:
         self.transfers.append(rec)
         self.transfers.keep_last(self.max_transfers)
-        if rec.ok and rec.nbytes:
-            self.last_pull[rec.reader] = rec
 
     def drop_holder(self, worker_id: str, model: str | None = None,
                     version: int | None = None) -> None:

@@ -166,7 +166,11 @@ class WorkerSession:
         pulling = self.pulling
         if pulling is None:
             return None
-        pull = pulling()
+        try:
+            pull = pulling()
+        except Exception as exc:  # never at the cost of the heartbeat itself
+            log.debug("%s: the pull's progress: %s", self.name, exc)
+            return None
         if pull.seconds >= PROGRESS_LOG_SECONDS \
                 and time.monotonic() - self._progress_logged >= PROGRESS_LOG_SECONDS:
             self._progress_logged = time.monotonic()

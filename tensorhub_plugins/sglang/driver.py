@@ -84,7 +84,6 @@ class Driver:
         self._first_seen: dict[int, float] = {}
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._stop = threading.Event()
-        self._worker_pulls = metrics.WorkerPulls(settings.model)  # on SGLang's /metrics
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -117,7 +116,6 @@ class Driver:
         """(the model's latest version, the newest version every checkpoint copy holds)."""
         reply = self.client.call(HoldingsRequest(model=self.settings.model, names=self.names))
         common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        self._worker_pulls.count(reply.pulls)
         self.latest, self.held_version = reply.latest, max(common) if common else None
         return self.latest, self.held_version
 
@@ -242,6 +240,9 @@ class Driver:
     def run(self) -> None:
         if not self._wait_ready(self.settings.join_timeout + 900):
             return
+        # SGLang's /metrics serves multiprocess files only: our switches go there too (the
+        # schedulers' pulls already do: they start with SGLang's directory set)
+        metrics.use_multiprocess_files()
         try:
             loaders = self._get("/get_server_info").get("custom_weight_loader") or []
         except Exception:
@@ -254,6 +255,7 @@ class Driver:
         applied = {s.get("applied") for s in self.applied()}
         self.serving = applied.pop() if len(applied) == 1 else None
         if self.serving is not None:  # joined at start-up: label what is served
+            metrics.SERVING_VERSION.labels(self.settings.model).set(self.serving)
             try:
                 self._post("/update_weight_version", {"new_version": str(self.serving),
                                                       "abort_all_requests": False})

@@ -7,19 +7,22 @@ Select it in a verl config::
 
 verl's own engines build a communication group over the trainer and every rollout worker
 at each sync (an NCCL broadcast, a NIXL chain) and rebuild it when replicas come or go.
-This one builds none. The trainer's rank 0 publishes the step's weights as version
-`global_steps + 1` (versions start at 1, verl's steps at 0); each rollout worker pulls that
-version one-sided from whichever peer holds it (the trainer, or a rollout worker that has
-it already) and serves it on to the others. A replica that joins later pulls from its peers
-like any other; nothing is rebuilt, and a rollout worker that dies takes no group down
-with it.
+This one builds none. At each sync the driver (`build_topology`) names the version, the
+model's latest + 1; the trainer's rank 0 publishes the weights as that version, and each
+rollout worker pulls it one-sided from whichever peer holds it (the trainer, or a rollout
+worker that has it already) and serves it on to the others. A replica that joins later
+pulls the latest version from its peers like any other; nothing is rebuilt, and a rollout
+worker that dies takes no group down with it. verl's step (`global_steps`) only labels the
+logs: verl sends some steps twice (validation, a second manager) or none (a step-less
+`update_weights()`), and a resumed run starts its steps again, none of which may publish a
+version twice.
 
 Where the coordinator is, in this order: ``engine_kwargs.tensorhub.coordinator`` (with
 ``token``), ``TENSORHUB_COORDINATOR`` (and ``TENSORHUB_TOKEN``) in the workers'
-environment, else the Ray cluster's named coordinator actor (`tensorhub.ray_coordinator`),
-which the driver starts at the first sync if none runs. ``engine_kwargs.tensorhub.model``
-names the weights (default "policy"); a run that restarts its step count needs a new name
-or a new coordinator (a version is never published twice).
+environment, else the Ray cluster's coordinator actor (`tensorhub.ray_coordinator`), which
+the driver starts at the first sync if none runs. ``engine_kwargs.tensorhub.model`` names
+the weights; by default ``verl-<Ray job id>``, so two jobs sharing a cluster (and its
+coordinator) never mix their versions.
 
 Each rollout worker keeps its pulled copy in host memory (that copy is what it serves to
 peers), so a worker needs the model's size in RAM once more than the engine's weights.
@@ -38,15 +41,33 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from tensorhub import Publisher, Replica
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import HoldingsRequest
 
 log = logging.getLogger("tensorhub.verl")
-DEFAULT_MODEL = "policy"
-PULL_TIMEOUT = 600.0  # seconds a rollout worker waits for the step's version, and pulls it
+PULL_TIMEOUT = 600.0  # seconds a rollout worker waits for the sync's version, and pulls it
 
 
-def version_of(global_steps: int | None) -> int | None:
-    """The TensorHub version of verl's step (None: the next one)."""
-    return None if global_steps is None else global_steps + 1
+def default_model() -> str:
+    """The weights' name when none is configured: one per Ray job (the driver and every
+    worker it started see the same job id), else "policy"."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return f"verl-{ray.get_runtime_context().get_job_id()}"
+    except ImportError:
+        pass
+    return "policy"
+
+
+def latest_version(coordinator: str, token: str | None, model: str) -> int:
+    """The model's newest version on the coordinator (0: none yet)."""
+    client = CoordinatorClient(coordinator, token=token)
+    try:
+        return client.call(HoldingsRequest(model=model, names=[])).latest
+    finally:
+        client.close()
 
 
 @CheckpointEngineRegistry.register("tensorhub")
@@ -55,7 +76,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int = 0, is_master: bool = False,
                  coordinator: str | None = None, token: str | None = None,
-                 model: str = DEFAULT_MODEL, name: str | None = None,
+                 model: str | None = None, name: str | None = None,
                  pull_timeout: float = PULL_TIMEOUT):
         """`bucket_size` is verl's (unused: a version moves whole, not bucket by bucket);
         `is_master` is set on the trainer side, True on torch rank 0 (the one that
@@ -63,24 +84,26 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.is_master = is_master
         self.coordinator = coordinator or os.environ.get("TENSORHUB_COORDINATOR")
         self.token = token
-        self.model = model
+        self.model = model or default_model()
         self.name = name
         self.pull_timeout = pull_timeout
         self._publisher: Publisher | None = None
         self._replica: Replica | None = None
         self._connected_to: str | None = None
+        self._version: int | None = None  # the version the driver named for this sync
 
     # --------------------------------------------------------------- "group" set-up
     def prepare(self) -> dict[str, Any]:
-        """Nothing to allocate or register ahead: what a worker was told of the coordinator
-        goes to the driver's `build_topology`."""
-        return {"coordinator": self.coordinator, "token": self.token}
+        """Nothing to allocate or register ahead: what a worker knows of the coordinator
+        and the model goes to the driver's `build_topology`."""
+        return {"coordinator": self.coordinator, "token": self.token, "model": self.model}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
-        """No topology: every worker is told the same coordinator. The first one a worker
-        was configured with, else the Ray cluster's coordinator actor (started here, in the
+        """No topology: every worker is told the same coordinator and the version this sync
+        makes (the model's latest + 1). The coordinator is the first one a worker was
+        configured with, else the Ray cluster's coordinator actor (started here, in the
         driver, if none runs yet)."""
         known = [m for m in metadata if m and m.get("coordinator")]
         if known:
@@ -90,18 +113,19 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
             info = start_coordinator()
             address, token = info.address, info.token
-        return ({"coordinator": [address] * actor_wg_world_size,
-                 "token": [token] * actor_wg_world_size},
-                {"coordinator": [address] * rollout_world_size,
-                 "token": [token] * rollout_world_size})
+        version = latest_version(address, token, metadata[0]["model"]) + 1
+        every = {"coordinator": address, "token": token, "version": version}
+        return ({k: [v] * actor_wg_world_size for k, v in every.items()},
+                {k: [v] * rollout_world_size for k, v in every.items()})
 
     def init_process_group(self, coordinator: str | None = None, token: str | None = None,
-                           **_: Any) -> None:
-        """Remember the coordinator; the first sync connects (later ones find it connected,
-        and a replica added since needs nothing from the others)."""
+                           version: int | None = None, **_: Any) -> None:
+        """Remember the coordinator and this sync's version; the first sync connects (later
+        ones find it connected, and a replica added since needs nothing from the others)."""
         if coordinator and coordinator != self._connected_to:
             self.close()
             self.coordinator, self.token = coordinator, token
+        self._version = version
 
     def finalize(self) -> None:
         """Nothing to tear down: a rollout worker keeps serving its copy to peers."""
@@ -112,8 +136,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
                            global_steps: int | None = None) -> dict[str, float]:
-        """Rank 0 publishes the weights as version `global_steps + 1` (or the next one);
-        other ranks only drain the generator (each tensor is a collective across them)."""
+        """Rank 0 publishes the weights as the version the driver named for this sync (the
+        next one, outside a sync); other ranks only drain the generator (each tensor is a
+        collective across them)."""
         if not self.is_master:
             for _ in weights:
                 pass
@@ -125,41 +150,42 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             self._publisher = Publisher(self._address(), self.model, token=self.token,
                                         name=self._worker_name("trainer"))
             self._connected_to = self.coordinator
-        version = await asyncio.to_thread(self._publisher.publish, named,
-                                        version_of(global_steps))
+        version, self._version = self._version, None
+        version = await asyncio.to_thread(self._publisher.publish, named, version)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        log.info("published %s v%d: %d tensors, %.1f MiB (gathered in %.2f s, published in "
-                 "%.2f s)", self.model, version, len(named), nbytes / 2**20, gathered,
-                 time.perf_counter() - started - gathered)
+        log.info("step %s: published %s v%d: %d tensors, %.1f MiB (gathered in %.2f s, "
+                 "published in %.2f s)", global_steps, self.model, version, len(named),
+                 nbytes / 2**20, gathered, time.perf_counter() - started - gathered)
         return {"tensorhub/version": float(version), "tensorhub/bytes": float(nbytes),
                 "tensorhub/send_seconds": time.perf_counter() - started}
 
     # --------------------------------------------------------------- rollout side
     async def receive_weights(self, global_steps: int | None = None
                               ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Pull version `global_steps + 1` (or the next newer one) from whichever peers hold
+        """Pull this sync's version (outside a sync: the latest) from whichever peers hold
         it, then yield its tensors: views of this worker's copy, which verl's server adapter
         copies into the engine before asking for the next."""
-        replica = await asyncio.to_thread(self._pull, global_steps)
+        wanted, self._version = self._version, None
+        replica = await asyncio.to_thread(self._pull, wanted)
+        log.info("step %s: received %s v%s", global_steps, self.model, replica.version)
         for name, tensor in replica.layout.named_tensors():
             yield name, tensor
 
-    def _pull(self, global_steps: int | None) -> Replica:
+    def _pull(self, wanted: int | None) -> Replica:
         if self._replica is None:
             self._replica = Replica(self._address(), self.model, token=self.token,
                                     name=self._worker_name("rollout"))
             self._connected_to = self.coordinator
         replica = self._replica
-        wanted = version_of(global_steps)
         deadline = time.monotonic() + self.pull_timeout
         # the trainer publishes while we wait: send and receive run at the same time
-        if wanted is None or replica.version is None or replica.version < wanted:
-            than = "ours" if wanted is None else wanted - 1
+        if replica.version is None or (wanted is not None and replica.version < wanted):
+            than = replica.version if wanted is None else wanted - 1
             if replica.wait_for_newer(max(0.0, deadline - time.monotonic()), than=than) is None:
                 raise TimeoutError(
-                    f"tensorhub: no {self.model!r} version {wanted or 'newer than ours'} was "
-                    f"published within {self.pull_timeout:.0f} s (is the trainer's rank 0 "
-                    f"sending to the same coordinator, {self.coordinator}?)")
+                    f"tensorhub: no {self.model!r} version {wanted or ''} was published "
+                    f"within {self.pull_timeout:.0f} s (is the trainer's rank 0 sending "
+                    f"to the same coordinator, {self.coordinator}?)")
         replica.pull("latest" if wanted is None else wanted,
                      timeout=max(1.0, deadline - time.monotonic()))
         return replica
