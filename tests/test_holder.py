@@ -12,6 +12,7 @@ import torch
 
 from tensorhub import Publisher, TensorHubError
 from tensorhub.engines.holder import REFUSE_ENV, CheckpointHolder, versions_to_release
+from tensorhub.testing.waits import wait_for
 
 
 class Vote:
@@ -91,12 +92,12 @@ def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             pub.publish({"w": torch.ones(4)})
-            wait_until(lambda: holder.version == 1)
+            wait_for(lambda: holder.version == 1, what="v1 held")
             pub.publish({"w": torch.full((4,), 2.0)})
             time.sleep(1.5)  # the follow loop hears of v2 within its 1 s wait, and waits
             assert holder.version == 1  # v1 may still be applied: it stays
             holder.release(1)
-            wait_until(lambda: holder.version == 2)
+            wait_for(lambda: holder.version == 2, what="v2 held")
             assert holder.refused == 1 and holder.applied is None
     finally:
         holder.close()
@@ -122,13 +123,6 @@ def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
     assert versions_to_release({"r0": [5], "r1": []}, serving=4) == set()  # r1 is pulling
     assert versions_to_release({"r0": [4], "r1": [5]}, serving=4) == set()  # v4 is served
     assert versions_to_release({"r0": [5], "r1": [7], "r2": [6]}, serving=None) == {5, 6}
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition never met"
-        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)

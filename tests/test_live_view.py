@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 from rich.console import Console
@@ -24,6 +23,7 @@ from tensorhub.core.data_types import (
     VersionStatus,
 )
 from tensorhub.live_view import render, watch
+from tensorhub.testing.waits import wait_for
 
 MiB = 1 << 20
 
@@ -34,16 +34,6 @@ def _status(address: str) -> StatusReply:
         return client.call(StatusRequest())
     finally:
         client.close()
-
-
-def _wait_for(predicate, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 def _gated_pull(replica: Replica, block_at_read: int) -> tuple[threading.Thread, threading.Event]:
@@ -71,7 +61,7 @@ def test_a_pull_in_flight_shows_in_status_with_the_bytes_landed(coordinator, mon
         pub.publish({"w": torch.arange(MiB, dtype=torch.float32)})
         thread, release = _gated_pull(replica, block_at_read=3)
         try:  # (a beat before the gate reports less: wait for the one after it)
-            pulls = _wait_for(lambda: [p for p in _status(coordinator.address).pulls
+            pulls = wait_for(lambda: [p for p in _status(coordinator.address).pulls
                                        if p.done == 2 * MiB])
         finally:
             release.set()
@@ -81,7 +71,7 @@ def test_a_pull_in_flight_shows_in_status_with_the_bytes_landed(coordinator, mon
         assert (pull.reader, pull.model, pull.version) == ("slow-reader", "policy", 1)
         assert (pull.done, pull.total) == (2 * MiB, 4 * MiB)
         assert pull.seconds > 0
-        _wait_for(lambda: not _status(coordinator.address).pulls)  # gone once it ended
+        wait_for(lambda: not _status(coordinator.address).pulls)  # gone once it ended
 
 
 def test_a_long_pull_logs_its_progress(coordinator, monkeypatch, caplog):
@@ -94,7 +84,7 @@ def test_a_long_pull_logs_its_progress(coordinator, monkeypatch, caplog):
         pub.publish({"w": torch.arange(MiB, dtype=torch.float32)})
         thread, release = _gated_pull(replica, block_at_read=2)
         try:
-            _wait_for(lambda: "pulling policy v1: 25% (1.0 of 4.0 MiB)" in caplog.text)
+            wait_for(lambda: "pulling policy v1: 25% (1.0 of 4.0 MiB)" in caplog.text)
         finally:
             release.set()
             thread.join(30)

@@ -15,6 +15,7 @@ from tensorhub.core.checksum import checksum
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
 from tensorhub.demo import synthetic_state_dict
+from tensorhub.testing.waits import wait_for
 
 
 @pytest.fixture
@@ -38,14 +39,6 @@ def holders_by_version(address: str) -> dict[int, set[str]]:
     return out
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout:.0f}s: {what}")
-        time.sleep(0.1)
-
-
 def sums(state) -> dict[str, str]:
     return {n: checksum(t) for n, t in state.items()}
 
@@ -63,7 +56,7 @@ def test_after_a_restart_workers_re_register_and_the_next_version_reaches_all(
             coordinator_proc.kill()
             coordinator_proc.start()
             # Soft state comes back from the workers within a few heartbeats.
-            wait_until(lambda: holders_by_version(coordinator_proc.address).get(1, set())
+            wait_for(lambda: holders_by_version(coordinator_proc.address).get(1, set())
                        >= {"r0", "r1"}, 30, "replicas re-announce v1")
             for t in state.values():
                 t.add_(1.0)
@@ -103,7 +96,7 @@ def test_a_pull_in_flight_when_the_coordinator_dies_completes_and_is_announced_a
         assert restarted.wait(60)
         assert sums(reader.tensors) == sums(state)
         assert len(reads) >= 2  # the coordinator died mid-pull, the reads went on
-        wait_until(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
+        wait_for(lambda: "reader" in holders_by_version(coordinator_proc.address).get(1, set()),
                    30, "the reader announces v1 to the restarted coordinator")
 
 

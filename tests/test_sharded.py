@@ -24,6 +24,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.processes import ChildProcess
+from tensorhub.testing.waits import wait_for
 
 
 def rank_state(rank: int, version: int) -> dict[str, torch.Tensor]:
@@ -54,14 +55,6 @@ def in_background(fn) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.05)
 
 
 def test_a_version_in_two_parts_appears_only_once_both_are_in(coordinator, transport):
