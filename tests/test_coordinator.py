@@ -11,6 +11,7 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     Endpoint,
     Hold,
+    HoldingsRequest,
     Manifest,
     PlanRequest,
     Publish,
@@ -317,3 +318,24 @@ def test_the_transfer_history_reads_back_as_records_and_keeps_the_latest():
     assert len(table.transfers) == 3
     assert list(table.transfers) == records[2:]
     assert table.transfers[-2:] == records[3:] and table.transfers[0] == records[2]
+
+
+def test_holdings_carry_a_readers_whole_last_pull_until_it_leaves(coordinator):
+    """What an engine's front end counts on its /metrics: the pull, not one source's share."""
+    state = {"a": torch.arange(1 << 18, dtype=torch.float32),
+             "b": torch.ones(1 << 18, dtype=torch.float32)}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        rep = Replica(coordinator.address, "policy", transport="zmq", name="engine-0")
+        client = CoordinatorClient(coordinator.address)
+        try:
+            rep.pull()
+            reply = client.call(HoldingsRequest(model="policy", names=["engine-0"]))
+            pull = reply.pulls["engine-0"]
+            assert (pull.version, pull.nbytes, pull.ok) == (1, 2 << 20, True)
+            assert pull.nbytes == rep.last_pull.nbytes
+            rep.close()  # it leaves: nothing of it is kept
+            reply = client.call(HoldingsRequest(model="policy", names=["engine-0"]))
+            assert reply.pulls == {}
+        finally:
+            client.close()

@@ -1019,7 +1019,7 @@ class Coordinator:
             if req.ok and source is not None:
                 self.metrics.served(source.role, distance(reader, source), nbytes)
         if req.ok and req.nbytes:  # the whole pull (the records above are per source)
-            self.table.last_pull[reader.name] = TransferRecord(
+            self.table.last_pull[reader.name] = req.worker_id, TransferRecord(
                 reader=reader.name, source=",".join(
                     self.table.workers[s].name if s in self.table.workers else s
                     for s in sorted(req.by_source or lease.sources)),
@@ -1130,7 +1130,7 @@ class Coordinator:
                     if w is not None and w.name in wanted and not h.withdrawn \
                             and v not in holdings[w.name]:
                         holdings[w.name].append(v)
-        pulls = {n: self.table.last_pull[n] for n in req.names if n in self.table.last_pull}
+        pulls = {n: self.table.last_pull[n][1] for n in req.names if n in self.table.last_pull}
         return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls)
 
     def _complete_holders(self, vrec: VersionRec) -> int:
@@ -1238,8 +1238,8 @@ class Coordinator:
         for key in self.pending.published_by(worker_id):
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
-        if not any(w.name == worker.name for w in self.table.workers.values()):
-            self.table.last_pull.pop(worker.name, None)  # (names are per process)
+        if self.table.last_pull.get(worker.name, ("",))[0] == worker_id:
+            del self.table.last_pull[worker.name]
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
             self._finish_withdrawals(lease.sources, lease.model, lease.version)

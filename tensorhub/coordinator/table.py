@@ -352,7 +352,8 @@ class Table:
     leases: Leases = field(default_factory=Leases)
     transfers: Transfers = field(default_factory=Transfers)
     max_transfers: int = 10_000
-    last_pull: dict[str, TransferRecord] = field(default_factory=dict)  # reader name -> it
+    # reader name -> (its worker id, its last whole pull): what engines' front ends count
+    last_pull: dict[str, tuple[str, TransferRecord]] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
     plans: int = 0  # chunked plans made: rotates where the planner starts looking
     # dc -> {reader: when}: readers refused a chunked plan while reading nothing (their NIC
