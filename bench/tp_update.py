@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,6 +57,16 @@ def engine_figures(address: str, engine: str, version: int,
     return pulled, len({name.split(".part")[0] for name in holders})
 
 
+def _tp_model(scratch: str, engine: str) -> tuple[Path, Path, dict, int]:
+    """A scratch folder with the benchmark's bf16 model: (folder, model, state, bytes)."""
+    work = make_scratch(scratch)
+    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
+    state = load_state_dict(model_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"model: {model_bytes / 2**20:.0f} MiB bf16, {engine} TP={TP}")
+    return work, model_dir, state, model_bytes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,11 +78,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     report = Report("tp_update")
-    work = make_scratch("tp")
-    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
-    state = load_state_dict(model_dir)
-    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"model: {model_bytes / 2**20:.0f} MiB bf16, TP={TP}")
+    work, model_dir, state, model_bytes = _tp_model("tp", "vLLM")
     python = engine_python("vllm")
     coordinator, address = coordinator_process()
     tp_args = ["--tensor-parallel-size", str(TP)]
@@ -142,12 +149,8 @@ def sglang_main(updates: int) -> None:
     from integration.test_sglang import LOADER
 
     report = Report("tp_update_sglang")
-    work = make_scratch("tp-sglang")
-    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16, **ARCH)
+    work, model_dir, state, model_bytes = _tp_model("tp-sglang", "SGLang")
     ckpt = _checkpoint_dir(model_dir, work / "ckpt")
-    state = load_state_dict(model_dir)
-    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"model: {model_bytes / 2**20:.0f} MiB bf16, SGLang TP={TP}")
     python = engine_python("sglang")
     coordinator, address = coordinator_process()
     tp_args = ["--tp-size", str(TP)]
