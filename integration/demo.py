@@ -45,10 +45,7 @@ def wait_all_serving(engines: list[EngineServer], version: int, since: float,
     while None in statuses:
         for i, e in enumerate(engines):
             if statuses[i] is None:
-                try:
-                    status = e.tensorhub_status()
-                except OSError:  # busy or restarting: asked again next round
-                    continue
+                status = e.status_now()
                 if status.get("serving_version") == version:
                     statuses[i], seconds[i] = status, time.perf_counter() - since
         if time.monotonic() > deadline:

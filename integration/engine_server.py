@@ -185,18 +185,22 @@ class EngineServer:
         return self.request("/tensorhub/status", timeout=10,
                             headers={"Authorization": f"Bearer {token}"} if token else None)
 
+    def status_now(self) -> dict:
+        """`/tensorhub/status`, or ``{"error": ...}`` while the engine does not answer (not
+        listening yet, or busy); an error the route answers with is raised."""
+        try:
+            return self.tensorhub_status()
+        except urllib.error.HTTPError:
+            raise  # the route answered: an error is an answer, not a delay
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            return {"error": str(exc)}
+
     def wait_serving(self, version: int, timeout: float = 120.0, interval: float = 0.2) -> dict:
         """Poll `/tensorhub/status` until the engine serves `version`; return the status.
         The one wait for every engine kind (tests, demo, benches)."""
         deadline = time.monotonic() + timeout
-        status: dict = {}
         while True:
-            try:
-                status = self.tensorhub_status()
-            except urllib.error.HTTPError:
-                raise  # the route answered: an error is an answer, not a delay
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                status = {"error": str(exc)}  # not listening (yet), or busy
+            status = self.status_now()
             if status.get("serving_version") == version:
                 return status
             if time.monotonic() > deadline or not self.alive():
