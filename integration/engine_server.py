@@ -167,9 +167,9 @@ class EngineServer:
         out = []
         for pid in _group(self.proc.pid):
             try:
-                out = subprocess.run([spy, "dump", "--native", "--pid", str(pid)],
-                                     capture_output=True, text=True, timeout=30)
-                dump = out.stdout or f"<py-spy on {pid}: exit {out.returncode}: {out.stderr}>"
+                done = subprocess.run([spy, "dump", "--native", "--pid", str(pid)],
+                                      capture_output=True, text=True, timeout=30)
+                dump = done.stdout or f"<py-spy on {pid}: exit {done.returncode}: {done.stderr}>"
             except (OSError, subprocess.TimeoutExpired) as exc:
                 dump = f"<py-spy failed: {exc}>"
             out.append(_busy_threads(dump))
