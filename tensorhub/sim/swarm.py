@@ -89,6 +89,7 @@ class _Reader:
         self.lease_id = ""
         self.version = 1
         self.parents: list[str] | None = None  # the parents its last pull ended with
+        self.warm = False  # this pull started from the last one's parents
         self._wake: float | None = None
 
     def send(self, request, on_reply=None) -> None:
@@ -96,6 +97,9 @@ class _Reader:
         self.sim.queue.send(request, on_reply)
 
     def start(self) -> None:
+        """A cold pull, as `Replica.pull` makes it: the announcement carried the manifest,
+        so its buffers are allocated at once and its first plan request carries them."""
+        self.warm = False
         self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
                               chunked=True, striped=True, memory=self.sim.memory), self._plan)
 
@@ -126,6 +130,7 @@ class _Reader:
         if not self.alive or self.parents is None:
             return
         self.version, self.finished, self._wake = version, None, None
+        self.warm = True
         self.lease_id = warm_lease_id(self.id, "m", version)
         self.pull = self._new_pull(len(self.parents))
         self.pull.assign(list(self.parents), {self.sim.trainer}, self.sim.loop.now)
@@ -142,9 +147,10 @@ class _Reader:
         for action in self.pull.actions(now):
             if isinstance(action, Replan):
                 sim.replans += 1
+                # (our memory again only after a warm start: `Replica._ask_again`)
                 self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
                                       chunked=True, striped=True, known_manifest=True,
-                                      memory=self.sim.memory,
+                                      memory=self.sim.memory if self.warm else None,
                                       stripes=list(action.stripes),
                                       failed=list(action.failed), behind=list(action.behind)),
                           self._plan)

@@ -79,7 +79,7 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
     # simulated deaths make the coordinator log warnings by the hundred: keep errors only
     logging.getLogger("tensorhub.coordinator").setLevel(logging.ERROR)
     if socket_cost is None:
-        socket_cost = measure_socket_cost()
+        socket_cost = measure_socket_cost().saturated
     echo(f"coordinator socket cost per message, measured here: {socket_cost * 1e6:.1f} us")
     rows = []
     for n in sizes:
