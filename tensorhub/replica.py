@@ -34,6 +34,7 @@ from tensorhub import metrics
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
+    Announcement,
     ByteRange,
     GetManifest,
     Part,
@@ -248,15 +249,21 @@ class Replica:
         self.last_pull_planned = warm is None
         if self.layout is None and (self.chunked or self.part.part):
             # A striped pull's first request carries our buffers (and a part's plan names
-            # its layout): allocate them first.
-            reply = self.session.call(GetManifest(model=self.model, version=version,
-                                                  part=self.part.part))
-            if reply.parts > self.part.parts and self.part.parts == 1 and self.part.part == 0:
-                raise LayoutError(f"{self.model} v{reply.version} is published in "
-                                  f"{reply.parts} parts (a sharded trainer): read it with "
-                                  f"tensorhub.PartedReplica, which pulls every part")
-            self.part = Part(part=self.part.part, parts=reply.parts)
-            self._bind(BoundLayout.allocate(reply.manifest, self._device))
+            # its layout): allocate them first, from the announcement if it says the
+            # manifest (no coordinator call), else from the coordinator.
+            announced = self._announced_manifest(version)
+            if announced is not None:
+                version, manifest, parts = announced.version, announced.manifest, 1
+            else:
+                reply = self.session.call(GetManifest(model=self.model, version=version,
+                                                      part=self.part.part))
+                manifest, parts = reply.manifest, reply.parts
+                if parts > self.part.parts and self.part.parts == 1 and self.part.part == 0:
+                    raise LayoutError(f"{self.model} v{reply.version} is published in "
+                                      f"{parts} parts (a sharded trainer): read it with "
+                                      f"tensorhub.PartedReplica, which pulls every part")
+            self.part = Part(part=self.part.part, parts=parts)
+            self._bind(BoundLayout.allocate(manifest, self._device))
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
         if self.chunked and not self.staging:
             self.session.progress.zero_()  # no byte of an older pull may pass for this one
@@ -384,6 +391,14 @@ class Replica:
         threading.Thread(target=send, daemon=True,
                          name=f"tensorhub-confirm-{self.session.name}").start()
         return future
+
+    def _announced_manifest(self, version: int | str) -> Announcement | None:
+        """The announcement of `version` if we listen for them and it carries the manifest
+        of a whole (unsharded) version: what a reader with no buffers allocates them by."""
+        if self._watcher is None or self.part != Part():
+            return None
+        a = self._watcher.announcement(version)
+        return a if a is not None and a.manifest is not None and a.parts == 1 else None
 
     def _warm_plan(self, version: int | str) -> ReadPlan | None:
         """A plan for `version` made here, with no coordinator call: the parents of our

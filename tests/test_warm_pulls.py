@@ -120,3 +120,35 @@ def test_the_fallback_answers_with_the_announcement(coordinator):
         assert latest.version == 1 and latest.publisher == pub.session.worker_id
         assert latest.checksums == coordinator.table.models["policy"].versions[1] \
             .layouts[latest.layout_id].checksums
+
+
+def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinator):
+    """A fleet's first version: a reader that heard the announcement asks for no manifest
+    before its first plan (every reader's first message waits in the coordinator's queue)."""
+    from tensorhub.core.data_types import GetManifest
+
+    state = synthetic_state_dict(8, n_tiny=10, seed=5)
+    asked = []
+    real = coordinator._answers[GetManifest]
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", name="cold", transport="zmq") as r:
+        pub.publish(state)
+        coordinator._answers[GetManifest] = lambda req: asked.append(req) or real(req)
+        _pull_all([r], 1)
+        assert asked == [] and sums(r.tensors) == sums(state)
+
+
+def test_the_fallback_carries_the_manifest(coordinator):
+    from tensorhub.core.client import CoordinatorClient
+
+    state = synthetic_state_dict(4, n_tiny=10, seed=6)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        client = CoordinatorClient(coordinator.address)
+        try:
+            latest = client.call(LatestRequest(model="policy"))
+        finally:
+            client.close()
+        layout = coordinator.table.models["policy"].versions[1].layouts[latest.layout_id]
+        assert latest.manifest == layout.manifest
+        assert [t.name for t in latest.manifest.tensors] == list(state)

@@ -441,7 +441,8 @@ class Coordinator:
         announcement = Announcement(
             model=model, version=version, layout_id=lid, checksums=layout.checksums,
             chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
-            publisher=publisher, memory_digest=regions_digest(memory), parts=parts)
+            publisher=publisher, memory_digest=regions_digest(memory), parts=parts,
+            manifest=layout.manifest)
         self._announcements[model] = announcement
         msg = encode(announcement)
         try:
@@ -1102,9 +1103,9 @@ class Coordinator:
         if announcement is None or announcement.version != mrec.latest:
             # (a version brought back by holders after a restart: no publish was seen)
             vrec = mrec.versions[mrec.latest]
-            announcement = Announcement(model=req.model, version=mrec.latest,
-                                        layout_id=self._part_layout(vrec, 0, req.model)[0],
-                                        parts=len(vrec.part_ids))
+            lid, layout = self._part_layout(vrec, 0, req.model)
+            announcement = Announcement(model=req.model, version=mrec.latest, layout_id=lid,
+                                        parts=len(vrec.part_ids), manifest=layout.manifest)
         return announcement
 
     def _manifest(self, req: GetManifest) -> ManifestReply:

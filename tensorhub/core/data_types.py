@@ -538,7 +538,10 @@ class Announcement(Strict):
     It carries what a reader that pulled the previous version by stripes needs to pull
     this one with no plan request: the checksums, the chunk size and the publisher (with a
     digest of its memory regions: a reader whose parent is the publisher re-uses the
-    regions it knows only if they did not change)."""
+    regions it knows only if they did not change). And the manifest, so that a reader
+    with no buffers yet allocates them and sends its first plan request at once (no
+    `GetManifest` before it: with a fleet's first version, every reader's first message
+    waits in the coordinator's queue)."""
 
     type: Literal["announcement"] = "announcement"
     model: Name
@@ -549,6 +552,7 @@ class Announcement(Strict):
     publisher: Name | None = None
     memory_digest: str | None = Field(default=None, max_length=64)
     parts: int = 1  # a sharded version: the rest describes its part 0
+    manifest: Manifest | None = None
 
 
 Reply = Annotated[
