@@ -118,8 +118,10 @@ def test_the_fallback_answers_with_the_announcement(coordinator):
         finally:
             client.close()
         assert latest.version == 1 and latest.publisher == pub.session.worker_id
-        assert latest.checksums == coordinator.table.models["policy"].versions[1] \
-            .layouts[latest.layout_id].checksums
+        layout = coordinator.table.models["policy"].versions[1].layouts[latest.layout_id]
+        assert latest.checksums == layout.checksums
+        assert latest.manifest == layout.manifest  # what a reader with no buffers needs
+        assert [t.name for t in latest.manifest.tensors] == list(state)
 
 
 def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinator):
@@ -137,18 +139,3 @@ def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinat
         _pull_all([r], 1)
         assert asked == [] and sums(r.tensors) == sums(state)
 
-
-def test_the_fallback_carries_the_manifest(coordinator):
-    from tensorhub.core.client import CoordinatorClient
-
-    state = synthetic_state_dict(4, n_tiny=10, seed=6)
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
-        pub.publish(state)
-        client = CoordinatorClient(coordinator.address)
-        try:
-            latest = client.call(LatestRequest(model="policy"))
-        finally:
-            client.close()
-        layout = coordinator.table.models["policy"].versions[1].layouts[latest.layout_id]
-        assert latest.manifest == layout.manifest
-        assert [t.name for t in latest.manifest.tensors] == list(state)
