@@ -8,7 +8,8 @@ import torch
 
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
-from tensorhub.core.data_types import LatestRequest, PlanRequest
+from tensorhub.core.data_types import Envelope, LatestRequest, PlanRequest
+from tensorhub.core.wire import encode
 from tensorhub.demo import synthetic_state_dict
 
 
@@ -122,6 +123,9 @@ def test_the_fallback_answers_with_the_announcement(coordinator):
         assert latest.checksums == layout.checksums
         assert latest.manifest == layout.manifest  # what a reader with no buffers needs
         assert [t.name for t in latest.manifest.tensors] == list(state)
+        # encoded once: the socket's bytes and the handler's model are the same reply
+        assert coordinator.handle(encode(Envelope(request=LatestRequest(model="policy")))) \
+            == latest
 
 
 def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinator):
