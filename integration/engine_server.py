@@ -22,7 +22,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tensorhub.processes import free_port  # noqa: F401 - re-exported for the tests and benches
+from tensorhub.processes import free_port
+
+PORT_RETRIES = 3  # fresh ports tried when a server's HTTP port was taken during startup
 
 
 class EngineServer:
@@ -53,6 +55,7 @@ class EngineServer:
     def launch(self) -> EngineServer:
         """Start the process without waiting (start several, then `wait_healthy` each)."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self._log_start = self._log.tell()  # where this launch's output begins
         popen = self.host.spawn if self.host is not None else subprocess.Popen
         self.proc = popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -85,9 +88,17 @@ class EngineServer:
             return False
 
     def wait_healthy(self, timeout: float) -> None:
+        """Block until `/health` answers. A server that lost its HTTP port to another
+        process between `free_port` and its own bind (the engine's internal listeners pick
+        ports too) is started again on a fresh port, up to `PORT_RETRIES` times."""
         deadline = time.monotonic() + timeout
+        retries = PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                if retries and self._lost_port():
+                    retries -= 1
+                    self._move_to(free_port())
+                    continue
                 raise RuntimeError(
                     f"{self.kind} exited with {self.proc.returncode} during startup; "
                     f"log tail:\n{self.log_tail()}")
@@ -96,6 +107,26 @@ class EngineServer:
             time.sleep(0.5)
         raise TimeoutError(f"{self.kind} not healthy after {timeout}s; log tail:\n"
                            f"{self.log_tail()}")
+
+    def _lost_port(self) -> bool:
+        """Whether the last launch exited because its port was taken."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                out = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in out.lower()
+
+    def _move_to(self, port: int) -> None:
+        """Launch again on `port` (the `--port` argument and `url` follow)."""
+        old = self.port
+        print(f"{self.kind}: port {old} was taken during startup; starting again on {port}",
+              file=sys.stderr)
+        self.stop()  # what the failed launch left of its process group
+        self.args[self.args.index("--port") + 1] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.launch()
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the server's process group (by the leader's PID), SIGKILL if it lingers,
