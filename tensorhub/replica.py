@@ -34,15 +34,18 @@ from tensorhub import metrics
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
+    PUBLISHER,
     Announcement,
     ByteRange,
     GetManifest,
     Part,
+    Placement,
     PlanRequest,
     PullProgress,
     ReadDone,
     ReadPlan,
     Source,
+    StandBy,
 )
 from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
@@ -59,8 +62,9 @@ log = logging.getLogger("tensorhub.replica")
 
 @dataclass(frozen=True)
 class _Parents:
-    """The parents a striped pull ended with: the next version of the same layout is
-    pulled from them again, with no plan request, if its announcement allows."""
+    """The parents a striped pull ended with, or a standby placement named (`PUBLISHER`
+    for the coming version's publisher): the next version of the same layout is pulled
+    from them, with no plan request, if its announcement allows."""
 
     layout_id: str
     stripes: tuple[str, ...]
@@ -69,6 +73,7 @@ class _Parents:
     worker_id: str  # ours when we had them (the coordinator's leases name it)
 
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
+STANDBY_RETRY = 5.0  # seconds before standing by again after the coordinator could not place us
 
 
 class Replica:
@@ -119,6 +124,7 @@ class Replica:
         self._watcher: VersionWatcher | None = None
         self._parents: _Parents | None = None
         self._registrations = 0  # the session's, at our last first request (0: none yet)
+        self._standby_at = 0.0  # when `wait_for_newer` may stand by (again)
 
     def _bind(self, layout: BoundLayout) -> None:
         """Register our buffers (and the staging copy) before anyone reads into or from them."""
@@ -268,8 +274,9 @@ class Replica:
         if self.chunked and not self.staging:
             self.session.progress.zero_()  # no byte of an older pull may pass for this one
         if warm is not None:
-            log.info("%s: pulling %s v%d from the parents of v%s (no plan to wait for)",
-                     self.session.name, self.model, warm.version, self.version)
+            log.info("%s: pulling %s v%d from the parents of %s (no plan to wait for)",
+                     self.session.name, self.model, warm.version,
+                     "its standby" if self.version is None else f"v{self.version}")
         plan = warm or self._plan(version, deadline, **self._first_request(dest))
         if plan.version == self.version:
             self._end_lease(plan, ok=True)
@@ -417,12 +424,18 @@ class Replica:
             if src.role == "trainer" and (sid != a.publisher
                                           or regions_digest(src.memory) != a.memory_digest):
                 return None
+        sources, stripes = dict(p.sources), list(p.stripes)
+        if PUBLISHER in stripes:  # placed on standby under whoever would publish
+            if a.source is None or a.source.worker_id != a.publisher or a.parts != 1:
+                return None
+            sources[a.publisher] = a.source
+            stripes = [a.publisher if s == PUBLISHER else s for s in stripes]
         return ReadPlan(model=self.model, version=a.version, layout_id=a.layout_id,
                         manifest=self.layout.manifest, checksums=a.checksums,
                         lease_id=warm_lease_id(self.session.worker_id, self.model, a.version),
-                        lease_ttl=0.0, sources=list(p.sources.values()), ranges=[],
-                        chunk_bytes=p.chunk_bytes, stripes=list(p.stripes),
-                        holding=[sid for sid in p.sources if sid == a.publisher])
+                        lease_ttl=0.0, sources=list(sources.values()), ranges=[],
+                        chunk_bytes=p.chunk_bytes, stripes=stripes,
+                        holding=[sid for sid in sources if sid == a.publisher])
 
     def _stop_serving_partial(self, version: int, deadline: float) -> None:
         """After a failed pull: others may be reading the chunks we reported; stop offering
@@ -441,7 +454,43 @@ class Replica:
         None at the timeout."""
         if self._watcher is None:
             self._watcher = VersionWatcher(self.session, self.model)
+        placed = self._parents is not None and self._parents.worker_id == self.session.worker_id
+        if not placed and time.monotonic() >= self._standby_at \
+                and self.version is None and self._watcher.latest() is None:
+            self.stand_by()
         return self._watcher.wait_newer(self.version if than == "ours" else than, timeout)
+
+    def stand_by(self) -> bool:
+        """Be placed now in the forest of the model's first version, in our layout (see
+        `StandBy`): when it is announced we pull at once from the parents named here, with
+        no plan request to wait for, as a steady fleet pulls from the last version's. For a
+        replica whose buffers are ready (given) and that reads striped into them;
+        `wait_for_newer` does it while no version exists. True once every stripe has a
+        parent (else it asks again later). A coordinator that cannot place us is no
+        error: the pull then asks for a plan as usual."""
+        self._standby_at = time.monotonic() + STANDBY_RETRY
+        if not self.chunked or self.staging or self.layout is None or self.part != Part():
+            self._standby_at = float("inf")
+            return False
+        try:
+            placed: Placement = self.session.call(StandBy(
+                worker_id=self.session.worker_id, model=self.model,
+                layout_id=self.layout.layout_id,
+                memory=[describe(b) for b in self.layout.item_bytes],
+                endpoint=self.session.transport.endpoint()))
+        except TensorHubError as exc:
+            log.info("%s: not on standby for %s (%s); its first pull will ask for a plan",
+                     self.session.name, self.model, exc)
+            return False
+        if None in placed.stripes:
+            self._standby_at = time.monotonic() + (placed.retry_after or 0.5)
+            return False
+        self._parents = _Parents(placed.layout_id, tuple(placed.stripes),
+                                 {s.worker_id: s for s in placed.sources}, placed.chunk_bytes,
+                                 self.session.worker_id)
+        log.info("%s: on standby for %s's first version, under %s", self.session.name,
+                 self.model, ", ".join(placed.stripes))
+        return True
 
     def close(self) -> None:
         if self._watcher is not None:

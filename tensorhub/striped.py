@@ -57,17 +57,17 @@ class StripedReader:
                                  # a read, or its children would wait for whole batches
                                  batch=1 if relay else max(1, CHUNK_BYTES // chunk_bytes),
                                  stall=BEHIND_AFTER,
-                                 poll_max=POLL_MAX)
+                                 poll_max=POLL_MAX, confirming=confirm is not None)
         self.sources: dict[str, Source] = {}
         self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         self.by_source: dict[str, int] = {}  # worker id -> bytes
         self._take(plan)
 
-    def _take(self, plan: ReadPlan) -> None:
+    def _take(self, plan: ReadPlan, confirming: bool = False) -> None:
         self.plan = plan
         self.sources.update({s.worker_id: s for s in plan.sources})
-        self.state.assign(list(plan.stripes or []), holding_of(plan), time.monotonic(),
-                          plan.retry_after)
+        take = self.state.confirmed if confirming else self.state.assign
+        take(list(plan.stripes or []), holding_of(plan), time.monotonic(), plan.retry_after)
 
     def run(self, deadline: float, max_replans: int) -> ReadPlan:
         """Pull every chunk; return the last plan (its lease is the caller's to end)."""
@@ -76,12 +76,12 @@ class StripedReader:
                                   thread_name_prefix=f"tensorhub-pull-{self.session.name}")
         running: dict[Future, Read | Poll] = {}
         try:
-            while not self.state.done or self.confirm is not None:
+            while not self.state.done:
                 if self.confirm is not None and self.confirm.done():
                     confirmed, self.confirm = self.confirm.result(), None  # (raises)
-                    self._take(confirmed)
+                    self._take(confirmed, confirming=True)
                     continue
-                if self.state.done:  # everything read: only the confirmation is left
+                if self.state.read_all:  # everything read: only the confirmation is left
                     self.confirm.result(timeout=max(0.001, deadline - time.monotonic()))
                     continue
                 now = time.monotonic()

@@ -31,6 +31,7 @@ from tensorhub.coordinator.planner import (
     plan_chunks,
     plan_ranges,
 )
+from tensorhub.coordinator.standby import StandingForests
 from tensorhub.coordinator.table import (
     HolderRec,
     LayoutRec,
@@ -45,6 +46,7 @@ from tensorhub.coordinator.table import (
 from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.core import curve
 from tensorhub.core.data_types import (
+    PUBLISHER,
     Ack,
     Announcement,
     ErrorReply,
@@ -59,6 +61,7 @@ from tensorhub.core.data_types import (
     MemoryDesc,
     ModelStatus,
     Part,
+    Placement,
     PlanRequest,
     Progress,
     Publish,
@@ -74,6 +77,7 @@ from tensorhub.core.data_types import (
     Retention,
     RetentionRequest,
     Source,
+    StandBy,
     StatusReply,
     StatusRequest,
     TransferRecord,
@@ -252,6 +256,9 @@ class Coordinator:
         self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         self._announcements: dict[str, _Encoded] = {}  # model -> its newest
         self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
+        # readers placed ahead of a model's first version (`standby.py`)
+        self.standby = StandingForests(config.stripes, config.planner.max_readers_per_holder,
+                                       config.pending_grace)
         self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
         self._fleet_measured_at: float | None = None  # None: no metrics served, never
         self._ctx = zmq.Context.instance()
@@ -289,6 +296,7 @@ class Coordinator:
             GetManifest: self._manifest, StatusRequest: self._status,
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
             LatestRequest: self._latest, PublishStatus: self._publish_status,
+            StandBy: self._stand_by,
         }  # fmt: skip
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
@@ -458,11 +466,15 @@ class Coordinator:
         """Tell subscribers (and later `LatestRequest`s) of a new version, with what a
         reader needs to pull it by the parents it had for the previous one (for a sharded
         version: its part 0's)."""
+        worker = self.table.workers[publisher]
         announcement = Announcement(
             model=model, version=version, layout_id=lid, checksums=layout.checksums,
             chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
             publisher=publisher, memory_digest=regions_digest(memory), parts=parts,
-            manifest=layout.manifest)
+            manifest=layout.manifest,
+            source=Source(worker_id=publisher, name=worker.name, role=worker.role,
+                          endpoint=worker.endpoint, memory=memory,
+                          progress=worker.progress) if parts == 1 else None)
         msg = encode(announcement)
         self._announcements[model] = _Encoded(announcement, msg)
         try:
@@ -529,6 +541,11 @@ class Coordinator:
                 # The same layout: its readers may pull this version by their last parents
                 # (`Forest.adopt`, as each confirms), so the forest starts with its publisher.
                 layout.previous_forest = last.forest
+                self._forest(layout)
+            elif vrec.parts is None and (standing := self.standby.take(
+                    model, lid, tuple(i.nbytes for i in layout.items))) is not None:
+                # Readers stood by for it: they pull by the parents they were placed under.
+                layout.previous_forest = standing
                 self._forest(layout)
         for key in [k for k in self.pending.versions if k[0] == model and k[1] < vrec.version]:
             self._abort(key, f"v{vrec.version} was published first")
@@ -994,6 +1011,42 @@ class Coordinator:
             self._update_endpoint(reader, req.endpoint)
             layout.partial.add(req.worker_id, store_memory(req.memory), [])
 
+    def _stand_by(self, req: StandBy) -> Placement:
+        """Place a reader ahead in the forest of the model's first version in its layout
+        (`standby.py`)."""
+        reader = self._worker(req.worker_id)
+        if reader.role != "replica":
+            raise Reject("bad_request", "only a replica stands by for a version")
+        mrec = self.table.models.get(req.model)
+        if mrec is not None and mrec.versions:
+            raise Reject("stale_version", f"{req.model!r} v{mrec.latest} is out already: "
+                                          f"pull it (standing by is for a first version)")
+        if any(m.nbytes <= 0 for m in req.memory):
+            raise Reject("bad_request", "a region of zero bytes")
+        sizes = tuple(m.nbytes for m in req.memory)
+        self._update_endpoint(reader, req.endpoint)
+        trainers = [w for w in self.table.workers.values() if w.role == "trainer"]
+        dc = reader.labels.get("dc", "")
+        try:
+            parents = self.standby.place(
+                req.model, req.layout_id, req.worker_id, dc, sizes, store_memory(req.memory),
+                self._workers_in_dc[dc], self.clock(),
+                publisher_dc=trainers[0].labels.get("dc", "") if trainers else dc)
+        except ValueError as exc:
+            raise Reject("layout_mismatch", str(exc)) from None
+        standing = self.standby.get(req.model, req.layout_id)
+        workers = self.table.workers
+        sources = [Source(worker_id=p, name=workers[p].name, role=workers[p].role,
+                          endpoint=workers[p].endpoint, memory=load_memory(standing.memory[p]),
+                          progress=workers[p].progress)
+                   for p in dict.fromkeys(parents) if p is not None and p != PUBLISHER]
+        return Placement(model=req.model, layout_id=req.layout_id,
+                         chunk_bytes=self.config.planner.chunk_bytes_for(sum(sizes)),
+                         stripes=parents, sources=sources,
+                         # (a leaf's stripe waits for the grace, after which any slot is
+                         # its: there is no hurry before the version exists)
+                         retry_after=self.config.pending_grace if None in parents else None)
+
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""
         worker = self._worker(req.worker_id)
@@ -1261,6 +1314,7 @@ class Coordinator:
         for key in self.pending.published_by(worker_id):
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
+        self.standby.forget(worker_id)
         if self.table.last_pull.get(worker.name, ("",))[0] == worker_id:
             del self.table.last_pull[worker.name]
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:

@@ -347,10 +347,26 @@ class PlanRequest(Strict):
     behind: list[Name] = Field(default_factory=list, max_length=64)
 
 
+class StandBy(Strict):
+    """A reader whose buffers are ready, waiting for a model's first version, asks to be
+    placed now in the forest of that version in its layout (`coordinator/standby.py`):
+    when the version comes it pulls at once from the parents it was told (`Placement`),
+    as a steady fleet pulls from the last version's, instead of every reader's first plan
+    request waiting in the coordinator's queue. Asked again, it is told its parents again
+    (a stripe still pending may have one by then)."""
+
+    type: Literal["stand_by"] = "stand_by"
+    worker_id: Name
+    model: Name
+    layout_id: Name
+    memory: list[MemoryDesc] = Field(min_length=1, max_length=MAX_TENSORS)
+    endpoint: Endpoint | None = None  # fresh metadata if memory was registered since
+
+
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
     | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress
-    | LatestRequest | PublishStatus,
+    | LatestRequest | PublishStatus | StandBy,
     Field(discriminator="type"),
 ]
 
@@ -465,6 +481,27 @@ class ReadPlan(Strict):
     holding: list[Name] | None = None
 
 
+class Placement(Strict):
+    """Where a reader on standby (`StandBy`) stands in the forest of the coming version: a
+    parent per stripe, `PUBLISHER` where it is whoever publishes that version (its
+    endpoint and regions come with the announcement), None where it has none yet (ask
+    again after `retry_after`); and the endpoint and regions of the parents that are
+    readers."""
+
+    type: Literal["placement"] = "placement"
+    model: Name
+    layout_id: Name
+    chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)]
+    stripes: list[Name | None] = Field(min_length=1, max_length=64)
+    sources: list[Source] = Field(max_length=64)
+    retry_after: float | None = None
+
+
+# A placement's parent that is the coming version's publisher, whoever that is (no worker
+# id is one: every id ends in a suffix the coordinator makes).
+PUBLISHER = "@publisher"
+
+
 class ManifestReply(Strict):
     type: Literal["manifest_reply"] = "manifest_reply"
     model: Name
@@ -553,10 +590,14 @@ class Announcement(Strict):
     memory_digest: str | None = Field(default=None, max_length=64)
     parts: int = 1  # a sharded version: the rest describes its part 0
     manifest: Manifest | None = None
+    # The publisher's endpoint and regions (a whole version): a reader placed under the
+    # publisher before the version existed (`Placement`) reads from it with no plan.
+    source: Source | None = None
 
 
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply,
+    | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply
+    | Placement,
     Field(discriminator="type"),
 ]

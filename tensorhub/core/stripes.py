@@ -90,10 +90,13 @@ class StripedPull:
     """One reader's pull of one version: chunk c is in stripe c % stripes."""
 
     def __init__(self, nchunks: int, stripes: int, version: int, *, batch: int = 1,
-                 poll_min: float = 0.001, poll_max: float = 0.05, stall: float = 5.0):
+                 poll_min: float = 0.001, poll_max: float = 0.05, stall: float = 5.0,
+                 confirming: bool = False):
         """`batch`: chunks one read may take from a complete source; `poll_min`..`poll_max`:
         the gap between polls of a parent with nothing new (doubling while nothing comes);
-        `stall`: seconds without a new chunk from a parent before it counts as behind."""
+        `stall`: seconds without a new chunk from a parent before it counts as behind;
+        `confirming`: a pull begun with no plan (from parents it knew), whose confirming
+        plan request is under way: it is not done before that answer (`confirmed`)."""
         if nchunks > PROGRESS_BYTES:
             raise ValueError(f"{nchunks} chunks: at most {PROGRESS_BYTES} fit the progress "
                              f"region (use larger chunks)")
@@ -104,11 +107,17 @@ class StripedPull:
         self.asking = False  # a Replan is out
         self.ask_at = 0.0  # earliest time for the next Replan (a `retry_after`)
         self.failures = 0
+        self.confirming = confirming
 
     # ------------------------------------------------------------------ state
     @property
-    def done(self) -> bool:
+    def read_all(self) -> bool:
         return len(self.landed) == self.nchunks
+
+    @property
+    def done(self) -> bool:
+        """Every chunk read, and the coordinator has answered (a pull it did not plan)."""
+        return self.read_all and not self.confirming
 
     # ------------------------------------------------------------------ inputs
     def assign(self, parents: list[str | None], complete: set[str], now: float,
@@ -125,6 +134,13 @@ class StripedPull:
                 st.poll_gap, st.poll_at, st.waiting_since = 0.0, now, None
             st.source, st.complete = parent, parent in complete
             st.replan = None if parent is not None else "pending"
+
+    def confirmed(self, parents: list[str | None], complete: set[str], now: float,
+                  retry_after: float | None = None) -> None:
+        """The answer to the confirming request: the parents the coordinator holds us
+        under from now on (as `assign`)."""
+        self.confirming = False
+        self.assign(parents, complete, now, retry_after)
 
     def asked_failed(self, now: float, retry_after: float) -> None:
         """The plan request failed (busy, unreachable coordinator): ask again later."""

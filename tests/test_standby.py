@@ -1,0 +1,133 @@
+"""A fleet's first version: readers that stood by pull it with no plan request."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tensorhub import Publisher, Replica
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import PUBLISHER, MemoryDesc, PlanRequest, StandBy
+from tensorhub.core.errors import CoordinatorError
+from tensorhub.demo import synthetic_state_dict
+from tests.test_warm_pulls import _buffers, _pull_all, sums
+
+
+def _stand_by(replicas: list[Replica], timeout: float = 10.0) -> None:
+    """Until every replica has a parent in each stripe (a leaf waits out the grace)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(replicas)
+    while waiting:
+        assert time.monotonic() < deadline, "not placed in time"
+        waiting = [r for r in waiting if not r.stand_by()]
+        if waiting:
+            time.sleep(0.2)
+
+
+def _counting_plans(coordinator) -> list:
+    asked = []
+    real = coordinator._answers[PlanRequest]
+
+    def counted(req):
+        asked.append(req.stripes)
+        return real(req)
+
+    coordinator._answers[PlanRequest] = counted
+    return asked
+
+
+def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordinator,
+                                                                          transport):
+    v1 = synthetic_state_dict(32, n_tiny=30, seed=11)
+    with Publisher(coordinator.address, "policy", transport=transport) as pub:
+        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
+                            transport=transport) for i in range(4)]
+        try:
+            _stand_by(replicas)
+            placed = [r._parents.stripes for r in replicas]
+            assert any(PUBLISHER in stripes for stripes in placed)  # the trees' tops
+            assert any(PUBLISHER not in stripes for stripes in placed)  # read from readers
+            asked = _counting_plans(coordinator)
+            pub.publish(v1)
+            _pull_all(replicas, 1)
+            # one confirmation each, sent as it started reading; no plan waited for
+            assert asked == [[]] * 4 and not any(r.last_pull_planned for r in replicas)
+            for r in replicas:
+                assert sums(r.tensors) == sums(v1)
+            assert not [lease for lease in coordinator.table.leases.values()
+                        if lease.version == 1]
+            # and the next version grows from the first one's forest, as ever
+            v2 = {n: t + 1 for n, t in v1.items()}
+            pub.publish(v2)
+            _pull_all(replicas, 2)
+            assert asked[4:] == [[]] * 4
+            for r in replicas:
+                assert sums(r.tensors) == sums(v2)
+        finally:
+            for r in replicas:
+                r.close()
+
+
+def test_a_reader_on_standby_whose_parent_left_still_pulls_bit_exact(coordinator):
+    v1 = synthetic_state_dict(16, n_tiny=10, seed=12)
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
+                            transport="zmq") for i in range(3)]
+        try:
+            _stand_by(replicas)
+            gone = next(r for r in replicas
+                        if any(r.session.worker_id in o._parents.stripes for o in replicas))
+            gone.close()
+            replicas = rest = [r for r in replicas if r is not gone]
+            assert coordinator.standby.get("policy", gone.layout.layout_id) is not None
+            assert gone.session.worker_id not in \
+                coordinator.standby.get("policy", gone.layout.layout_id).memory
+            pub.publish(v1)
+            _pull_all(rest, 1)
+            for r in rest:
+                assert sums(r.tensors) == sums(v1)
+        finally:
+            for r in replicas:
+                r.close()
+
+
+def test_a_replica_waiting_for_a_first_version_stands_by_by_itself(coordinator):
+    v1 = synthetic_state_dict(4, n_tiny=4, seed=13)
+    with Publisher(coordinator.address, "policy", transport="zmq"), \
+            Replica(coordinator.address, "policy", _buffers(v1), name="r",
+                    transport="zmq") as r:
+        assert r.wait_for_newer(timeout=0.1) is None
+        standing = coordinator.standby.get("policy", r.layout.layout_id)
+        assert standing is not None and r.session.worker_id in standing.memory
+        assert r._parents is not None and r._parents.stripes == (PUBLISHER, PUBLISHER)
+
+
+def _stand_by_request(coordinator, memory: list[MemoryDesc], model: str = "policy"):
+    from tensorhub.core.data_types import Endpoint, Register
+
+    client = CoordinatorClient(coordinator.address)
+    try:
+        wid = client.call(Register(name="raw", role="replica",
+                                   endpoint=Endpoint(transport="zmq",
+                                                     address="tcp://127.0.0.1:1"))).worker_id
+        return client.call(StandBy(worker_id=wid, model=model, layout_id="L",
+                                   memory=memory))
+    finally:
+        client.close()
+
+
+def test_regions_that_do_not_fit_the_layouts_readers_are_refused(coordinator):
+    placed = _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=100)])
+    assert placed.stripes == [PUBLISHER, PUBLISHER] and placed.chunk_bytes > 0
+    with pytest.raises(CoordinatorError) as err:
+        _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=200)])
+    assert err.value.code == "layout_mismatch" and "do not fit layout L" in str(err.value)
+
+
+def test_standing_by_once_a_version_is_out_is_refused(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(synthetic_state_dict(2, n_tiny=2, seed=14))
+        with pytest.raises(CoordinatorError) as err:
+            _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=100)])
+    assert err.value.code == "stale_version" and "pull it" in str(err.value)
