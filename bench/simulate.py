@@ -1,5 +1,5 @@
 """Simulated fan-out to 8 ... 4096 replicas by the striped protocol (a fleet's first version,
-and the next one pulled from the same parents), with the
+cold and with readers on standby, and the next one pulled from the same parents), with the
 coordinator modelled as a queue (its real handlers, timed here, one message at a time),
 beside a star, a ring, the binomial-pipeline optimum and the per-chunk design it replaced;
 also 1 TiB. Writes bench/results/simulate.{jsonl,md} and simulate.png.
@@ -42,6 +42,21 @@ def _report(report: Report, rows, label: str = "") -> None:
             report.add(f"{n} next version: coordinator busy fraction", r.steady_busy, "")
             report.add(f"{n} next version: coordinator messages per reader",
                        r.steady_messages, "msgs")
+        if r.standby:
+            report.add(f"{n} first version, readers on standby: worst / lower bound "
+                       f"(vs cold first version)", r.standby / lb, "x",
+                       "cold: every reader asks once it is announced", r.tensorhub / lb,
+                       higher_is_better=False)
+            report.add(f"{n} first version on standby: median / lower bound",
+                       r.standby_median / lb, "x")
+            report.add(f"{n} first version on standby: coordinator busy fraction",
+                       r.standby_busy, "")
+            report.add(f"{n} first version on standby: coordinator messages per reader",
+                       r.standby_messages, "msgs")
+            report.add(f"{n} standby: placing every reader before the version (simulated)",
+                       r.standby_placing, "s")
+            report.add(f"{n} standby: coordinator busy placing them", r.standby_placing_busy,
+                       "s")
         report.add(f"{n} coordinator busy fraction", r.coordinator_busy, "")
         report.add(f"{n} deepest stripe tree", r.depth, "hops")
 
@@ -70,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tib_readers:
         tib = replace(base, model_bytes=1 << 40, tensor_bytes=8 << 30, time_limit=3600.0)
         _report(report, run_sweep(tib, [args.tib_readers], socket_cost=socket_cost,
-                                  steady=False), label="1 TiB ")
+                                  steady=False, standby=False), label="1 TiB ")
     report.write()
     print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
 

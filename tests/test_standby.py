@@ -101,6 +101,8 @@ def test_a_replica_waiting_for_a_first_version_stands_by_by_itself(coordinator):
         standing = coordinator.standby.get("policy", r.layout.layout_id)
         assert standing is not None and r.session.worker_id in standing.memory
         assert r._parents is not None and r._parents.stripes == (PUBLISHER, PUBLISHER)
+        coordinator._measure_fleet()
+        assert coordinator.metrics.registry.get_sample_value("tensorhub_standby_readers") == 1
 
 
 def _stand_by_request(coordinator, memory: list[MemoryDesc], model: str = "policy"):

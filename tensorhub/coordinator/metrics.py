@@ -44,6 +44,8 @@ class CoordinatorMetrics:
         self.reads_in_flight = Gauge("tensorhub_reads_in_flight", "Read leases open",
                                      registry=r)
         self.workers = Gauge("tensorhub_workers", "Registered workers", ["role"], registry=r)
+        self.standby = Gauge("tensorhub_standby_readers", "Readers placed ahead in the forest "
+                             "of a model's first version, waiting for it", registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve `/metrics` on `port` from a thread; returns the server (`.shutdown()`)."""
@@ -55,7 +57,7 @@ class CoordinatorMetrics:
                                  PATHS[min(distance, 2)]).inc(nbytes)
 
     def fleet(self, holders: dict[tuple[str, int], int], latest: dict[str, int],
-              leases: int, workers: dict[str, int]) -> None:
+              leases: int, workers: dict[str, int], standby: int = 0) -> None:
         """The fleet's shape now: holders per (model, version) of the versions kept."""
         self.holders.clear()
         for (model, version), n in holders.items():
@@ -63,5 +65,6 @@ class CoordinatorMetrics:
         for model, version in latest.items():
             self.latest.labels(model).set(version)
         self.reads_in_flight.set(leases)
+        self.standby.set(standby)
         for role in ("trainer", "replica"):
             self.workers.labels(role).set(workers.get(role, 0))

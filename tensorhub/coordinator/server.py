@@ -1025,13 +1025,16 @@ class Coordinator:
             raise Reject("bad_request", "a region of zero bytes")
         sizes = tuple(m.nbytes for m in req.memory)
         self._update_endpoint(reader, req.endpoint)
-        trainers = [w for w in self.table.workers.values() if w.role == "trainer"]
         dc = reader.labels.get("dc", "")
+        publisher_dc = dc
+        if self.standby.get(req.model, req.layout_id) is None:  # (a new forest's root)
+            trainer = next((w for w in self.table.workers.values() if w.role == "trainer"),
+                           None)
+            publisher_dc = trainer.labels.get("dc", "") if trainer else dc
         try:
             parents = self.standby.place(
                 req.model, req.layout_id, req.worker_id, dc, sizes, store_memory(req.memory),
-                self._workers_in_dc[dc], self.clock(),
-                publisher_dc=trainers[0].labels.get("dc", "") if trainers else dc)
+                self._workers_in_dc[dc], self.clock(), publisher_dc)
         except ValueError as exc:
             raise Reject("layout_mismatch", str(exc)) from None
         standing = self.standby.get(req.model, req.layout_id)
@@ -1348,5 +1351,5 @@ class Coordinator:
             for version, vrec in mrec.versions.items():
                 holders[(model, version)] = self._complete_holders(vrec)
         roles = Counter(w.role for w in self.table.workers.values())
-        self.metrics.fleet(holders, latest, len(self.table.leases), roles)
+        self.metrics.fleet(holders, latest, len(self.table.leases), roles, len(self.standby))
 

@@ -81,6 +81,9 @@ class SimConfig:
     # Striped simulator only: 2 times the second of two versions, which readers pull by
     # the parents they had for the first (a steady fleet: no plan requests).
     version: int = 1
+    # Striped simulator only: readers stand by before the first version exists (placed
+    # ahead in its forest), and pull it as the next ones, from the parents they were told.
+    standby: bool = False
 
     @property
     def lower_bound(self) -> float:

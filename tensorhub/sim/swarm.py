@@ -9,6 +9,11 @@ the parent had landed when it arrived.
 
 Every worker heartbeats once a `heartbeat_interval` (random phase) and the coordinator
 sweeps for expiry every 0.1 s, in the same queue as the plans.
+
+With `SimConfig.standby` the readers stand by before the first version exists
+(`coordinator/standby.py`): each is placed through the same queue, the version is
+published once all are, and the clock of the figures starts there; the placing is
+reported apart (`standby_seconds`, `standby_busy`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.chunks import chunks_of
 from tensorhub.core.data_types import (
+    PUBLISHER,
     Endpoint,
     ErrorReply,
     Heartbeat,
@@ -32,6 +38,7 @@ from tensorhub.core.data_types import (
     Publish,
     ReadDone,
     Register,
+    StandBy,
 )
 from tensorhub.core.layout import layout_id, plan_items
 from tensorhub.core.stripes import (
@@ -64,6 +71,8 @@ class SwarmResult(Completions):
     replans: int
     polls: int = 0
     reader_messages: dict[str, int] = field(default_factory=dict)
+    standby_seconds: float = 0.0  # placing every reader ahead (standby), before the version
+    standby_busy: float = 0.0  # the coordinator's busy time in it
 
     @property
     def busy_fraction(self) -> float:
@@ -120,25 +129,54 @@ class _Reader:
         self.pull.assign(list(reply.stripes), holding_of(reply), now, reply.retry_after)
         self.step()
 
-    def _new_pull(self, stripes: int) -> StripedPull:
+    def _new_pull(self, stripes: int, confirming: bool = False) -> StripedPull:
         return StripedPull(len(self.sim.chunks), stripes, self.version, stall=self.sim.stall,
-                           poll_min=self.sim.poll_min, poll_max=self.sim.poll_max)
+                           poll_min=self.sim.poll_min, poll_max=self.sim.poll_max,
+                           confirming=confirming)
+
+    def stand_by(self) -> None:
+        """Ask to be placed ahead in the first version's forest (`Replica.stand_by`)."""
+        self.send(StandBy(worker_id=self.id, model="m", layout_id=self.sim.layout_id,
+                          memory=self.sim.memory), self._placed)
+
+    def _placed(self, reply) -> None:
+        if isinstance(reply, ErrorReply) or None in reply.stripes:
+            self.sim.loop.at(self.sim.loop.now + (reply.retry_after or 0.5), self.stand_by)
+            return
+        self.parents = list(reply.stripes)
+        self.sim.placed_one()
 
     def start_warm(self, version: int) -> None:
-        """The announcement of `version` arrived: pull it from the same parents, asking
-        the coordinator nothing (as `Replica` does when the announcement allows)."""
+        """The announcement of `version` arrived: pull it from the same parents (or those
+        it was placed under on standby, the publisher's from the announcement), asking the
+        coordinator nothing, as `Replica` does when the announcement allows. The
+        confirmation goes out as it starts reading; the pull ends once it is answered."""
         if not self.alive or self.parents is None:
             return
         self.version, self.finished, self._wake = version, None, None
         self.warm = True
         self.lease_id = warm_lease_id(self.id, "m", version)
-        self.pull = self._new_pull(len(self.parents))
-        self.pull.assign(list(self.parents), {self.sim.trainer}, self.sim.loop.now)
-        # the confirmation goes out as it starts reading; nothing waits for its reply
-        self.send(PlanRequest(worker_id=self.id, model="m", version=version, chunked=True,
-                              striped=True, known_manifest=True, stripes=[],
-                              memory=self.sim.memory))
+        self.pull = self._new_pull(len(self.parents), confirming=True)
+        parents = [self.sim.trainer if p == PUBLISHER else p for p in self.parents]
+        self.pull.assign(parents, {self.sim.trainer}, self.sim.loop.now)
+        self._confirm()
         self.step()
+
+    def _confirm(self) -> None:
+        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
+                              chunked=True, striped=True, known_manifest=True, stripes=[],
+                              memory=self.sim.memory), self._confirmed)
+
+    def _confirmed(self, reply) -> None:
+        if not self.alive:
+            return
+        now = self.sim.loop.now
+        if isinstance(reply, ErrorReply):  # (busy: as `Replica._plan`, ask again)
+            self.sim.loop.at(now + (reply.retry_after or 0.05), self._confirm)
+            return
+        self.lease_id = reply.lease_id
+        self.pull.confirmed(list(reply.stripes), holding_of(reply), now, reply.retry_after)
+        self._maybe_finish()
 
     def step(self) -> None:
         if not self.alive or self.pull is None or self.finished is not None:
@@ -172,15 +210,18 @@ class _Reader:
         if not self.alive:
             return
         self.pull.read_done(action, ok, self.sim.loop.now)
-        if self.pull.done and self.finished is None:
-            self.finished = self.sim.loop.now
-            self.parents = [st.source for st in self.pull.stripes]
-            self.send(Hold(worker_id=self.id, model="m", version=self.version,
-                           layout_id=self.sim.layout_id, memory=self.sim.memory))
-            self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
-            self.sim.finished_one(self)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if not self.pull.done or self.finished is not None:
+            self.step()
             return
-        self.step()
+        self.finished = self.sim.loop.now
+        self.parents = [st.source for st in self.pull.stripes]
+        self.send(Hold(worker_id=self.id, model="m", version=self.version,
+                       layout_id=self.sim.layout_id, memory=self.sim.memory))
+        self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
+        self.sim.finished_one(self)
 
     def polled(self, action: Poll, progress: bytes | None) -> None:
         if not self.alive:
@@ -239,6 +280,8 @@ class SwarmSim:
         self.version = 1  # the version published last
         self.done_count = 0
         self.measured_from = 0.0  # when the measured version was published
+        self.placed = 0  # readers placed on standby
+        self.standby_seconds = self.standby_busy = 0.0
 
     # ------------------------------------------------------------------ the network
     def _latency(self, a: str, b: str) -> float:
@@ -303,6 +346,15 @@ class SwarmSim:
             # and `ReadDone`s, as between two training steps)
             self.loop.at(self.loop.now + 1.0, self._publish_next)
 
+    def placed_one(self) -> None:
+        """Once every reader stood by, the first version is published (the figures'
+        clock starts there)."""
+        self.placed += 1
+        if self.placed == len(self.readers):
+            self.standby_seconds, self.standby_busy = self.loop.now, self.queue.busy
+            self.loop.at(self.loop.now, self._publish_next)
+            self._schedule_kills(self.loop.now)
+
     def _publish_next(self) -> None:
         if self.queue.backlog():
             self.loop.at(self.loop.now + 0.01, self._publish_next)
@@ -317,21 +369,30 @@ class SwarmSim:
             self.loop.at(self.loop.now + self.config.rpc / 2,
                          lambda r=r: r.start_warm(self.version)) for r in self.readers])
 
+    def _schedule_kills(self, start: float) -> None:
+        """`SimConfig.kill` at `kill_at` of the lower bound after `start` (the publish)."""
+        for i in self.config.kill:
+            self.loop.at(start + self.config.kill_at * self.config.lower_bound,
+                         lambda r=self.readers[i]: self._kill(r))
+
     def _kill(self, r: _Reader) -> None:
         r.alive = False
         self.net.kill(r.id)
 
     def run(self) -> SwarmResult:
         try:
-            self.queue.send(self._publish,
-                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
-                                                    r.start) for r in self.readers])
+            if self.config.standby:
+                for r in self.readers:
+                    self.loop.at(0.0, r.stand_by)
+            else:
+                self.queue.send(self._publish,
+                                lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
+                                                        r.start) for r in self.readers])
             for wid in [self.trainer, *self.by_id]:
                 self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
             self.loop.at(EXPIRY_PERIOD, self._expire)
-            for i in self.config.kill:
-                self.loop.at(self.config.kill_at * self.config.lower_bound,
-                             lambda r=self.readers[i]: self._kill(r))
+            if not self.config.standby:
+                self._schedule_kills(0.0)
             self.loop.run(until=self.config.time_limit)
         finally:
             self.coordinator.stop()
@@ -347,7 +408,8 @@ class SwarmSim:
             longest_wait=self.queue.longest_wait, socket_cost=self.queue.socket_cost,
             max_depth=layout.forest.deepest if layout.forest else 0,
             replans=self.replans, polls=self.polls,
-            reader_messages=dict(self.reader_messages))
+            reader_messages=dict(self.reader_messages),
+            standby_seconds=self.standby_seconds, standby_busy=self.standby_busy)
 
 
 def simulate_swarm(config: SimConfig, socket_cost: float = 0.0, **kwargs) -> SwarmResult:

@@ -49,6 +49,13 @@ class SweepRow:
     steady_median: float | None = None
     steady_busy: float | None = None
     steady_messages: float | None = None
+    # the first version with every reader on standby (placed before it exists), if run
+    standby: float | None = None
+    standby_median: float | None = None
+    standby_busy: float | None = None
+    standby_messages: float | None = None
+    standby_placing: float | None = None  # simulated seconds to place every reader
+    standby_placing_busy: float | None = None  # the coordinator's busy time in it
 
 
 def star_time(c: SimConfig) -> float:
@@ -68,11 +75,13 @@ def optimum_time(c: SimConfig) -> float:
 
 
 def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int = 0,
-              socket_cost: float | None = None, steady: bool = True) -> list[SweepRow]:
+              socket_cost: float | None = None, steady: bool = True,
+              standby: bool = True) -> list[SweepRow]:
     """The striped protocol at each size: a fleet's first version (every reader asks for
-    a plan) and, with `steady`, the next one (pulled from the same parents); and the
-    per-chunk design up to `per_chunk_max` readers (its plans grow with readers x chunks,
-    so it takes long to simulate)."""
+    a plan once it is announced); with `standby`, the same first version with every reader
+    placed before it existed; with `steady`, the next one (pulled from the same parents);
+    and the per-chunk design up to `per_chunk_max` readers (its plans grow with readers x
+    chunks, so it takes long to simulate)."""
     import logging
     import time
 
@@ -95,6 +104,7 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
             old_messages = sum(v for k, v in today.messages.items()
                                if k not in ("heartbeat", "expiry")) / n
         warm = simulate_swarm(replace(config, version=2), socket_cost) if steady else None
+        ahead = simulate_swarm(replace(config, standby=True), socket_cost) if standby else None
         row = SweepRow(n, config.lower_bound, result.worst,
                        times[len(times) // 2] if times else float("inf"),
                        star_time(config), ring_time(config), optimum_time(config),
@@ -105,11 +115,22 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
                        warm.worst if warm else None,
                        sorted(warm.finished.values())[len(warm.finished) // 2] if warm else None,
                        warm.busy_fraction if warm else None,
-                       warm.messages_per_reader if warm else None)
+                       warm.messages_per_reader if warm else None,
+                       ahead.worst if ahead else None,
+                       sorted(ahead.finished.values())[len(ahead.finished) // 2]
+                       if ahead else None,
+                       ahead.busy_fraction if ahead else None,
+                       ahead.messages_per_reader if ahead else None,
+                       ahead.standby_seconds if ahead else None,
+                       ahead.standby_busy if ahead else None)
         rows.append(row)
         lb = row.lower_bound
         today_text = "" if old is None else \
             f"  per-chunk design {old / lb:.2f}x ({old_messages:.0f} msgs/reader)"
+        if ahead is not None:
+            today_text += (f"  on standby {ahead.worst / lb:.3f}x (busy "
+                           f"{ahead.busy_fraction:.2f}, placed in {ahead.standby_seconds:.2f}"
+                           f" s)")
         if warm is not None:
             today_text += (f"  steady {warm.worst / lb:.3f}x (busy {warm.busy_fraction:.2f},"
                            f" {warm.messages_per_reader:.2f} msgs/reader)")
@@ -133,7 +154,11 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for a in (ax, zoom):
         a.plot(n, [r.tensorhub / r.lower_bound for r in rows], "o-",
-               label="striped, a fleet's first version (worst)")
+               label="striped, a fleet's first version, cold (worst)")
+        ahead = [(r.workers, r.standby / r.lower_bound) for r in rows if r.standby]
+        if ahead:
+            a.plot(*zip(*ahead, strict=True), "v-",
+                   label="striped, first version, readers on standby (worst)")
         steady = [(r.workers, r.steady / r.lower_bound) for r in rows if r.steady]
         if steady:
             a.plot(*zip(*steady, strict=True), "D-",
