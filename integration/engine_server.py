@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,7 @@ from pathlib import Path
 from tensorhub.processes import free_port
 
 PORT_RETRIES = 3  # fresh ports tried when a server's HTTP port was taken during startup
+SLOW_AFTER = 20.0  # seconds after which a request still unanswered has the stacks taken
 
 
 class EngineServer:
@@ -175,12 +177,27 @@ class EngineServer:
         req = urllib.request.Request(
             self.url + path, data=data, method=method or ("POST" if data else "GET"),
             headers={"Content-Type": "application/json", **(headers or {})})
+        # A request still unanswered after SLOW_AFTER: where the server's threads are then,
+        # while it is stuck (at the timeout it may be stuck no longer).
+        early: list[str] = []
+        watch = threading.Timer(SLOW_AFTER, lambda: early.append(self.stacks()))
+        watch.daemon = True
+        if timeout > 2 * SLOW_AFTER:
+            watch.start()
         try:
             with self._network(), urllib.request.urlopen(req, timeout=timeout) as r:
                 body = r.read()
         except TimeoutError as exc:
-            raise TimeoutError(f"{self.kind} at {self.url} did not answer {path} within "
-                               f"{timeout} s; where its threads were:\n{self.stacks()}") from exc
+            watch.cancel()
+            raise TimeoutError(
+                f"{self.kind} at {self.url} did not answer {path} within {timeout} s; where "
+                f"its threads were {SLOW_AFTER:.0f} s in:\n{''.join(early) or '<not taken>'}\n"
+                f"and at the timeout:\n{self.stacks()}") from exc
+        finally:
+            watch.cancel()
+        if early:
+            print(f"{self.kind} at {self.url} answered {path} after more than {SLOW_AFTER:.0f}"
+                  f" s; where its threads were then:\n{early[0]}", file=sys.stderr)
         if not body:
             return {}
         try:
