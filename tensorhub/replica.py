@@ -454,11 +454,23 @@ class Replica:
         None at the timeout."""
         if self._watcher is None:
             self._watcher = VersionWatcher(self.session, self.model)
-        placed = self._parents is not None and self._parents.worker_id == self.session.worker_id
-        if not placed and time.monotonic() >= self._standby_at \
-                and self.version is None and self._watcher.latest() is None:
-            self.stand_by()
-        return self._watcher.wait_newer(self.version if than == "ours" else than, timeout)
+        than = self.version if than == "ours" else than
+        deadline = time.monotonic() + timeout
+        while True:  # (woken to stand by again while a stripe has no parent yet)
+            if self._standing_by_due():
+                self.stand_by()
+            until = min(deadline, self._standby_at) if self.version is None else deadline
+            newer = self._watcher.wait_newer(than, max(0.0, until - time.monotonic()))
+            if newer is not None or time.monotonic() >= deadline:
+                return newer
+
+    def _standing_by_due(self) -> bool:
+        """No version yet, none announced, and not (fully) placed ahead of the first."""
+        p = self._parents
+        placed = p is not None and p.worker_id == self.session.worker_id \
+            and None not in p.stripes
+        return not placed and time.monotonic() >= self._standby_at \
+            and self.version is None and self._watcher.latest() is None
 
     def stand_by(self) -> bool:
         """Be placed now in the forest of the model's first version, in our layout (see
@@ -466,9 +478,12 @@ class Replica:
         no plan request to wait for, as a steady fleet pulls from the last version's. For a
         replica whose buffers are ready (given) and that reads striped into them;
         `wait_for_newer` does it while no version exists. True once every stripe has a
-        parent (else it asks again later). A coordinator that cannot place us is no
-        error: the pull then asks for a plan as usual."""
+        parent (a stripe with none yet is filled when it asks again, or by the pull's
+        confirmation). A coordinator that cannot place us is no error: the pull then asks
+        for a plan as usual."""
         self._standby_at = time.monotonic() + STANDBY_RETRY
+        if self._watcher is None:  # (a pull by a placement starts from its announcement)
+            self._watcher = VersionWatcher(self.session, self.model)
         if not self.chunked or self.staging or self.layout is None or self.part != Part():
             self._standby_at = float("inf")
             return False
@@ -482,12 +497,12 @@ class Replica:
             log.info("%s: not on standby for %s (%s); its first pull will ask for a plan",
                      self.session.name, self.model, exc)
             return False
-        if None in placed.stripes:
-            self._standby_at = time.monotonic() + (placed.retry_after or 0.5)
-            return False
         self._parents = _Parents(placed.layout_id, tuple(placed.stripes),
                                  {s.worker_id: s for s in placed.sources}, placed.chunk_bytes,
                                  self.session.worker_id)
+        if None in placed.stripes:
+            self._standby_at = time.monotonic() + (placed.retry_after or 0.5)
+            return False
         log.info("%s: on standby for %s's first version, under %s", self.session.name,
                  self.model, ", ".join(placed.stripes))
         return True

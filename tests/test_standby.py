@@ -7,11 +7,13 @@ import time
 import pytest
 
 from tensorhub import Publisher, Replica
+from tensorhub.coordinator.standby import StandingForests
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import PUBLISHER, MemoryDesc, PlanRequest, StandBy
 from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.demo import synthetic_state_dict
-from tests.test_warm_pulls import _buffers, _pull_all, sums
+from tests.test_warm_pulls import _buffers, _pull_all, replica_fleet, sums
 
 
 def _stand_by(replicas: list[Replica], timeout: float = 10.0) -> None:
@@ -40,56 +42,46 @@ def _counting_plans(coordinator) -> list:
 def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordinator,
                                                                           transport):
     v1 = synthetic_state_dict(32, n_tiny=30, seed=11)
-    with Publisher(coordinator.address, "policy", transport=transport) as pub:
-        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
-                            transport=transport) for i in range(4)]
-        try:
-            _stand_by(replicas)
-            placed = [r._parents.stripes for r in replicas]
-            assert any(PUBLISHER in stripes for stripes in placed)  # the trees' tops
-            assert any(PUBLISHER not in stripes for stripes in placed)  # read from readers
-            asked = _counting_plans(coordinator)
-            pub.publish(v1)
-            _pull_all(replicas, 1)
-            # one confirmation each, sent as it started reading; no plan waited for
-            assert asked == [[]] * 4 and not any(r.last_pull_planned for r in replicas)
-            for r in replicas:
-                assert sums(r.tensors) == sums(v1)
-            assert not [lease for lease in coordinator.table.leases.values()
-                        if lease.version == 1]
-            # and the next version grows from the first one's forest, as ever
-            v2 = {n: t + 1 for n, t in v1.items()}
-            pub.publish(v2)
-            _pull_all(replicas, 2)
-            assert asked[4:] == [[]] * 4
-            for r in replicas:
-                assert sums(r.tensors) == sums(v2)
-        finally:
-            for r in replicas:
-                r.close()
+    with Publisher(coordinator.address, "policy", transport=transport) as pub, \
+            replica_fleet(coordinator.address, _buffers(v1), 4, transport) as replicas:
+        _stand_by(replicas)
+        placed = [r._parents.stripes for r in replicas]
+        assert any(PUBLISHER in stripes for stripes in placed)  # the trees' tops
+        assert any(PUBLISHER not in stripes for stripes in placed)  # read from readers
+        asked = _counting_plans(coordinator)
+        pub.publish(v1)
+        _pull_all(replicas, 1)
+        # one confirmation each, sent as it started reading; no plan waited for
+        assert asked == [[]] * 4 and not any(r.last_pull_planned for r in replicas)
+        for r in replicas:
+            assert sums(r.tensors) == sums(v1)
+        assert not [lease for lease in coordinator.table.leases.values()
+                    if lease.version == 1]
+        # and the next version grows from the first one's forest, as ever
+        v2 = {n: t + 1 for n, t in v1.items()}
+        pub.publish(v2)
+        _pull_all(replicas, 2)
+        assert asked[4:] == [[]] * 4
+        for r in replicas:
+            assert sums(r.tensors) == sums(v2)
 
 
 def test_a_reader_on_standby_whose_parent_left_still_pulls_bit_exact(coordinator):
     v1 = synthetic_state_dict(16, n_tiny=10, seed=12)
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
-        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
-                            transport="zmq") for i in range(3)]
-        try:
-            _stand_by(replicas)
-            gone = next(r for r in replicas
-                        if any(r.session.worker_id in o._parents.stripes for o in replicas))
-            gone.close()
-            replicas = rest = [r for r in replicas if r is not gone]
-            assert coordinator.standby.get("policy", gone.layout.layout_id) is not None
-            assert gone.session.worker_id not in \
-                coordinator.standby.get("policy", gone.layout.layout_id).memory
-            pub.publish(v1)
-            _pull_all(rest, 1)
-            for r in rest:
-                assert sums(r.tensors) == sums(v1)
-        finally:
-            for r in replicas:
-                r.close()
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            replica_fleet(coordinator.address, _buffers(v1), 3, "zmq") as replicas:
+        _stand_by(replicas)
+        gone = next(r for r in replicas
+                    if any(r.session.worker_id in o._parents.stripes for o in replicas))
+        gone.close()
+        replicas.remove(gone)
+        assert coordinator.standby.get("policy", gone.layout.layout_id) is not None
+        assert gone.session.worker_id not in \
+            coordinator.standby.get("policy", gone.layout.layout_id).memory
+        pub.publish(v1)
+        _pull_all(replicas, 1)
+        for r in replicas:
+            assert sums(r.tensors) == sums(v1)
 
 
 def test_a_replica_waiting_for_a_first_version_stands_by_by_itself(coordinator):
@@ -133,3 +125,28 @@ def test_standing_by_once_a_version_is_out_is_refused(coordinator):
         with pytest.raises(CoordinatorError) as err:
             _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=100)])
     assert err.value.code == "stale_version" and "pull it" in str(err.value)
+
+
+def test_a_reader_standing_by_again_after_its_parent_left_gets_another():
+    forests = StandingForests(stripes=2, fanout=2, grace=0.0)
+
+    def place(worker: str, now: float = 0.0) -> list[str | None]:
+        return forests.place("m", "L", worker, "dc", (100,), ((4096, 100),), 6, now, "dc")
+
+    for w in "abcdef":
+        place(w)
+    members = forests.get("m", "L").forest.members
+    child = next(w for w in "bcdef" if "a" in members[w].parents)
+    forests.forget("a")
+    parents = place(child, 1.0)
+    assert "a" not in parents and None not in parents
+
+
+def test_a_stripe_with_no_parent_yet_waits_for_the_confirmation_not_a_plan_request():
+    pull = StripedPull(4, 2, version=1, confirming=True)
+    pull.assign(["p", None], {"p"}, now=0.0)
+    first = pull.actions(0.0)
+    assert not [a for a in first if isinstance(a, Replan)]
+    pull.confirmed(["p", "q"], {"p", "q"}, now=0.1)
+    reads = [a for a in first + pull.actions(0.1) if isinstance(a, Read)]
+    assert {(r.source, r.stripe) for r in reads} == {("p", 0), ("q", 1)}

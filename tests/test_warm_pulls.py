@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -39,36 +41,45 @@ def _buffers(state) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in state.items()}
 
 
+@contextlib.contextmanager
+def replica_fleet(address: str, buffers: dict[str, torch.Tensor], n: int,
+                  transport: str) -> Iterator[list[Replica]]:
+    """`n` replicas with buffers like `buffers`, closed at the end (but for any a test
+    closed and took out of the list)."""
+    replicas = [Replica(address, "policy", {k: t.clone() for k, t in buffers.items()},
+                        name=f"r{i}", transport=transport) for i in range(n)]
+    try:
+        yield replicas
+    finally:
+        for r in replicas:
+            r.close()
+
+
 def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, transport):
     v1 = synthetic_state_dict(32, n_tiny=30, seed=1)
     v2 = {n: t + 1 for n, t in v1.items()}
-    with Publisher(coordinator.address, "policy", transport=transport) as pub:
-        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
-                            transport=transport) for i in range(3)]
-        try:
-            pub.publish(v1)
-            _pull_all(replicas, 1)
-            assert all(r.last_pull_planned for r in replicas)  # the first: one plan each
-            asked = []
-            real = coordinator._answers[PlanRequest]
+    with Publisher(coordinator.address, "policy", transport=transport) as pub, \
+            replica_fleet(coordinator.address, _buffers(v1), 3, transport) as replicas:
+        pub.publish(v1)
+        _pull_all(replicas, 1)
+        assert all(r.last_pull_planned for r in replicas)  # the first: one plan each
+        asked = []
+        real = coordinator._answers[PlanRequest]
 
-            def counted(req):
-                asked.append(req.stripes)
-                return real(req)
+        def counted(req):
+            asked.append(req.stripes)
+            return real(req)
 
-            coordinator._answers[PlanRequest] = counted
-            pub.publish(v2)
-            _pull_all(replicas, 2)
-            # one confirmation each, sent as it started reading, and no plan waited for
-            assert asked == [[], [], []] and not any(r.last_pull_planned for r in replicas)
-            for r in replicas:
-                assert sums(r.tensors) == sums(v2)
-            # each ended the lease the coordinator opened for it by its known id
-            assert not [lease for lease in coordinator.table.leases.values()
-                        if lease.version == 2]
-        finally:
-            for r in replicas:
-                r.close()
+        coordinator._answers[PlanRequest] = counted
+        pub.publish(v2)
+        _pull_all(replicas, 2)
+        # one confirmation each, sent as it started reading, and no plan waited for
+        assert asked == [[], [], []] and not any(r.last_pull_planned for r in replicas)
+        for r in replicas:
+            assert sums(r.tensors) == sums(v2)
+        # each ended the lease the coordinator opened for it by its known id
+        assert not [lease for lease in coordinator.table.leases.values()
+                    if lease.version == 2]
 
 
 def test_a_publisher_whose_memory_moved_makes_readers_plan_again(coordinator):
@@ -87,24 +98,19 @@ def test_a_publisher_whose_memory_moved_makes_readers_plan_again(coordinator):
 def test_a_parent_that_left_between_versions_is_replaced(coordinator):
     v1 = synthetic_state_dict(16, n_tiny=10, seed=3)
     v2 = {n: t - 1 for n, t in v1.items()}
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
-        replicas = [Replica(coordinator.address, "policy", _buffers(v1), name=f"r{i}",
-                            transport="zmq") for i in range(3)]
-        try:
-            pub.publish(v1)
-            _pull_all(replicas, 1)
-            parents = {r.session.name: set(r._parents.stripes) for r in replicas}
-            gone = next(r for r in replicas
-                        if any(r.session.worker_id in p for p in parents.values()))
-            gone.close()
-            replicas = rest = [r for r in replicas if r is not gone]
-            pub.publish(v2)
-            _pull_all(rest, 2)
-            for r in rest:
-                assert sums(r.tensors) == sums(v2)
-        finally:
-            for r in replicas:
-                r.close()
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            replica_fleet(coordinator.address, _buffers(v1), 3, "zmq") as replicas:
+        pub.publish(v1)
+        _pull_all(replicas, 1)
+        parents = {r.session.name: set(r._parents.stripes) for r in replicas}
+        gone = next(r for r in replicas
+                    if any(r.session.worker_id in p for p in parents.values()))
+        gone.close()
+        replicas.remove(gone)
+        pub.publish(v2)
+        _pull_all(replicas, 2)
+        for r in replicas:
+            assert sums(r.tensors) == sums(v2)
 
 
 def test_the_fallback_answers_with_the_announcement(coordinator):

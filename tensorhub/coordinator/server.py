@@ -466,7 +466,7 @@ class Coordinator:
         """Tell subscribers (and later `LatestRequest`s) of a new version, with what a
         reader needs to pull it by the parents it had for the previous one (for a sharded
         version: its part 0's)."""
-        worker = self.table.workers[publisher]
+        worker = self.table.workers[publisher] if parts == 1 else None
         announcement = Announcement(
             model=model, version=version, layout_id=lid, checksums=layout.checksums,
             chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
@@ -547,6 +547,7 @@ class Coordinator:
                 # Readers stood by for it: they pull by the parents they were placed under.
                 layout.previous_forest = standing
                 self._forest(layout)
+        self.standby.drop_model(model)
         for key in [k for k in self.pending.versions if k[0] == model and k[1] < vrec.version]:
             self._abort(key, f"v{vrec.version} was published first")
         self.table.prune()

@@ -58,7 +58,11 @@ class StandingForests:
                              f"layout {layout_id}, whose readers on standby have "
                              f"{len(standing.sizes)} items ({sum(standing.sizes)} bytes)")
         standing.memory[worker_id] = memory
-        return standing.forest.join(worker_id, dc, expected, now)
+        parents = standing.forest.join(worker_id, dc, expected, now)
+        for s, parent in enumerate(parents):  # a parent that left since: another one
+            if parent is not None and parent != PUBLISHER and parent not in standing.memory:
+                parents[s] = standing.forest.replace(worker_id, s, {parent}, now)
+        return parents
 
     def take(self, model: str, layout_id: str, sizes: tuple[int, ...]) -> Forest | None:
         """The standing forest of a version now published in that layout (it is used once:
@@ -70,10 +74,19 @@ class StandingForests:
         return standing.forest
 
     def forget(self, worker_id: str) -> None:
-        """A reader left: out of every standing forest."""
-        for standing in self._by_key.values():
+        """A reader left: out of every standing forest (its children get another parent
+        when they stand by again, or when they confirm)."""
+        for key, standing in list(self._by_key.items()):
             if standing.memory.pop(worker_id, None) is not None:
                 standing.forest.remove(worker_id)
+                if not standing.memory:
+                    del self._by_key[key]
+
+    def drop_model(self, model: str) -> None:
+        """A version of `model` is out: standing forests of its other layouts (or of a
+        sharded first version) will never be taken."""
+        for key in [k for k in self._by_key if k[0] == model]:
+            del self._by_key[key]
 
     def __len__(self) -> int:
         return sum(len(s.memory) for s in self._by_key.values())

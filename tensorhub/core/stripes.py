@@ -193,8 +193,7 @@ class StripedPull:
     def actions(self, now: float) -> list[Action]:
         """What to start now (each action is started once; report its end back)."""
         out: list[Action] = []
-        replan = [st for st in self.stripes if st.replan is not None and not st.reading
-                  and st.left]
+        replan = [st for st in self.stripes if self._asks(st) and not st.reading and st.left]
         if replan and not self.asking and now >= self.ask_at:
             self.asking = True
             out.append(Replan(
@@ -220,12 +219,17 @@ class StripedPull:
                 out.append(Poll(st.source, st.index, lo, min(self.nchunks, lo + POLL_WINDOW)))
         return out
 
+    def _asks(self, st: _Stripe) -> bool:
+        """Whether `st` needs a plan request: not one with no parent yet while the
+        confirmation is under way (its answer names one)."""
+        return st.replan is not None and not (self.confirming and st.replan == "pending")
+
     def wake_at(self, now: float) -> float | None:
         """When `actions` may have something new without any other input (a poll or a
         plan request coming due); None: only an input can change anything."""
         times = [st.poll_at for st in self.stripes if st.source is not None and not st.polling
                  and not st.reading and not st.complete and st.left and st.replan is None]
-        if not self.asking and any(st.replan is not None for st in self.stripes):
+        if not self.asking and any(self._asks(st) for st in self.stripes):
             times.append(self.ask_at)
         return max(now, min(times)) if times else None
 
