@@ -219,7 +219,8 @@ class EngineServer:
                                       capture_output=True, text=True, timeout=30)
                 dump = done.stdout or f"<py-spy on {pid}: exit {done.returncode}: {done.stderr}>"
             except (OSError, subprocess.TimeoutExpired) as exc:
-                dump = f"<py-spy failed: {exc}>"
+                # (py-spy cannot stop a thread that sleeps in the kernel: say where each is)
+                dump = f"<py-spy failed: {exc}>\n{_kernel_threads(pid)}"
             out.append(_busy_threads(dump))
         return "\n".join(out)
 
@@ -279,6 +280,26 @@ def _group(leader: int) -> list[int]:
             if int(fields[2]) == leader:  # fields after the name: state, ppid, pgrp
                 pids.append(int(entry.name))
     return sorted(pids)
+
+
+def _kernel_threads(pid: int) -> str:
+    """Each thread of `pid` as the kernel sees it: name, state (D: uninterruptible), the
+    kernel function it waits in, and its kernel stack where readable (root)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            name = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip()
+        except OSError:
+            continue
+        try:
+            stack = " < ".join(line.split(" ", 1)[-1].split("+")[0]
+                               for line in (task / "stack").read_text().splitlines()[:8])
+        except OSError:
+            stack = "?"
+        lines.append(f"  thread {task.name} {name!r} state {state} wchan {wchan} [{stack}]")
+    return "\n".join(lines) or f"  <no /proc/{pid}/task>"
 
 
 def _busy_threads(dump: str) -> str:
