@@ -459,8 +459,10 @@ class Replica:
         while True:  # (woken to stand by again while a stripe has no parent yet)
             if self._standing_by_due():
                 self.stand_by()
-            until = min(deadline, self._standby_at) if self.version is None else deadline
-            newer = self._watcher.wait_newer(than, max(0.0, until - time.monotonic()))
+            now = time.monotonic()
+            wake = self._standby_at if self.version is None and self._standby_at > now \
+                else deadline
+            newer = self._watcher.wait_newer(than, max(0.0, min(deadline, wake) - now))
             if newer is not None or time.monotonic() >= deadline:
                 return newer
 
@@ -482,11 +484,11 @@ class Replica:
         confirmation). A coordinator that cannot place us is no error: the pull then asks
         for a plan as usual."""
         self._standby_at = time.monotonic() + STANDBY_RETRY
-        if self._watcher is None:  # (a pull by a placement starts from its announcement)
-            self._watcher = VersionWatcher(self.session, self.model)
         if not self.chunked or self.staging or self.layout is None or self.part != Part():
             self._standby_at = float("inf")
             return False
+        if self._watcher is None:  # (a pull by a placement starts from its announcement)
+            self._watcher = VersionWatcher(self.session, self.model)
         try:
             placed: Placement = self.session.call(StandBy(
                 worker_id=self.session.worker_id, model=self.model,
