@@ -2,41 +2,28 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tensorhub import Publisher, Replica
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import PUBLISHER, MemoryDesc, PlanRequest, StandBy
+from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.demo import synthetic_state_dict
-from tests.test_warm_pulls import _buffers, _pull_all, replica_fleet, sums
+from tensorhub.testing.waits import wait_for
+from tests.test_warm_pulls import _buffers, _pull_all, counting_plans, replica_fleet, sums
 
 
-def _stand_by(replicas: list[Replica], timeout: float = 10.0) -> None:
+def _stand_by(replicas: list[Replica]) -> None:
     """Until every replica has a parent in each stripe (a leaf waits out the grace)."""
-    deadline = time.monotonic() + timeout
     waiting = list(replicas)
-    while waiting:
-        assert time.monotonic() < deadline, "not placed in time"
-        waiting = [r for r in waiting if not r.stand_by()]
-        if waiting:
-            time.sleep(0.2)
 
+    def placed() -> bool:
+        waiting[:] = [r for r in waiting if not r.stand_by()]
+        return not waiting
 
-def _counting_plans(coordinator) -> list:
-    asked = []
-    real = coordinator._answers[PlanRequest]
-
-    def counted(req):
-        asked.append(req.stripes)
-        return real(req)
-
-    coordinator._answers[PlanRequest] = counted
-    return asked
+    wait_for(placed, timeout=10, what="every replica placed", interval=0.2)
 
 
 def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordinator,
@@ -48,7 +35,7 @@ def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordi
         placed = [r._parents.stripes for r in replicas]
         assert any(PUBLISHER in stripes for stripes in placed)  # the trees' tops
         assert any(PUBLISHER not in stripes for stripes in placed)  # read from readers
-        asked = _counting_plans(coordinator)
+        asked = counting_plans(coordinator)
         pub.publish(v1)
         _pull_all(replicas, 1)
         # one confirmation each, sent as it started reading; no plan waited for
@@ -131,7 +118,8 @@ def test_a_reader_standing_by_again_after_its_parent_left_gets_another():
     forests = StandingForests(stripes=2, fanout=2, grace=0.0)
 
     def place(worker: str, now: float = 0.0) -> list[str | None]:
-        return forests.place("m", "L", worker, "dc", (100,), ((4096, 100),), 6, now, "dc")
+        return forests.place("m", "L", worker, "dc", (100,), ((4096, 100),), 6, now,
+                             lambda: "dc")
 
     for w in "abcdef":
         place(w)
@@ -150,3 +138,21 @@ def test_a_stripe_with_no_parent_yet_waits_for_the_confirmation_not_a_plan_reque
     pull.confirmed(["p", "q"], {"p", "q"}, now=0.1)
     reads = [a for a in first + pull.actions(0.1) if isinstance(a, Read)]
     assert {(r.source, r.stripe) for r in reads} == {("p", 0), ("q", 1)}
+
+
+def test_a_placed_replica_waits_for_the_version_without_asking_again(coordinator):
+    v1 = synthetic_state_dict(4, n_tiny=4, seed=15)
+    with Publisher(coordinator.address, "policy", transport="zmq"), \
+            Replica(coordinator.address, "policy", _buffers(v1), name="r",
+                    transport="zmq") as r:
+        assert r.stand_by()
+        r._standby_at = 0.0  # (long placed: its retry time is past)
+        waits, real = [], r._watcher.wait_newer
+
+        def wait_newer(than, timeout):
+            waits.append(timeout)
+            return real(than, timeout)
+
+        r._watcher.wait_newer = wait_newer
+        assert r.wait_for_newer(timeout=0.3) is None
+        assert len(waits) == 1 and waits[0] > 0.2  # one wait to the deadline, no spinning

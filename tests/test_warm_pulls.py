@@ -41,6 +41,20 @@ def _buffers(state) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in state.items()}
 
 
+def counting_plans(coordinator) -> list:
+    """From now on, the `stripes` of every plan request the coordinator answers, in
+    order ([] : a confirmation)."""
+    asked = []
+    real = coordinator._answers[PlanRequest]
+
+    def counted(req):
+        asked.append(req.stripes)
+        return real(req)
+
+    coordinator._answers[PlanRequest] = counted
+    return asked
+
+
 @contextlib.contextmanager
 def replica_fleet(address: str, buffers: dict[str, torch.Tensor], n: int,
                   transport: str) -> Iterator[list[Replica]]:
@@ -63,14 +77,7 @@ def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, 
         pub.publish(v1)
         _pull_all(replicas, 1)
         assert all(r.last_pull_planned for r in replicas)  # the first: one plan each
-        asked = []
-        real = coordinator._answers[PlanRequest]
-
-        def counted(req):
-            asked.append(req.stripes)
-            return real(req)
-
-        coordinator._answers[PlanRequest] = counted
+        asked = counting_plans(coordinator)
         pub.publish(v2)
         _pull_all(replicas, 2)
         # one confirmation each, sent as it started reading, and no plan waited for

@@ -187,9 +187,7 @@ class _Plan:
             manifest=layout.manifest if self.manifest else None,
             checksums=layout.checksums if self.manifest else None,
             lease_id=self.lease_id, lease_ttl=self.lease_ttl,
-            sources=[Source(worker_id=w.worker_id, name=w.name, role=w.role,
-                            endpoint=w.endpoint, memory=load_memory(rec.memory),
-                            progress=self._progress_of(w.worker_id))
+            sources=[source_of(w, load_memory(rec.memory), self._progress_of(w.worker_id))
                      for w, rec in self.sources],
             ranges=self.ranges, **chunked)
 
@@ -225,6 +223,13 @@ class _Encoded:
 
     def wire(self) -> bytes:
         return self.bytes
+
+
+def source_of(worker: WorkerRec, memory: list[MemoryDesc],
+              progress: MemoryDesc | None) -> Source:
+    """A holder as a reader is told of it: who, where, and its regions."""
+    return Source(worker_id=worker.worker_id, name=worker.name, role=worker.role,
+                  endpoint=worker.endpoint, memory=memory, progress=progress)
 
 
 def announce_address_for(bind: str) -> str:
@@ -466,15 +471,13 @@ class Coordinator:
         """Tell subscribers (and later `LatestRequest`s) of a new version, with what a
         reader needs to pull it by the parents it had for the previous one (for a sharded
         version: its part 0's)."""
-        worker = self.table.workers[publisher] if parts == 1 else None
         announcement = Announcement(
             model=model, version=version, layout_id=lid, checksums=layout.checksums,
             chunk_bytes=self.config.planner.chunk_bytes_for(layout.nbytes),
             publisher=publisher, memory_digest=regions_digest(memory), parts=parts,
             manifest=layout.manifest,
-            source=Source(worker_id=publisher, name=worker.name, role=worker.role,
-                          endpoint=worker.endpoint, memory=memory,
-                          progress=worker.progress) if parts == 1 else None)
+            source=source_of(self.table.workers[publisher], memory,
+                             self.table.workers[publisher].progress) if parts == 1 else None)
         msg = encode(announcement)
         self._announcements[model] = _Encoded(announcement, msg)
         try:
@@ -1027,11 +1030,12 @@ class Coordinator:
         sizes = tuple(m.nbytes for m in req.memory)
         self._update_endpoint(reader, req.endpoint)
         dc = reader.labels.get("dc", "")
-        publisher_dc = dc
-        if self.standby.get(req.model, req.layout_id) is None:  # (a new forest's root)
+
+        def publisher_dc() -> str:  # (a trainer's, else this reader's)
             trainer = next((w for w in self.table.workers.values() if w.role == "trainer"),
-                           None)
-            publisher_dc = trainer.labels.get("dc", "") if trainer else dc
+                           reader)
+            return trainer.labels.get("dc", "")
+
         try:
             parents = self.standby.place(
                 req.model, req.layout_id, req.worker_id, dc, sizes, store_memory(req.memory),
@@ -1040,9 +1044,7 @@ class Coordinator:
             raise Reject("layout_mismatch", str(exc)) from None
         standing = self.standby.get(req.model, req.layout_id)
         workers = self.table.workers
-        sources = [Source(worker_id=p, name=workers[p].name, role=workers[p].role,
-                          endpoint=workers[p].endpoint, memory=load_memory(standing.memory[p]),
-                          progress=workers[p].progress)
+        sources = [source_of(workers[p], load_memory(standing.memory[p]), workers[p].progress)
                    for p in dict.fromkeys(parents) if p is not None and p != PUBLISHER]
         return Placement(model=req.model, layout_id=req.layout_id,
                          chunk_bytes=self.config.planner.chunk_bytes_for(sum(sizes)),

@@ -18,6 +18,7 @@ when they confirm). No I/O here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorhub.coordinator.forest import Forest
@@ -43,14 +44,15 @@ class StandingForests:
 
     def place(self, model: str, layout_id: str, worker_id: str, dc: str,
               sizes: tuple[int, ...], memory: tuple, expected: int, now: float,
-              publisher_dc: str) -> list[str | None]:
+              publisher_dc: Callable[[], str]) -> list[str | None]:
         """Place a reader (again: its parents so far, pending stripes filled if they can
         be), with `memory` its regions; `publisher_dc`: where the publisher is expected
-        (the placeholder root's datacenter, so its readers there need no gateway)."""
+        (the placeholder root's datacenter, so its readers there need no gateway), asked
+        only when the forest is new."""
         standing = self._by_key.get((model, layout_id))
         if standing is None:
             forest = Forest(self.stripes, self.fanout, self.grace)
-            forest.add_root(PUBLISHER, publisher_dc, reader=False)
+            forest.add_root(PUBLISHER, publisher_dc(), reader=False)
             forest.publisher = PUBLISHER
             standing = self._by_key[(model, layout_id)] = Standing(forest, sizes)
         elif sizes != standing.sizes:
