@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-from tensorhub.coordinator.table import Table
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import DTYPES, ErrorReply, Reply, Request, StatusRequest
 from tensorhub.core.errors import CoordinatorError
@@ -177,7 +176,7 @@ class World:
         return self.coordinator.handle(payload)
 
     def reset(self) -> None:
-        self.coordinator.table = Table()
+        self.coordinator.start_over()
         ep = {"transport": "zmq", "address": "tcp://127.0.0.1:1"}
         for ref, role in (("trainer", "trainer"), ("reader", "replica"), ("other", "replica")):
             reply = self.call({"type": "register", "name": ref, "role": role, "endpoint": ep})

@@ -114,6 +114,15 @@ def test_standing_by_once_a_version_is_out_is_refused(coordinator):
     assert err.value.code == "stale_version" and "pull it" in str(err.value)
 
 
+def test_starting_over_forgets_the_readers_on_standby_with_the_table(coordinator):
+    _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=100)])
+    coordinator.start_over()
+    assert len(coordinator.standby) == 0
+    # a reader standing by now is placed among the workers the new table knows
+    placed = _stand_by_request(coordinator, [MemoryDesc(addr=4096, nbytes=100)])
+    assert placed.stripes == [PUBLISHER, PUBLISHER] and len(coordinator.standby) == 1
+
+
 def test_a_reader_standing_by_again_after_its_parent_left_gets_another():
     forests = StandingForests(stripes=2, fanout=2, grace=0.0)
 

@@ -255,15 +255,7 @@ class Coordinator:
         """`clock`: the time source for liveness and leases (the simulator drives its own)."""
         self.config = config
         self.clock = clock
-        self.table = Table(clock=clock)
-        self.trust = Trust(config.trust, clock)
-        self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
-        self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
-        self._announcements: dict[str, _Encoded] = {}  # model -> its newest
-        self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
-        # readers placed ahead of a model's first version (`standby.py`)
-        self.standby = StandingForests(config.stripes, config.planner.max_readers_per_holder,
-                                       config.pending_grace)
+        self.start_over()
         self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
         self._fleet_measured_at: float | None = None  # None: no metrics served, never
         self._ctx = zmq.Context.instance()
@@ -308,6 +300,21 @@ class Coordinator:
         self._answers = {**self._handlers, PlanRequest: self._plan_reply}
 
     # ------------------------------------------------------------------ lifecycle
+    def start_over(self) -> None:
+        """Forget every worker, version and reference, as a restart does, sockets kept:
+        the table and all the soft state derived from it, together (state left from an
+        earlier table would name workers the new one does not know)."""
+        self.table = Table(clock=self.clock)
+        self.trust = Trust(self.config.trust, self.clock)
+        self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
+        self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
+        self._announcements: dict[str, _Encoded] = {}  # model -> its newest
+        self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
+        # readers placed ahead of a model's first version (`standby.py`)
+        self.standby = StandingForests(self.config.stripes,
+                                       self.config.planner.max_readers_per_holder,
+                                       self.config.pending_grace)
+
     def start(self) -> Coordinator:
         """Serve in a background thread (tests, demos, in-process use)."""
         self._thread = threading.Thread(target=self.serve_forever, name="tensorhub-coordinator",
