@@ -9,14 +9,18 @@ mix of two versions' parts. Row slices of one tensor, spread over parts, are joi
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tensorhub.core.data_types import GetManifest, Part
+from tensorhub.core.data_types import GetDeclared, GetManifest, Part
 from tensorhub.core.errors import CoordinatorError, LayoutError
 from tensorhub.core.layout import BoundLayout
-from tensorhub.replica import Replica
+from tensorhub.replica import STANDBY_RETRY, Replica
+
+log = logging.getLogger("tensorhub.parted")
 
 
 class PartedReplica:
@@ -31,6 +35,7 @@ class PartedReplica:
                     "labels": labels, "chunked": chunked}
         self.replicas: list[Replica] = [self._replica(0)]
         self.version: int | None = None
+        self._declared_at = 0.0  # when to look for a declared layout (again)
 
     def _replica(self, part: int) -> Replica:
         return Replica(self.coordinator, self.model, name=Part.worker_name(self.name, part),
@@ -51,9 +56,41 @@ class PartedReplica:
 
     def wait_for_newer(self, timeout: float, than: int | str | None = "ours") -> int | None:
         """Block until the coordinator knows a version newer than the one we hold whole (or
-        than `than`); None at the timeout."""
+        than `than`); None at the timeout. Before the first version, a declared layout
+        gives part 0 buffers, so it stands by (`_allocate_declared`)."""
+        self._allocate_declared()
         return self.replicas[0].wait_for_newer(timeout,
                                                than=self.version if than == "ours" else than)
+
+    def _allocate_declared(self) -> None:
+        """With no version yet: allocate part 0's buffers from the manifest the trainer
+        declared for the first version (`Publisher.declare`), so that part 0 stands by
+        and pulls that version with no plan request, as a reader with buffers of its own
+        does. Asked every `STANDBY_RETRY` seconds until there is a declaration. A first
+        version that does not match it is pulled into new buffers (`pull`)."""
+        first = self.replicas[0]
+        if self.version is not None or first.layout is not None or len(self.replicas) > 1 \
+                or time.monotonic() < self._declared_at:
+            return
+        self._declared_at = time.monotonic() + STANDBY_RETRY
+        if first.announcement() is not None:
+            self._declared_at = float("inf")  # a version is out: pulls allocate from it
+            return
+        try:
+            declared = self.session.call(GetDeclared(model=self.model))
+            first.allocate(declared.manifest)
+        except CoordinatorError as exc:
+            if exc.code != "unknown_model":
+                log.warning("%s: could not read %s's declared layout: %s", self.name,
+                            self.model, exc)
+            return
+        except (LayoutError, RuntimeError) as exc:  # (out of memory: allocated at the pull)
+            log.warning("%s: no buffers from %s's declared layout (%s); its first pull "
+                        "allocates them", self.name, self.model, exc)
+            return
+        log.info("%s: allocated %s's declared layout %s (%.1f MiB); standing by for its "
+                 "first version", self.name, self.model, declared.layout_id,
+                 first.layout.nbytes / 2**20)
 
     def withdraw(self, timeout: float) -> None:
         """Stop serving what every part holds, and wait (bounded) for reads of it to end."""
@@ -69,11 +106,9 @@ class PartedReplica:
 
         A version split otherwise than the last (another part count, a part of another
         layout: the trainer's sharding changed) is pulled into new buffers."""
-        reply = self.session.call(GetManifest(model=self.model, version=version))
-        target, parts = reply.version, reply.parts
+        target, parts, layout_id = self._describe(version)
         first = self.replicas[0].layout
-        if len(self.replicas) != parts or (first is not None
-                                           and first.layout_id != reply.layout_id):
+        if len(self.replicas) != parts or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts)
         for r, replica in enumerate(self.replicas):  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
@@ -91,6 +126,16 @@ class PartedReplica:
                 raise failed[0]
         self.version = target
         return target
+
+    def _describe(self, version: int | str) -> tuple[int, int, str]:
+        """`version` (or the latest): its number, its part count and part 0's layout. From
+        its announcement when we heard it (no coordinator call: a fleet pulling a version
+        sends the coordinator only what a single replica sends), else asked."""
+        a = self.replicas[0].announcement(version)
+        if a is not None:
+            return a.version, a.parts, a.layout_id
+        reply = self.session.call(GetManifest(model=self.model, version=version))
+        return reply.version, reply.parts, reply.layout_id
 
     def _rebuild(self, parts: int) -> None:
         # The new workers register before the old ones leave: a trainer deciding whether

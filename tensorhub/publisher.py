@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from tensorhub.core.data_types import (
+    Declare,
     GetManifest,
     Hold,
     Part,
@@ -91,6 +92,26 @@ class Publisher:
             if exc.code in ("unknown_model", "unknown_version"):
                 return 0
             raise
+
+    def declare(self, named_tensors: NamedTensors) -> bool:
+        """Say ahead what the model's first version will be made of (names, dtypes,
+        shapes: no data is read or sent), so that readers with no buffers of their own,
+        such as engines' checkpoint copies, allocate them now and stand by: when the
+        first version comes they pull it at once, none waiting for a plan. Call it at
+        start with the tensors you will publish. False (and nothing declared) once a
+        version is out; a whole-version trainer only."""
+        if self.part.parts > 1:
+            raise ValueError("declare: a sharded trainer's parts cannot be declared yet; "
+                             "its readers ask for plans when the first version comes")
+        manifest = manifest_of(named_list(named_tensors), self.compact_threshold)
+        try:
+            self.session.call(Declare(worker_id=self.session.worker_id, model=self.model,
+                                      manifest=manifest))
+        except CoordinatorError as exc:
+            if exc.code != "stale_version":
+                raise
+            return False
+        return True
 
     def publish(self, named_tensors: NamedTensors, version: int | None = None, *,
                 rows: Mapping[str, tuple[int, int]] | None = None,

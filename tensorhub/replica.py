@@ -38,6 +38,7 @@ from tensorhub.core.data_types import (
     Announcement,
     ByteRange,
     GetManifest,
+    Manifest,
     Part,
     Placement,
     PlanRequest,
@@ -137,6 +138,13 @@ class Replica:
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.layout.named_tensors()) if self.layout else {}
+
+    def allocate(self, manifest: Manifest) -> None:
+        """Buffers of our own for `manifest` (a declared first version: `GetDeclared`), for
+        a replica that has none yet, so that it can stand by before that version exists."""
+        if self.layout is not None:
+            raise LayoutError(f"{self.session.name} has buffers already")
+        self._bind(BoundLayout.allocate(manifest, self._device))
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
@@ -399,12 +407,17 @@ class Replica:
                          name=f"tensorhub-confirm-{self.session.name}").start()
         return future
 
+    def announcement(self, version: int | str = "latest") -> Announcement | None:
+        """The announcement of `version` (or of the newest), if we listen for them (since
+        the first `wait_for_newer`) and heard it."""
+        return self._watcher.announcement(version) if self._watcher is not None else None
+
     def _announced_manifest(self, version: int | str) -> Announcement | None:
         """The announcement of `version` if we listen for them and it carries the manifest
         of a whole (unsharded) version: what a reader with no buffers allocates them by."""
-        if self._watcher is None or self.part != Part():
+        if self.part != Part():
             return None
-        a = self._watcher.announcement(version)
+        a = self.announcement(version)
         return a if a is not None and a.manifest is not None and a.parts == 1 else None
 
     def _warm_plan(self, version: int | str) -> ReadPlan | None:

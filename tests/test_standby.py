@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tensorhub import Publisher, Replica
 from tensorhub.coordinator.standby import StandingForests
@@ -11,6 +12,7 @@ from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.demo import synthetic_state_dict
+from tensorhub.engines.holder import CheckpointHolder
 from tensorhub.testing.waits import wait_for
 from tests.test_warm_pulls import _buffers, _pull_all, counting_plans, replica_fleet, sums
 
@@ -165,3 +167,50 @@ def test_a_placed_replica_waits_for_the_version_without_asking_again(coordinator
         r._watcher.wait_newer = wait_newer
         assert r.wait_for_newer(timeout=0.3) is None
         assert len(waits) == 1 and waits[0] > 0.2  # one wait to the deadline, no spinning
+
+
+def _standing(coordinator, n: int) -> bool:
+    return len(coordinator.standby) == n
+
+
+def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(coordinator,
+                                                                         transport):
+    v1 = synthetic_state_dict(16, n_tiny=12, seed=16)
+    with Publisher(coordinator.address, "policy", transport=transport) as pub:
+        assert pub.declare(v1)
+        holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0",
+                                  transport=transport)  # (follows, as an engine's does)
+        try:
+            wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
+            asked = counting_plans(coordinator)
+            pub.publish(v1)
+            wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
+            assert asked == [[]]  # the pull's confirmation, no plan waited for
+            assert not holder.replica.replicas[0].last_pull_planned
+            assert sums(holder.replica.tensors) == sums(v1)
+        finally:
+            holder.close()
+
+
+def test_a_first_version_unlike_its_declaration_is_still_pulled_bit_exact(coordinator):
+    declared = synthetic_state_dict(8, n_tiny=6, seed=17)
+    v1 = {**declared, "extra": declared[next(iter(declared))].clone() + 1}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        assert pub.declare(declared)
+        holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0",
+                                  transport="zmq")
+        try:
+            wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
+            pub.publish(v1)
+            wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
+            assert sums(holder.replica.tensors) == sums(v1)  # into new buffers, planned
+            assert holder.replica.replicas[0].last_pull_planned
+        finally:
+            holder.close()
+
+
+def test_a_declaration_once_a_version_is_out_is_declined(coordinator):
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish({"w": torch.ones(4)})
+        assert not pub.declare({"w": torch.ones(4)})
+        assert coordinator.standby.declared("policy") is None

@@ -156,3 +156,27 @@ def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinat
         _pull_all([r], 1)
         assert asked == [] and sums(r.tensors) == sums(state)
 
+
+
+def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
+    """An engine's checkpoint copy (`PartedReplica`) takes a version's parts and layout
+    from its announcement: per version it sends the coordinator what a replica sends."""
+    from tensorhub.core.data_types import GetManifest
+    from tensorhub.parted import PartedReplica
+
+    v1 = synthetic_state_dict(8, n_tiny=10, seed=6)
+    v2 = {n: t + 1 for n, t in v1.items()}
+    manifests, real = [], coordinator._answers[GetManifest]
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            PartedReplica(coordinator.address, "policy", name="engine",
+                          transport="zmq") as copy:
+        pub.publish(v1)
+        coordinator._answers[GetManifest] = lambda req: manifests.append(req) or real(req)
+        _pull_all([copy], 1)
+        coordinator._answers[GetManifest] = real  # (the publisher asks for the latest)
+        pub.publish(v2)
+        coordinator._answers[GetManifest] = lambda req: manifests.append(req) or real(req)
+        asked = counting_plans(coordinator)
+        _pull_all([copy], 2)
+        assert manifests == [] and asked == [[]]  # only the warm pull's confirmation
+        assert sums(copy.tensors) == sums(v2)

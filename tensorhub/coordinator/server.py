@@ -49,7 +49,10 @@ from tensorhub.core.data_types import (
     PUBLISHER,
     Ack,
     Announcement,
+    Declare,
+    Declared,
     ErrorReply,
+    GetDeclared,
     GetManifest,
     Heartbeat,
     Hold,
@@ -294,6 +297,8 @@ class Coordinator:
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
             LatestRequest: self._latest, PublishStatus: self._publish_status,
             StandBy: self._stand_by,
+            Declare: self._declare,
+            GetDeclared: self._get_declared,
         }  # fmt: skip
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
@@ -1059,6 +1064,29 @@ class Coordinator:
                          # (a leaf's stripe waits for the grace, after which any slot is
                          # its: there is no hurry before the version exists)
                          retry_after=self.config.pending_grace if None in parents else None)
+
+    def _declare(self, req: Declare) -> Ack:
+        """Keep the manifest a trainer says its model's first version will have (`Declare`)."""
+        if self._worker(req.worker_id).role != "trainer":
+            raise Reject("bad_request", "only a worker registered as trainer declares")
+        mrec = self.table.models.get(req.model)
+        if mrec is not None and mrec.versions:
+            raise Reject("stale_version", f"{req.model!r} v{mrec.latest} is out already: "
+                                          f"readers allocate from its manifest")
+        try:
+            check_manifest(req.manifest)
+        except LayoutError as exc:
+            raise Reject("bad_request", f"manifest: {exc}") from None
+        self.standby.declare(req.model, req.manifest)
+        return _ACK
+
+    def _get_declared(self, req: GetDeclared) -> Declared:
+        manifest = self.standby.declared(req.model)
+        if manifest is None:
+            raise Reject("unknown_model", f"no manifest declared for {req.model!r} (its "
+                                          f"trainer has not declared one, or a version "
+                                          f"is out: read its manifest)")
+        return Declared(model=req.model, layout_id=layout_id(manifest), manifest=manifest)
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""

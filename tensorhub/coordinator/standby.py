@@ -11,6 +11,10 @@ the standing one as it would the last version's (`Forest.adopt`): every reader o
 pulls at once from the parents it was told, and confirms while it reads, as a steady fleet
 does. The publisher's endpoint and regions come with the announcement.
 
+A reader with no buffers of its own (an engine's checkpoint copy, allocated from the
+version's manifest) can stand by too if the trainer declared that manifest ahead
+(`Declare`): it allocates from the declaration and stands by like the rest.
+
 The standing forest is soft state, like every record here: lost with a restart (readers
 then ask as usual), and a reader that leaves is taken out (its children get new parents
 when they confirm). No I/O here.
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorhub.coordinator.forest import Forest
-from tensorhub.core.data_types import PUBLISHER
+from tensorhub.core.data_types import PUBLISHER, Manifest
 
 
 @dataclass
@@ -38,6 +42,13 @@ class StandingForests:
     def __init__(self, stripes: int, fanout: int, grace: float):
         self.stripes, self.fanout, self.grace = stripes, fanout, grace
         self._by_key: dict[tuple[str, str], Standing] = {}
+        self._declared: dict[str, Manifest] = {}  # model -> its first version's, declared
+
+    def declare(self, model: str, manifest: Manifest) -> None:
+        self._declared[model] = manifest
+
+    def declared(self, model: str) -> Manifest | None:
+        return self._declared.get(model)
 
     def get(self, model: str, layout_id: str) -> Standing | None:
         return self._by_key.get((model, layout_id))
@@ -86,7 +97,9 @@ class StandingForests:
 
     def drop_model(self, model: str) -> None:
         """A version of `model` is out: standing forests of its other layouts (or of a
-        sharded first version) will never be taken."""
+        sharded first version) will never be taken, and readers allocate from the
+        version's manifest, not from a declaration."""
+        self._declared.pop(model, None)
         for key in [k for k in self._by_key if k[0] == model]:
             del self._by_key[key]
 

@@ -363,10 +363,30 @@ class StandBy(Strict):
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since
 
 
+class Declare(Strict):
+    """A trainer says, before its model's first version, the manifest that version will
+    have: readers with no buffers of their own (an engine's checkpoint copy) allocate
+    them from it and stand by (`StandBy`) instead of asking for a plan when the version
+    comes. Forgotten once a version is out. A declaration the version does not match
+    costs nothing but the readers' early allocation: they ask for a plan as usual."""
+
+    type: Literal["declare"] = "declare"
+    worker_id: Name
+    model: Name
+    manifest: Manifest
+
+
+class GetDeclared(Strict):
+    """The manifest declared for `model`'s first version (`Declare`), if there is one."""
+
+    type: Literal["get_declared"] = "get_declared"
+    model: Name
+
+
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
     | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress
-    | LatestRequest | PublishStatus | StandBy,
+    | LatestRequest | PublishStatus | StandBy | Declare | GetDeclared,
     Field(discriminator="type"),
 ]
 
@@ -497,6 +517,15 @@ class Placement(Strict):
     retry_after: float | None = None
 
 
+class Declared(Strict):
+    """The answer to `GetDeclared`: the manifest the model's first version will have."""
+
+    type: Literal["declared"] = "declared"
+    model: Name
+    layout_id: Name
+    manifest: Manifest
+
+
 # A placement's parent that is the coming version's publisher, whoever that is (no worker
 # id is one: every id ends in a suffix the coordinator makes).
 PUBLISHER = "@publisher"
@@ -598,6 +627,6 @@ class Announcement(Strict):
 Reply = Annotated[
     ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
     | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply
-    | Placement,
+    | Placement | Declared,
     Field(discriminator="type"),
 ]
