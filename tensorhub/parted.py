@@ -10,6 +10,7 @@ mix of two versions' parts. Row slices of one tensor, spread over parts, are joi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +37,7 @@ class PartedReplica:
         self.replicas: list[Replica] = [self._replica(0)]
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
+        self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
 
     def _replica(self, part: int) -> Replica:
         return Replica(self.coordinator, self.model, name=Part.worker_name(self.name, part),
@@ -66,17 +68,20 @@ class PartedReplica:
         """With no version yet: allocate part 0's buffers from the manifest the trainer
         declared for the first version (`Publisher.declare`), so that part 0 stands by
         and pulls that version with no plan request, as a reader with buffers of its own
-        does. Asked every `STANDBY_RETRY` seconds until there is a declaration. A first
-        version that does not match it is pulled into new buffers (`pull`)."""
+        does. Asked every `STANDBY_RETRY` seconds until there is a declaration (or a
+        version). Never while a pull runs (`_lock`): it allocates by itself. A first
+        version unlike the declaration is pulled into new buffers (`pull`)."""
         first = self.replicas[0]
         if self.version is not None or first.layout is not None or len(self.replicas) > 1 \
-                or time.monotonic() < self._declared_at:
-            return
-        self._declared_at = time.monotonic() + STANDBY_RETRY
-        if first.announcement() is not None:
-            self._declared_at = float("inf")  # a version is out: pulls allocate from it
+                or time.monotonic() < self._declared_at or not self._lock.acquire(False):
             return
         try:
+            if self.version is not None or first.layout is not None:
+                return  # (a pull ran meanwhile)
+            self._declared_at = time.monotonic() + STANDBY_RETRY
+            if first.announcement() is not None:
+                self._declared_at = float("inf")  # a version is out: pulls allocate from it
+                return
             declared = self.session.call(GetDeclared(model=self.model))
             first.allocate(declared.manifest)
         except CoordinatorError as exc:
@@ -85,9 +90,12 @@ class PartedReplica:
                             self.model, exc)
             return
         except (LayoutError, RuntimeError) as exc:  # (out of memory: allocated at the pull)
+            self._declared_at = float("inf")
             log.warning("%s: no buffers from %s's declared layout (%s); its first pull "
                         "allocates them", self.name, self.model, exc)
             return
+        finally:
+            self._lock.release()
         log.info("%s: allocated %s's declared layout %s (%.1f MiB); standing by for its "
                  "first version", self.name, self.model, declared.layout_id,
                  first.layout.nbytes / 2**20)
@@ -106,6 +114,10 @@ class PartedReplica:
 
         A version split otherwise than the last (another part count, a part of another
         layout: the trainer's sharding changed) is pulled into new buffers."""
+        with self._lock:
+            return self._pull(version, timeout)
+
+    def _pull(self, version: int | str, timeout: float) -> int:
         target, parts, layout_id = self._describe(version)
         first = self.replicas[0].layout
         if len(self.replicas) != parts or (first is not None and first.layout_id != layout_id):
@@ -128,10 +140,11 @@ class PartedReplica:
         return target
 
     def _describe(self, version: int | str) -> tuple[int, int, str]:
-        """`version` (or the latest): its number, its part count and part 0's layout. From
-        its announcement when we heard it (no coordinator call: a fleet pulling a version
-        sends the coordinator only what a single replica sends), else asked."""
-        a = self.replicas[0].announcement(version)
+        """`version` (or the latest): its number, its part count and part 0's layout. For
+        a version by number, from its announcement when we heard it (a fleet pulling a
+        version then sends the coordinator only what a single replica sends), else asked
+        (and "latest" is always asked: what we heard may be older already)."""
+        a = self.replicas[0].announcement(version) if isinstance(version, int) else None
         if a is not None:
             return a.version, a.parts, a.layout_id
         reply = self.session.call(GetManifest(model=self.model, version=version))

@@ -95,11 +95,12 @@ class Publisher:
 
     def declare(self, named_tensors: NamedTensors) -> bool:
         """Say ahead what the model's first version will be made of (names, dtypes,
-        shapes: no data is read or sent), so that readers with no buffers of their own,
-        such as engines' checkpoint copies, allocate them now and stand by: when the
-        first version comes they pull it at once, none waiting for a plan. Call it at
-        start with the tensors you will publish. False (and nothing declared) once a
-        version is out; a whole-version trainer only."""
+        shapes: no data is read or sent), so that engines' checkpoint copies
+        (`PartedReplica`, following versions) allocate their buffers from it within a few
+        seconds and stand by: when the first version comes they pull it at once, none
+        waiting for a plan. Call it at start with the tensors you will publish, well
+        before the first `publish`. False (and nothing declared) once a version is out; a
+        whole-version trainer only. Soft state: a coordinator restart forgets it."""
         if self.part.parts > 1:
             raise ValueError("declare: a sharded trainer's parts cannot be declared yet; "
                              "its readers ask for plans when the first version comes")

@@ -145,6 +145,7 @@ class Replica:
         if self.layout is not None:
             raise LayoutError(f"{self.session.name} has buffers already")
         self._bind(BoundLayout.allocate(manifest, self._device))
+        self._standby_at = 0.0  # (it could not stand by without buffers: it can now)
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,

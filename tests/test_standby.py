@@ -192,6 +192,26 @@ def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(coordin
             holder.close()
 
 
+def test_an_engine_copy_waiting_before_the_declaration_stands_by_once_it_comes(coordinator):
+    from tensorhub.core.data_types import GetDeclared
+
+    v1 = synthetic_state_dict(8, n_tiny=6, seed=18)
+    asked_declared, real = [], coordinator._answers[GetDeclared]
+    coordinator._answers[GetDeclared] = lambda req: asked_declared.append(req) or real(req)
+    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq")
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            wait_for(lambda: asked_declared, timeout=10, what="the copy asked (in vain)")
+            assert pub.declare(v1)
+            wait_for(lambda: _standing(coordinator, 1), timeout=20, what="on standby")
+            asked = counting_plans(coordinator)
+            pub.publish(v1)
+            wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
+            assert asked == [[]] and sums(holder.replica.tensors) == sums(v1)
+    finally:
+        holder.close()
+
+
 def test_a_first_version_unlike_its_declaration_is_still_pulled_bit_exact(coordinator):
     declared = synthetic_state_dict(8, n_tiny=6, seed=17)
     v1 = {**declared, "extra": declared[next(iter(declared))].clone() + 1}

@@ -157,7 +157,6 @@ def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinat
         assert asked == [] and sums(r.tensors) == sums(state)
 
 
-
 def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
     """An engine's checkpoint copy (`PartedReplica`) takes a version's parts and layout
     from its announcement: per version it sends the coordinator what a replica sends."""

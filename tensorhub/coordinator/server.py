@@ -1081,12 +1081,14 @@ class Coordinator:
         return _ACK
 
     def _get_declared(self, req: GetDeclared) -> Declared:
-        manifest = self.standby.declared(req.model)
-        if manifest is None:
+        declared = self.standby.declared(req.model)
+        mrec = self.table.models.get(req.model)
+        if declared is None or (mrec is not None and mrec.versions):
             raise Reject("unknown_model", f"no manifest declared for {req.model!r} (its "
                                           f"trainer has not declared one, or a version "
                                           f"is out: read its manifest)")
-        return Declared(model=req.model, layout_id=layout_id(manifest), manifest=manifest)
+        manifest, lid = declared
+        return Declared(model=req.model, layout_id=lid, manifest=manifest)
 
     def _progress(self, req: Progress) -> Ack:
         """Record the reader as a partial holder of the chunks it has finished."""

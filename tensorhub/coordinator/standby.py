@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tensorhub.coordinator.forest import Forest
 from tensorhub.core.data_types import PUBLISHER, Manifest
+from tensorhub.core.layout import layout_id
 
 
 @dataclass
@@ -42,12 +43,13 @@ class StandingForests:
     def __init__(self, stripes: int, fanout: int, grace: float):
         self.stripes, self.fanout, self.grace = stripes, fanout, grace
         self._by_key: dict[tuple[str, str], Standing] = {}
-        self._declared: dict[str, Manifest] = {}  # model -> its first version's, declared
+        # model -> the manifest declared for its first version, and that layout's id
+        self._declared: dict[str, tuple[Manifest, str]] = {}
 
     def declare(self, model: str, manifest: Manifest) -> None:
-        self._declared[model] = manifest
+        self._declared[model] = (manifest, layout_id(manifest))
 
-    def declared(self, model: str) -> Manifest | None:
+    def declared(self, model: str) -> tuple[Manifest, str] | None:
         return self._declared.get(model)
 
     def get(self, model: str, layout_id: str) -> Standing | None:

@@ -365,10 +365,11 @@ class StandBy(Strict):
 
 class Declare(Strict):
     """A trainer says, before its model's first version, the manifest that version will
-    have: readers with no buffers of their own (an engine's checkpoint copy) allocate
-    them from it and stand by (`StandBy`) instead of asking for a plan when the version
-    comes. Forgotten once a version is out. A declaration the version does not match
-    costs nothing but the readers' early allocation: they ask for a plan as usual."""
+    have: engines' checkpoint copies (`PartedReplica`, which have no buffers before a
+    version) allocate from it and stand by (`StandBy`) instead of asking for a plan when
+    the version comes. Forgotten once a version is out (and by a restart). A declaration
+    the version does not match costs nothing but those readers' early allocation: they
+    ask for a plan as usual."""
 
     type: Literal["declare"] = "declare"
     worker_id: Name
