@@ -3,7 +3,9 @@ cold and with readers on standby, and the next one pulled from the same parents)
 coordinator modelled as a queue (its real handlers, timed here, one message at a time),
 beside a star, a ring, the binomial-pipeline optimum and the per-chunk design it replaced;
 also 1 TiB. Writes bench/results/simulate.{jsonl,md} and simulate.png.
-`python -m bench.simulate [--max N] [--per-chunk-max N] [--tib-readers N]`."""
+`python -m bench.simulate [--max N] [--per-chunk-max N] [--tib-readers N]`; `--tib-only`
+runs the 1 TiB fan-out alone (bench/results/simulate_tib.{jsonl,md}: 1024 readers take
+about half an hour here)."""
 
 from __future__ import annotations
 
@@ -70,24 +72,28 @@ def main(argv: list[str] | None = None) -> None:
                              "simulate: its messages grow with readers x chunks)")
     parser.add_argument("--tib-readers", type=int, default=64,
                         help="readers of the 1 TiB fan-out (0: skip it)")
+    parser.add_argument("--tib-only", action="store_true",
+                        help="run only the 1 TiB fan-out, into simulate_tib.{jsonl,md}")
     args = parser.parse_args(argv)
     sizes = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= args.max]
     base = SimConfig(model_bytes=int(args.model_gib * 2**30))
     measured = measure_socket_cost()
     socket_cost = measured.saturated
-    report = Report("simulate")
+    report = Report("simulate_tib" if args.tib_only else "simulate")
     report.add("coordinator socket cost per message, saturated loop (measured; charged)",
                socket_cost * 1e6, "us", "half a round trip less the handler",
                measured.half_round_trip * 1e6, higher_is_better=False)
     report.add("coordinator heartbeat handler (measured)", measured.handler * 1e6, "us")
-    rows = run_sweep(base, sizes, per_chunk_max=args.per_chunk_max, socket_cost=socket_cost)
+    rows = [] if args.tib_only else run_sweep(base, sizes, per_chunk_max=args.per_chunk_max,
+                                              socket_cost=socket_cost)
     _report(report, rows)
     if args.tib_readers:
         tib = replace(base, model_bytes=1 << 40, tensor_bytes=8 << 30, time_limit=3600.0)
         _report(report, run_sweep(tib, [args.tib_readers], socket_cost=socket_cost,
                                   steady=False, standby=False), label="1 TiB ")
     report.write()
-    print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
+    if rows:
+        print(f"plot: {plot(rows, RESULTS / 'simulate.png')}")
 
 
 if __name__ == "__main__":
