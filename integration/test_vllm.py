@@ -16,6 +16,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
+from tensorhub.testing.waits import wait_for
 
 MODEL = "policy"
 TOKENS = 16
@@ -103,6 +104,26 @@ def test_an_engine_started_later_serves_the_newest_version_without_its_weights_o
         assert late.request("/tensorhub/status")["serving_version"] == 3  # before any request
         assert late.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
     assert "joined at policy v3 from peers" in late.log_path.read_text()
+
+
+def test_an_engine_up_before_a_declared_first_version_stands_by_and_pulls_it_unplanned(
+        fleet, vllm_python):
+    """A trainer that declares its first version's layout at start: an engine already
+    serving (the weights from disk) allocates its copy from the declaration, is placed
+    ahead of the version, and pulls it with no plan request when it comes."""
+    model = "declared"
+    engine = VLLMServer(vllm_python, fleet.versions.dir, extra_args=PLUGIN_ARGS,
+                        env={**plugin_env(fleet.address), "TENSORHUB_MODEL": model},
+                        log_path=fleet.root / "declared.log")
+    with engine, Publisher(fleet.address, model, name="declaring-trainer") as pub:
+        assert pub.declare(fleet.versions.state(2))
+        wait_for(lambda: f"on standby for {model}'s first version" in
+                 engine.log_path.read_text(), timeout=60, what="the engine on standby")
+        assert pub.publish(fleet.versions.state(2)) == 1
+        wait_serving(engine, 1)
+        assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[1]
+    assert f"pulling {model} v1 from the parents of its standby" in \
+        engine.log_path.read_text()
 
 
 def _generate(server: VLLMServer, prompt: list[int]) -> dict:
