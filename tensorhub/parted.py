@@ -17,7 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tensorhub.core.data_types import GetDeclared, GetManifest, Part
-from tensorhub.core.errors import CoordinatorError, LayoutError
+from tensorhub.core.errors import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    LayoutError,
+    TransferError,
+)
 from tensorhub.core.layout import BoundLayout
 from tensorhub.replica import STANDBY_RETRY, Replica
 
@@ -89,7 +94,10 @@ class PartedReplica:
                 log.warning("%s: could not read %s's declared layout: %s", self.name,
                             self.model, exc)
             return
-        except (LayoutError, RuntimeError) as exc:  # (out of memory: allocated at the pull)
+        except CoordinatorUnavailable:
+            return  # (restarting: asked again later)
+        except (LayoutError, TransferError, MemoryError, RuntimeError) as exc:
+            # (buffers that could not be allocated or registered: the first pull will)
             self._declared_at = float("inf")
             log.warning("%s: no buffers from %s's declared layout (%s); its first pull "
                         "allocates them", self.name, self.model, exc)
