@@ -60,6 +60,7 @@ from tensorhub.core.data_types import (
     HoldingsReply,
     HoldingsRequest,
     LatestRequest,
+    Manifest,
     ManifestReply,
     MemoryDesc,
     ModelStatus,
@@ -460,11 +461,15 @@ class Coordinator:
                 raise Reject("layout_mismatch",
                              f"item {k}: {m.nbytes} bytes registered, layout says {item.nbytes}")
 
-    def _new_layout(self, manifest, checksums) -> tuple[str, LayoutRec]:
+    @staticmethod
+    def _check_manifest(manifest: Manifest) -> None:
         try:
             check_manifest(manifest)
         except LayoutError as exc:
             raise Reject("bad_request", f"manifest: {exc}") from None
+
+    def _new_layout(self, manifest, checksums) -> tuple[str, LayoutRec]:
+        self._check_manifest(manifest)
         items = plan_items(manifest)
         if checksums is None or len(checksums) != len(items):
             raise Reject("bad_request",
@@ -1073,10 +1078,7 @@ class Coordinator:
         if mrec is not None and mrec.versions:
             raise Reject("stale_version", f"{req.model!r} v{mrec.latest} is out already: "
                                           f"readers allocate from its manifest")
-        try:
-            check_manifest(req.manifest)
-        except LayoutError as exc:
-            raise Reject("bad_request", f"manifest: {exc}") from None
+        self._check_manifest(req.manifest)  # (one that could be published)
         self.standby.declare(req.model, req.manifest)
         return _ACK
 
