@@ -51,8 +51,7 @@ def _holder(*args: str) -> tuple[ChildProcess, dict]:
 
 class RawReader:
     """A bare NIXL agent reading from the raw holder: the baseline without TensorHub.
-    (Same agent settings as ours, progress-thread delay included, so only our layers
-    differ.)"""
+    (The same agent settings as ours, so only our layers differ.)"""
 
     def __init__(self, info: dict):
         self.agent = make_agent("raw-reader")

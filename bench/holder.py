@@ -69,7 +69,7 @@ def _tensors(args) -> list[torch.Tensor]:
 
 
 def _raw(args) -> None:
-    from tensorhub.core.transport.nixl import apply_ucx_defaults, make_agent
+    from tensorhub.core.transport.nixl import ProgressLoop, apply_ucx_defaults, make_agent
 
     apply_ucx_defaults()
     tensors = _tensors(args)
@@ -80,6 +80,7 @@ def _raw(args) -> None:
         tensors = layout.tensors
         shared = regions_of(layout.item_bytes)
     agent = make_agent("raw-holder")
+    ProgressLoop(agent, threading.Lock(), "raw-holder")  # serves emulated (tcp) reads
     agent.register_memory(tensors)
     compact = None
     if args.tiny:  # the same bytes, packed as TensorHub's compaction packs them

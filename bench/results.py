@@ -25,7 +25,6 @@ def machine_notes() -> dict:
         "python": platform.python_version(),
         "load_1min": round(load, 2) if load is not None else None,
         "ucx_tls": os.environ.get("UCX_TLS"),
-        "nixl_progress_us": os.environ.get("TENSORHUB_NIXL_PROGRESS_US", "default"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": False,
     }

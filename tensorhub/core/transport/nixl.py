@@ -26,18 +26,22 @@ from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
 # GPU switch (untested here: no GPU): same-host VRAM reads by CUDA IPC (UCX `cuda_ipc`).
 CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
-# NIXL's Python API starts its progress thread with no delay between polls: an idle agent
-# then burns a whole core (measured: 3.0 CPU-s per 3 s), which on a 2-core engine host
-# halves everything else. A 100 us pause costs ~3% of a core. It must stay short: over
-# `tcp,cma` UCX emulates READ with active messages (`rma_am(tcp/lo)` in UCX's log), so a
-# holder's progress thread paces every read of it; at 1 ms an engine-to-engine pull of
-# 686 MiB took 22 s instead of 3.6 s (50 us) on this busy 2-core machine.
-PROGRESS_DELAY_US = int(os.environ.get("TENSORHUB_NIXL_PROGRESS_US", "100"))
+# How often `ProgressLoop` advances the agent's UCX worker (it serves the reads other workers
+# make of us over `tcp`, where UCX emulates READ with active messages, and completes ours).
+PROGRESS_PERIOD_S = 1e-3
 # A read's completion is checked this many times back to back, then after pauses that
-# double from WAIT_FIRST_S up to WAIT_MAX_S (see `NixlTransport._wait`).
+# double from WAIT_FIRST_S up to WAIT_MAX_S, or up to WAIT_SHARE of the time it has taken
+# so far where that is longer (see `NixlTransport._wait`).
 WAIT_SPINS = 200
 WAIT_FIRST_S = 50e-6
 WAIT_MAX_S = 1e-3
+WAIT_SHARE = 0.05
+WAIT_LONGEST_S = 0.02
+# A peer whose read was given up (no progress within the stall timeout) is not read from
+# again for this long: every other read of it waiting or in flight fails at once, so a
+# stopped source costs one stall timeout, not one per stripe (it has been re-planned away
+# by then; a peer that comes back is read again afterwards).
+GIVE_UP_S = 30.0
 _creation_lock = threading.RLock()  # agent creation: UCX's environment, NIXL's wrapper
 log = logging.getLogger("tensorhub.transport.nixl")
 
@@ -57,6 +61,19 @@ def apply_ucx_defaults(host: str = "127.0.0.1") -> dict[str, str]:
     return applied
 
 
+class _PeerState:
+    """One peer's reads: `lock` is held by the read in flight (its connection state is
+    the read's); `given_up_until` is set when a read of it made no progress in time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.given_up_until = 0.0
+        self.reason = ""
+
+    def given_up(self) -> bool:
+        return time.monotonic() < self.given_up_until
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
@@ -71,13 +88,18 @@ class NixlTransport(Transport):
                 # this one starts (a worker on another host must choose its own)
                 for key in applied:
                     os.environ.pop(key, None)
-        if "UCX" not in self._agent.backends:
-            raise RuntimeError("NIXL could not create its UCX backend; check UCX_TLS")
         self._lock = threading.RLock()  # our maps
         self._agent_lock = threading.Lock()  # one agent call at a time (taken after _lock)
         self._registered: dict[tuple[int, int], object] = {}
         self._peers: dict[str, tuple[str, str]] = {}  # worker_id -> (agent name, metadata hash)
-        self._peer_locks: dict[str, threading.Lock] = {}  # worker_id -> held for a read
+        self._peer_states: dict[str, _PeerState] = {}
+        self._progress = ProgressLoop(self._agent, self._agent_lock, self.agent_name)
+
+    @property
+    def late_reads(self) -> int:
+        """Reads given up that completed later (their bytes landed after all): a copy
+        verified before one of these must be verified again before it is used."""
+        return self._progress.late
 
     def register(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
@@ -124,21 +146,38 @@ class NixlTransport(Transport):
         self._peers[peer.worker_id] = (name, digest)
         return name
 
-    def _peer_lock(self, worker_id: str) -> threading.Lock:
+    def _peer(self, worker_id: str) -> _PeerState:
         with self._lock:
-            return self._peer_locks.setdefault(worker_id, threading.Lock())
+            return self._peer_states.setdefault(worker_id, _PeerState())
+
+    def _give_up(self, state: _PeerState, worker_id: str, reason: str) -> TransferError:
+        if not state.given_up():
+            state.given_up_until = time.monotonic() + GIVE_UP_S
+            state.reason = reason
+            log.warning("giving up %s for %.0f s: %s", worker_id, GIVE_UP_S, reason)
+        return TransferError(reason, worker_id)
 
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
         """Reads from one peer run one at a time (its connection state is theirs); reads
         from different peers overlap: each agent call is made under `_agent_lock`, but a
-        read's wait for completion is not, so two reads are in flight at once. (NIXL's own
-        strict locking would also hold off the agent's progress thread while one call
-        blocks, e.g. connecting to a host that fell silent, and this worker would stop
-        serving its readers meanwhile.)"""
+        read's wait for completion is not. A read that makes no progress within `timeout`
+        gives the peer up (`GIVE_UP_S`): every other read of it, waiting or in flight,
+        fails at once instead of waiting out a timeout of its own."""
         if not ops:
             return
         check_ops(ops)
-        with self._peer_lock(peer.worker_id):
+        state = self._peer(peer.worker_id)
+        deadline = time.monotonic() + timeout
+        if state.given_up():
+            raise TransferError(f"{peer.worker_id} was given up: {state.reason}",
+                                peer.worker_id)
+        if not state.lock.acquire(timeout=max(0.0, timeout)):
+            raise self._give_up(state, peer.worker_id, f"a read of {peer.worker_id} made no "
+                                f"progress within {timeout:.1f}s")
+        try:
+            if state.given_up():  # (given up while we waited for the lock)
+                raise TransferError(f"{peer.worker_id} was given up: {state.reason}",
+                                    peer.worker_id)
             with self._lock, self._agent_lock:
                 remote_agent = self._connect(peer)
             groups: dict[tuple[str, str], list[ReadOp]] = {}
@@ -161,65 +200,79 @@ class NixlTransport(Transport):
                             self._agent.get_xfer_descs(local, local_mem),
                             self._agent.get_xfer_descs(remote, remote_mem),
                             remote_agent,
-                            b"tensorhub-read",
                         )
                         handles.append(handle)
                         started = self._agent.transfer(handle)
                     if started == "ERR":
                         raise TransferError(f"NIXL READ from {peer.worker_id} failed to start",
                                             peer.worker_id)
-                self._wait(handles, peer, timeout)
+                self._wait(handles, peer, state, deadline, timeout)
             except TransferError:
                 raise
             except Exception as exc:
                 raise TransferError(f"NIXL READ from {peer.worker_id} failed: {exc}",
                                     peer.worker_id) from None
             finally:
-                for h in handles:
-                    try:
-                        with self._agent_lock:
-                            h.release()
-                    except Exception:  # a handle still in flight after a timeout
-                        pass
+                # A handle still in flight (given up) is handed to the progress loop, which
+                # releases it once it ends: released here it would fail and be retried by
+                # the garbage collector, outside our lock.
+                self._progress.release(handles)
+        finally:
+            state.lock.release()
 
-    def _wait(self, handles: list, peer: Peer, timeout: float) -> None:
+    def _wait(self, handles: list, peer: Peer, state: _PeerState, deadline: float,
+              timeout: float) -> None:
         """Until every handle is done. A short read is over within the first checks; a long
-        one is checked ever less often, up to every `WAIT_MAX_S`: a reader that spins on
-        its read takes the CPU that its own and its peers' transfers need. (The pause
-        carries over from one handle to the next: they were posted together.)"""
-        deadline = time.monotonic() + timeout
+        one is checked ever less often: every `WAIT_MAX_S`, and once it has taken a while
+        every `WAIT_SHARE` of that time (at most `WAIT_LONGEST_S`), so a read that waits on
+        a silent peer costs next to no CPU and one that ends is seen at most 5 % late.
+        (The pause carries over from one handle to the next: they were posted together.)"""
         pending = list(handles)
+        started = time.monotonic()
         spins, pause = 0, WAIT_FIRST_S
         while pending:
             with self._agent_lock:
-                state = self._agent.check_xfer_state(pending[0])
-            if state == "DONE":
+                status = self._agent.check_xfer_state(pending[0])
+            if status == "DONE":
                 pending.pop(0)
                 continue
-            if state == "ERR":
+            if status == "ERR":
                 raise TransferError(f"NIXL READ from {peer.worker_id} failed", peer.worker_id)
+            if state.given_up():
+                raise TransferError(f"{peer.worker_id} was given up: {state.reason}",
+                                    peer.worker_id)
             if time.monotonic() > deadline:
-                raise TransferError(
-                    f"NIXL READ from {peer.worker_id} made no progress within {timeout:.1f}s",
-                    peer.worker_id,
-                )
+                raise self._give_up(state, peer.worker_id, f"NIXL READ from {peer.worker_id} "
+                                    f"made no progress within {timeout:.1f}s")
             spins += 1
             if spins > WAIT_SPINS:
                 time.sleep(pause)
-                pause = min(2 * pause, WAIT_MAX_S)
+                longest = min(WAIT_LONGEST_S,
+                              max(WAIT_MAX_S, WAIT_SHARE * (time.monotonic() - started)))
+                pause = min(2 * pause, longest)
 
     def forget_peer(self, worker_id: str) -> None:
-        with self._peer_lock(worker_id), self._lock, self._agent_lock:  # no read in flight
-            known = self._peers.pop(worker_id, None)
-            if known is not None:
-                try:
-                    self._agent.remove_remote_agent(known[0])
-                except Exception:
-                    pass
+        """Drop our connection to `worker_id`. Never waits for a read of it in flight (that
+        read ends by itself, failing once the peer is given up): the connection is then
+        dropped by the next read, which finds new metadata or none."""
+        state = self._peer(worker_id)
+        if not state.lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock, self._agent_lock:
+                known = self._peers.pop(worker_id, None)
+                if known is not None:
+                    try:
+                        self._agent.remove_remote_agent(known[0])
+                    except Exception:
+                        pass
+        finally:
+            state.lock.release()
 
     def close(self) -> None:
         for worker_id in list(self._peers):
             self.forget_peer(worker_id)
+        self._progress.stop()
         with self._lock, self._agent_lock:
             for descs in self._registered.values():
                 try:
@@ -229,25 +282,85 @@ class NixlTransport(Transport):
             self._registered.clear()
 
 
-def make_agent(name: str):
-    """A NIXL agent with a UCX backend and a progress thread that sleeps between polls."""
-    import importlib
+class ProgressLoop:
+    """Advances a NIXL agent's UCX worker every `PROGRESS_PERIOD_S`, on a thread of its own.
 
+    NIXL's own progress thread polls the worker's event descriptor and progresses it again
+    whenever that is ready. A UCX `tcp` endpoint that waits for a silent peer (stopped,
+    hung, or connected but not yet answering) keeps asking for write readiness on a socket
+    that is always writable, so that thread never sleeps and burns a whole core for as long
+    as the peer is silent. Agents are therefore made without it (`make_agent`), and this
+    loop sleeps between rounds whatever the sockets say. Each round is one agent call that
+    releases the GIL (`get_new_notifs`, which progresses the worker), under the caller's
+    agent lock.
+
+    It also owns transfer handles given up while still in flight (`release`): it releases
+    each once it has ended, and counts those that ended well (`late`): their bytes landed
+    after the read was given up."""
+
+    def __init__(self, agent, lock: threading.Lock, name: str,
+                 period: float = PROGRESS_PERIOD_S):
+        self._agent, self._lock, self._period = agent, lock, period
+        self._abandoned: list = []
+        self.late = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"tensorhub-progress-{name}")
+        self._thread.start()
+
+    def release(self, handles: list) -> None:
+        """Release `handles` (ours, ended or given up) under the agent lock; a handle still
+        in flight is kept and released by the loop once it ends."""
+        with self._lock:
+            for h in handles:
+                if not self._release_ended(h, late=False):
+                    self._abandoned.append(h)
+
+    def _release_ended(self, h, late: bool) -> bool:
+        """Release `h` if it has ended (True); `late`: it was given up, so if it ended
+        well its bytes landed after the reader had moved on."""
+        try:
+            state = self._agent.check_xfer_state(h)
+        except Exception:
+            state = "ERR"
+        if state == "PROC":
+            return False
+        if state == "DONE" and late:
+            self.late += 1
+            log.warning("a NIXL read given up earlier completed after all: its bytes landed")
+        try:
+            h.release()
+        except Exception as exc:  # (kept referenced: never released by the collector)
+            log.debug("releasing a NIXL transfer handle: %s", exc)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            with self._lock:
+                try:
+                    self._agent.get_new_notifs()
+                except Exception as exc:  # never let the loop die: readers rely on it
+                    log.debug("NIXL progress: %s", exc)
+                if self._abandoned:
+                    self._abandoned = [h for h in self._abandoned
+                                       if not self._release_ended(h, late=True)]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def make_agent(name: str):
+    """A NIXL agent with a UCX backend and no progress thread of its own: its owner drives
+    progress (`ProgressLoop`, or its own completion checks)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    api = importlib.import_module(nixl_agent.__module__)
-    create = api.nixlBind.nixlAgent
-
-    def create_with_delay(agent_name, config):
-        config.pthrDelay = PROGRESS_DELAY_US
-        return create(agent_name, config)
-
-    with _creation_lock:  # the wrapper hard-codes pthrDelay=0; set ours just before creation
-        api.nixlBind.nixlAgent = create_with_delay
-        try:
-            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        finally:
-            api.nixlBind.nixlAgent = create
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent.create_backend("UCX", {})
+    if "UCX" not in agent.backends:
+        raise RuntimeError("NIXL could not create its UCX backend; check UCX_TLS")
+    return agent
 
 
 def _key(b: torch.Tensor) -> tuple[int, int]:
