@@ -140,7 +140,7 @@ def _models(address: str):
 
 
 RANK1 = """
-import sys, torch
+import sys, threading, torch
 from tensorhub import Publisher
 from tests.test_sharded import rank_state
 pub = Publisher(sys.argv[1], "policy", transport="nixl", name="rank1", part=1, parts=2)
@@ -148,7 +148,7 @@ for v in map(int, sys.argv[2:]):
     print("publishing", v, flush=True)
     pub.publish(rank_state(1, v), version=v)
     print("published", v, flush=True)
-input()
+threading.Event().wait()  # serve until killed
 """
 
 
