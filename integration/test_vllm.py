@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from integration.sharded import publish_in_two_ranks
 from integration.tiny_model import Versions, pick_stable_prompts
@@ -266,3 +267,50 @@ def test_an_engines_own_metrics_endpoint_shows_its_version_and_switches(fleet):
         assert samples[("tensorhub_pull_seconds_count", MODEL)] == len({t.version
                                                                         for t in pulled})
         assert samples[("tensorhub_pull_bytes_total", MODEL)] == sum(t.nbytes for t in pulled)
+
+
+def _bad_versions(state: dict) -> list[tuple[str, dict, str]]:
+    """(what is wrong, the state dict, the tensor the refusal names): a value head placed
+    after the first layer's tensors, a tensor of the wrong shape, one of the wrong dtype."""
+    names = list(state)
+    first_layer_end = max(i for i, n in enumerate(names) if n.startswith("model.layers.0."))
+    head = [*names[:first_layer_end + 1], "model.layers.1.value_head.weight",
+            *names[first_layer_end + 1:]]
+    value_head = torch.randn(1, state[names[0]].shape[-1])
+    extra = {n: state.get(n, value_head) for n in head}
+    target = names[first_layer_end + 2]
+    shape = dict(state)
+    shape[target] = state[target][:-1].clone()
+    dtype = dict(state)
+    dtype[target] = state[target].to(torch.float16)
+    return [("an unknown tensor", extra, "model.layers.1.value_head.weight"),
+            ("a wrong shape", shape, target), ("a wrong dtype", dtype, target)]
+
+
+def test_a_version_the_model_cannot_load_is_refused_and_the_engines_serve_on(fleet):
+    """One bad publish must not take the fleet down: each engine refuses it before its
+    model is touched (its log, its status and a metric say which tensor and why), keeps
+    answering as HF does on the version it reports, and takes the next good version."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    serving = fleet.engines[0].request("/tensorhub/status")["serving_version"]
+    for what, state, tensor in _bad_versions(fleet.versions.state(serving)):
+        bad = fleet.pub.publish(state)
+        for e in fleet.engines:
+            wait_for(lambda e=e, bad=bad: (e.request("/tensorhub/status")["unloadable"] or {}
+                                           ).get("version") == bad, timeout=60,
+                     what=f"{e.url} refusing v{bad} ({what})")
+            status = e.request("/tensorhub/status")
+            assert tensor in status["unloadable"]["reason"], status["unloadable"]
+            assert status["serving_version"] == serving
+            assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[serving - 1]
+    for e in fleet.engines:
+        refused = [s.value for f in text_string_to_metric_families(e.request("/metrics"))
+                   for s in f.samples
+                   if s.name == "tensorhub_engine_unloadable_versions_total"]
+        assert refused == [3]
+        assert "does not fit the engine's model" in e.log_path.read_text()
+    good = fleet.pub.publish(fleet.versions.state(6))
+    for e in fleet.engines:
+        assert wait_serving(e, good)["vllm_weight_version"] == str(good)
+        assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]

@@ -4,6 +4,7 @@ transport settings, and answers as HF transformers does on the same float32 weig
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -58,3 +59,69 @@ def test_a_vllm_engine_joins_from_an_engine_on_another_host(tmp_path, vllm_pytho
         finally:
             late.stop()
             first.stop()
+
+
+# A trainer on another host that publishes a version and stops (SIGSTOP) right after the
+# coordinator accepted it: the engine starts reading from it and gets no byte.
+STOPPING_TRAINER = """
+import os, signal, sys
+from safetensors.torch import load_file
+from tensorhub import Publisher
+pub = Publisher(sys.argv[1], "policy", name="stopping-trainer")
+print('{"version": %d}' % pub.publish(load_file(sys.argv[2])), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+QUIET_REQUESTS = 5
+STOPPED_FOR = 60.0
+ON_TIME = 2.0  # seconds over the engine's quiet latency (the issue's bound)
+
+
+def test_an_engine_answers_on_time_while_the_source_it_reads_from_is_stopped(
+        tmp_path, vllm_python):
+    """The engine's request loop shares no fate with a peer: while the only source of a
+    version it is pulling is stopped for a minute (on another host), a greedy request a
+    second is answered as fast as when nothing moves, and as HF answers on the version the
+    engine reports."""
+    import signal
+    import statistics
+    import sys
+    import time
+
+    versions = Versions(tmp_path, count=2)
+    published = save_version(versions.dir, versions.state(2), tmp_path / "v2")
+    prompts, expected = pick_stable_prompts(versions.dir, 2, 12, TOKENS,
+                                            state_dicts=[versions.state(1)])
+    with Cluster(2, egress="800mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
+        h0, h1 = cluster.hosts
+        env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": fleet.address,
+               "TENSORHUB_MODEL": "policy"}
+        engine = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
+                            log_path=tmp_path / "vllm-h1.log").on(h1)
+        trainer = None
+        try:
+            engine.start(300)
+
+            def timed() -> float:
+                started = time.monotonic()
+                assert engine.greedy(prompts[:1], TOKENS) == expected[0][:1]
+                return time.monotonic() - started
+
+            quiet = statistics.median(timed() for _ in range(QUIET_REQUESTS))
+            trainer = h0.popen([sys.executable, "-c", STOPPING_TRAINER, fleet.address,
+                                str(published)], name="stopping-trainer",
+                               log_path=str(tmp_path / "trainer.log"))
+            assert trainer.next_json(120) == {"version": 1}
+            stopped_at, latencies = time.monotonic(), []
+            while time.monotonic() - stopped_at < STOPPED_FOR:
+                latencies.append(timed())
+                time.sleep(max(0.0, 1.0 - latencies[-1]))
+            assert max(latencies) < quiet + ON_TIME, \
+                f"quiet {quiet:.2f} s, while the source was stopped up to {max(latencies):.2f} s"
+            status = engine.tensorhub_status()
+            assert status["serving_version"] is None  # the disk weights: v1 never came whole
+            assert engine.greedy(prompts, TOKENS) == expected[0]
+        finally:
+            if trainer is not None:
+                os.kill(trainer.proc.pid, signal.SIGKILL)
+                trainer.stop()
+            engine.stop()

@@ -34,6 +34,9 @@ SERVING_VERSION = Gauge("tensorhub_engine_serving_version", "Version the engine 
 UPDATES = Counter("tensorhub_engine_updates", "Versions the engine switched to", ["model"])
 UPDATE_FAILURES = Counter("tensorhub_engine_update_failures", "Switches that failed (the "
                           "engine kept its weights)", ["model"])
+UNLOADABLE = Counter("tensorhub_engine_unloadable_versions", "Versions refused before the "
+                     "model was touched: their tensors' names, shapes or dtypes are unlike "
+                     "the engine's model (the engine kept serving its version)", ["model"])
 
 
 def use_multiprocess_files() -> bool:
@@ -60,6 +63,10 @@ def switched(model: str, version: int, stall_seconds: float) -> None:
     STALL_SECONDS.labels(model).observe(stall_seconds)
     SERVING_VERSION.labels(model).set(version)
     UPDATES.labels(model).inc()
+
+
+def refused_unloadable(model: str) -> None:
+    UNLOADABLE.labels(model).inc()
 
 
 class WorkerPulls:

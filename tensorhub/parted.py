@@ -181,6 +181,16 @@ class PartedReplica:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.tensors.items())
 
+    def reverify(self) -> None:
+        """Each part verified again if a late read may have landed in it (`Replica.reverify`);
+        a part that fails stops the whole version being ours."""
+        try:
+            for r in self.replicas:
+                r.reverify()
+        except Exception:
+            self.version = None
+            raise
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version, whole: a tensor published as row slices by several

@@ -48,10 +48,16 @@ from tensorhub.core.data_types import (
     Source,
     StandBy,
 )
-from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError, TransferError
+from tensorhub.core.errors import (
+    CoordinatorError,
+    IntegrityError,
+    LayoutError,
+    TensorHubError,
+    TransferError,
+)
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import describe, regions_digest
-from tensorhub.core.puller import PullStats, Verifier, read_plan, split
+from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.stripes import Replan, warm_lease_id
 from tensorhub.core.transport import Transport
@@ -120,6 +126,8 @@ class Replica:
                 self.session.close()
                 raise
         self.version: int | None = None
+        self._checksums: list[str] = []  # the held version's, per item
+        self._late_seen = 0  # the transport's late reads when we last verified our buffers
         self.last_pull: PullStats | None = None
         self.last_pull_planned = True  # False: the last pull needed no plan request
         self._watcher: VersionWatcher | None = None
@@ -146,6 +154,32 @@ class Replica:
             raise LayoutError(f"{self.session.name} has buffers already")
         self._bind(BoundLayout.allocate(manifest, self._device))
         self._standby_at = 0.0  # (it could not stand by without buffers: it can now)
+
+    def _late_reads(self) -> int:
+        return self.session.transport.late_reads
+
+    def reverify(self) -> None:
+        """Verify the version we hold again if a read given up earlier has landed since it
+        was verified (its bytes may have gone into our buffers); raises `IntegrityError`
+        and stops holding the version if they did not match."""
+        late = self._late_reads()
+        if self.version is None or late == self._late_seen:
+            return
+        plan = ReadPlan.model_construct(model=self.model, version=self.version,
+                                        checksums=self._checksums)
+        try:
+            for k, buf in enumerate(self.layout.item_bytes):
+                check_item(plan, k, buf)
+        except IntegrityError:
+            version, self.version = self.version, None
+            try:
+                self.session.withdraw(self.model, version, 10.0, force=True)
+            except TensorHubError as exc:
+                log.warning("%s: withdrawing v%d: %s", self.session.name, version, exc)
+            raise
+        self._late_seen = late
+        log.warning("%s: a late read landed; %s v%d verified again: whole", self.session.name,
+                    self.model, self.version)
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
@@ -349,6 +383,7 @@ class Replica:
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.hold(self.model, plan.version, self.layout, plan.checksums, self.part)
             self.version = plan.version
+            self._checksums, self._late_seen = plan.checksums, self._late_reads()
             if reader is not None and not self.staging:
                 self._remember_parents(reader)
         finally:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.weights_check import LoadableWeights, from_tensors
 from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
@@ -77,6 +78,10 @@ class CheckpointHolder:
         self.applied: int | None = None
         self.refused: int | None = None  # the last version the engine's ranks turned down
         self.last_error: str | None = None
+        # What the engine's model loads (set by the plugin; then the last version applied):
+        # a version unlike it is refused before the model is touched (`tensors_of`).
+        self.loadable: LoadableWeights | None = None
+        self.unloadable: dict | None = None  # the last version refused so: {version, reason}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,20 +198,55 @@ class CheckpointHolder:
             elif self._refused(version):
                 problem = TensorHubError(f"{self.name}: refusing v{version} ({REFUSE_ENV})",
                                          code="refused")
+            else:
+                problem = self._unloadable(version) or self._reverified()
             if not agree(problem is None):
                 self.refused = version  # nobody applies it: the copy may move on
                 raise problem or TensorHubError(
                     f"another rank of this engine cannot apply v{version}, so no rank "
                     f"applies it; the engine keeps its current weights", code="refused")
+            named = self.replica.named_tensors()
             try:
-                yield self.replica.named_tensors()
+                yield named
             except BaseException:
                 self.refused = version  # the engine could not load it: the copy moves on
                 raise
             self.applied = version
+            self.loadable = from_tensors(named, f"v{version}, the last version it applied",
+                                         self.loadable.optional if self.loadable else None)
         finally:
             if locked:
                 self._lock.release()
+
+    def check(self, version: int) -> None:
+        """Raise the refusal if the copy holds `version` and the engine cannot load it (the
+        front end asks before it pauses generation)."""
+        with self._lock:
+            if self.replica.version == version:
+                problem = self._unloadable(version)
+                if problem is not None:
+                    self.refused = version  # nobody applies it: the copy may move on
+                    raise problem
+
+    def _reverified(self) -> TensorHubError | None:
+        """What is applied is what was verified: a late read may have landed in the copy."""
+        try:
+            self.replica.reverify()
+        except TensorHubError as exc:
+            return exc
+        return None
+
+    def _unloadable(self, version: int) -> TensorHubError | None:
+        """A refusal when the copy's tensors are unlike what the engine loads."""
+        if self.loadable is None:
+            return None
+        reason = self.loadable.refusal(version, self.replica.named_tensors())
+        if reason is None:
+            return None
+        if (self.unloadable or {}).get("version") != version:
+            log.error("%s: refusing %s; still serving the version it has", self.name, reason)
+        self.unloadable = {"version": version, "reason": reason}
+        return TensorHubError(reason, code="unloadable")
 
     def close(self) -> None:
         self._stop.set()

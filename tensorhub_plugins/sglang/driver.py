@@ -35,6 +35,7 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest, StatusRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings
+from tensorhub.engines.weights_check import refusal_in
 from tensorhub_plugins.sglang.naming import (
     LOADER,
     native_worker_name,
@@ -81,6 +82,7 @@ class Driver:
         self.updates = 0
         self.last_update: dict | None = None
         self.last_error: str | None = None
+        self.unloadable: dict | None = None  # the last version refused: {version, reason}
         self._first_seen: dict[int, float] = {}
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._stop = threading.Event()
@@ -186,6 +188,15 @@ class Driver:
             self._post("/update_weight_version",
                        {"new_version": str(self.serving or "default"),
                         "abort_all_requests": False})
+            reasons = [r for s in states if (r := refusal_in(s.get("error") or ""))]
+            if reasons:  # the model cannot load it: never tried again
+                if (self.unloadable or {}).get("version") != version:
+                    metrics.refused_unloadable(self.settings.model)
+                    log.error("TensorHub: refusing %s; still serving v%s", reasons[0],
+                              self.serving)
+                self.unloadable = {"version": version, "reason": reasons[0]}
+                self._retry_at[version] = float("inf")
+                raise TensorHubError(reasons[0], code="unloadable")
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
         self.updates += 1
@@ -221,7 +232,8 @@ class Driver:
             "mode": self.settings.mode, "serving_version": serving,
             "held_version": self.held_version, "latest_version": self.latest,
             "updates": self.updates, "last_update": self.last_update,
-            "last_error": self.last_error, "memory": _memory(states),
+            "last_error": self.last_error, "unloadable": self.unloadable,
+            "memory": _memory(states),
             "params_moved": any(s.get("params_moved") for s in states), "ranks": states,
         }
 
@@ -271,7 +283,8 @@ class Driver:
                         self.swap(*update)
                     except Exception:
                         metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-                        self._retry_at = {update[0]: time.monotonic() + RETRY_REFUSED}
+                        self._retry_at = {update[0]: max(self._retry_at.get(update[0], 0.0),
+                                                         time.monotonic() + RETRY_REFUSED)}
                         raise
                 self.last_error = None
             except Exception as exc:  # log once, keep serving the old version

@@ -42,6 +42,7 @@ from tensorhub.engines.shared_copy import (
     broadcast_from_first,
     one_copy_per_engine,
 )
+from tensorhub.engines.weights_check import from_checkpoint, tied_optional
 from tensorhub_plugins.sglang.naming import (
     instance_name,
     native_worker_name,
@@ -124,6 +125,9 @@ def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
     try:  # whatever fails here, every rank must still reach the vote
         if not shared or _rank == 0:
             holder = _copy()
+            if holder.loadable is None and holder.applied is None:
+                holder.loadable = from_checkpoint(getattr(model.config, "_name_or_path", ""),
+                                                  tied_optional(model.config))
             if holder.version != version:
                 holder.pull(version)
                 sources = holder.sources()

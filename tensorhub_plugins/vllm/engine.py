@@ -32,6 +32,7 @@ from tensorhub.engines.shared_copy import (
     apply_shared,
     broadcast_from_first,
 )
+from tensorhub.engines.weights_check import from_checkpoint, tied_optional
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -41,7 +42,8 @@ log = logging.getLogger("tensorhub.vllm")
 class TensorHubInitInfo(WeightTransferInitInfo):
     """`op="init"` creates the holder; `op="prefetch"` pulls `version` in the background;
     `op="release"` lets `version` go on a rank that holds it unapplied (another rank holds a
-    newer one, so the engine will never apply it)."""
+    newer one, so the engine will never apply it); `op="check"` raises if the copy holds
+    `version` and the model cannot load it (before generation is paused for it)."""
 
     op: str = "init"
     coordinator: str = ""
@@ -107,16 +109,28 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout)
+            self.holder.loadable = self._loadable()
             log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
                      init_info.follow)
         elif init_info.op == "release":
             if self.holder is not None:
                 self.holder.release(init_info.version)
+        elif init_info.op == "check":
+            if self.holder is not None:
+                self.holder.check(init_info.version)
         elif init_info.op == "prefetch":
             if self._shared is None:
                 self._holder().prefetch(init_info.version or "latest")
         else:
             raise ValueError(f"unknown TensorHub init op {init_info.op!r}")
+
+    def _loadable(self):
+        """What this engine's model loads: the checkpoint it started from (None where it
+        started with no weights: the first version it applies then tells)."""
+        if self.vllm_config.load_config.load_format == "dummy":
+            return None
+        model_config = self.vllm_config.model_config
+        return from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
 
     def _holder(self) -> CheckpointHolder:
         if self.holder is None:

@@ -28,6 +28,7 @@ from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import versions_to_release
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
+from tensorhub.engines.weights_check import refusal_in
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -54,6 +55,7 @@ class Frontend:
         self.last_update: dict | None = None
         self.updates = 0
         self.last_error: str | None = None
+        self.unloadable: dict | None = None  # the last version refused: {version, reason}
         self._swap = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
@@ -106,6 +108,7 @@ class Frontend:
                 return {"version": version, "stall_ms": 0.0, "changed": False}
             started = time.perf_counter()
             marks: dict[str, float] = {}
+            await self._check(version)
             if pause:
                 # clear_cache=False: we reset the prefix cache ourselves after the swap.
                 await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
@@ -149,6 +152,23 @@ class Frontend:
                      stall_ms, ", ".join(steps))
             return {"version": version, "stall_ms": stall_ms, "changed": True}
 
+    async def _check(self, version: int) -> None:
+        """Refuse `version` before generation pauses if the model cannot load it (its
+        tensors' names, shapes or dtypes are unlike the model's): it is never tried again."""
+        try:
+            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
+                init_info={"op": "check", "version": version}))
+        except Exception as exc:
+            reason = refusal_in(str(exc))
+            if reason is None:
+                raise
+            if (self.unloadable or {}).get("version") != version:
+                metrics.refused_unloadable(self.settings.model)
+                log.error("TensorHub: refusing %s; still serving v%s", reason, self.serving)
+            self.unloadable = {"version": version, "reason": reason}
+            self._retry_at[version] = float("inf")
+            raise TensorHubError(reason, code="unloadable") from None
+
     async def update(self, version: int | None, timeout: float) -> dict:
         """Manual update: pull (if needed) then swap; the stall covers the swap only."""
         latest, _ = await self.holdings()
@@ -173,8 +193,10 @@ class Frontend:
                     try:
                         await self.swap(held)
                     except Exception:
-                        # Each try pauses generation: a refused version waits a while.
-                        self._retry_at = {held: time.monotonic() + RETRY_REFUSED}
+                        # Each try pauses generation: a refused version waits a while (one
+                        # the model cannot load, for ever).
+                        self._retry_at = {held: max(self._retry_at.get(held, 0.0),
+                                                    time.monotonic() + RETRY_REFUSED)}
                         raise
                 self.last_error = None
             except asyncio.CancelledError:
@@ -223,6 +245,7 @@ class Frontend:
             "vllm_weight_version": await self.engine.get_weight_version(),
             "held_version": held, "latest_version": latest, "updates": self.updates,
             "last_update": self.last_update, "last_error": self.last_error,
+            "unloadable": self.unloadable,
         }
 
 
@@ -278,8 +301,8 @@ async def tensorhub_update(request: Request, body: UpdateRequest | None = None) 
     try:
         return await frontend.update(body.version, body.timeout)
     except TensorHubError as exc:
-        status = {"unknown_model": 404, "unknown_version": 404, "timeout": 504}.get(
-            exc.code, 502)
+        status = {"unknown_model": 404, "unknown_version": 404, "timeout": 504,
+                  "unloadable": 422}.get(exc.code, 502)
         raise HTTPException(status, f"update failed ({exc.code}): {exc}; still serving "
                                     f"v{frontend.serving}") from None
     except Exception as exc:

@@ -104,6 +104,10 @@ class AutoTransport(Transport):
                     self._refused.add(peer.worker_id)
         return self._nixl.read(peer, ops, timeout)
 
+    @property
+    def late_reads(self) -> int:
+        return self._nixl.late_reads
+
     def forget_peer(self, worker_id: str) -> None:
         with self._lock:
             self._refused.discard(worker_id)

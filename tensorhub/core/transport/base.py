@@ -57,6 +57,13 @@ class Transport(ABC):
     def forget_peer(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """Drop cached connection state for a peer that left."""
 
+    @property
+    def late_reads(self) -> int:
+        """Reads given up (timed out) whose bytes landed later after all. Zero where a read
+        is over when `read` returns; a copy verified before this count grew must be
+        verified again before it is used."""
+        return 0
+
     @abstractmethod
     def close(self) -> None: ...
 
