@@ -42,6 +42,7 @@ WAIT_LONGEST_S = 0.02
 # stopped source costs one stall timeout, not one per stripe (it has been re-planned away
 # by then; a peer that comes back is read again afterwards).
 GIVE_UP_S = 30.0
+LOCK_CHECK_S = 0.05  # how often a read waiting for its turn looks whether the peer was given up
 _creation_lock = threading.RLock()  # agent creation: UCX's environment, NIXL's wrapper
 log = logging.getLogger("tensorhub.transport.nixl")
 
@@ -167,17 +168,9 @@ class NixlTransport(Transport):
             return
         check_ops(ops)
         state = self._peer(peer.worker_id)
-        deadline = time.monotonic() + timeout
-        if state.given_up():
-            raise TransferError(f"{peer.worker_id} was given up: {state.reason}",
-                                peer.worker_id)
-        if not state.lock.acquire(timeout=max(0.0, timeout)):
-            raise self._give_up(state, peer.worker_id, f"a read of {peer.worker_id} made no "
-                                f"progress within {timeout:.1f}s")
+        self._take_turn(state, peer.worker_id, max(timeout, GIVE_UP_S))
+        deadline = time.monotonic() + timeout  # (the read's own clock starts now)
         try:
-            if state.given_up():  # (given up while we waited for the lock)
-                raise TransferError(f"{peer.worker_id} was given up: {state.reason}",
-                                    peer.worker_id)
             with self._lock, self._agent_lock:
                 remote_agent = self._connect(peer)
             groups: dict[tuple[str, str], list[ReadOp]] = {}
@@ -219,6 +212,23 @@ class NixlTransport(Transport):
                 self._progress.release(handles)
         finally:
             state.lock.release()
+
+    @staticmethod
+    def _take_turn(state: _PeerState, worker_id: str, patience: float) -> None:
+        """Wait for the read of this peer in flight to end (it ends within its own
+        timeout), but not for a peer given up meanwhile. Waiting here is not the peer's
+        fault: a slow link's long read delays a poll, and never gives the peer up."""
+        until = time.monotonic() + patience
+        while True:
+            if state.given_up():
+                raise TransferError(f"{worker_id} was given up: {state.reason}", worker_id)
+            if state.lock.acquire(timeout=LOCK_CHECK_S):
+                if not state.given_up():
+                    return
+                state.lock.release()
+            elif time.monotonic() > until:
+                raise TransferError(f"{worker_id} was busy with another read for "
+                                    f"{patience:.0f}s", worker_id)
 
     def _wait(self, handles: list, peer: Peer, state: _PeerState, deadline: float,
               timeout: float) -> None:
