@@ -4,7 +4,6 @@ transport settings, and answers as HF transformers does on the same float32 weig
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -64,11 +63,14 @@ def test_a_vllm_engine_joins_from_an_engine_on_another_host(tmp_path, vllm_pytho
 # A trainer on another host that publishes a version and stops (SIGSTOP) right after the
 # coordinator accepted it: the engine starts reading from it and gets no byte.
 STOPPING_TRAINER = """
-import os, signal, sys
+import glob, os, signal, sys
 from safetensors.torch import load_file
 from tensorhub import Publisher
+state = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[2], "*.safetensors"))):
+    state.update(load_file(path))
 pub = Publisher(sys.argv[1], "policy", name="stopping-trainer")
-print('{"version": %d}' % pub.publish(load_file(sys.argv[2])), flush=True)
+print('{"version": %d}' % pub.publish(state), flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
 """
 QUIET_REQUESTS = 5
@@ -82,7 +84,6 @@ def test_an_engine_answers_on_time_while_the_source_it_reads_from_is_stopped(
     version it is pulling is stopped for a minute (on another host), a greedy request a
     second is answered as fast as when nothing moves, and as HF answers on the version the
     engine reports."""
-    import signal
     import statistics
     import sys
     import time
@@ -122,6 +123,6 @@ def test_an_engine_answers_on_time_while_the_source_it_reads_from_is_stopped(
             assert engine.greedy(prompts, TOKENS) == expected[0]
         finally:
             if trainer is not None:
-                os.kill(trainer.proc.pid, signal.SIGKILL)
+                trainer.kill()
                 trainer.stop()
             engine.stop()
