@@ -66,8 +66,7 @@ def reader_cpu(transport: str, size_mib: int, stall: float, window: float) -> fl
     (from 1 s after the stop: the pull's own first second of work is left out)."""
     env = {"TENSORHUB_SHARED_MEMORY": "0", "TENSORHUB_STALL_TIMEOUT": str(stall)}
     coordinator = CoordinatorProcess().start()
-    trainer_transport = "nixl" if transport.startswith("nixl") or transport == "auto" \
-        else transport
+    trainer_transport = transport if transport in ("cma", "zmq") else "nixl"
     trainer = ChildProcess([sys.executable, "-c", TRAINER, coordinator.address,
                             trainer_transport, str(size_mib)], env=env, name="trainer")
     reader = None
@@ -87,7 +86,8 @@ def reader_cpu(transport: str, size_mib: int, stall: float, window: float) -> fl
         cores = (cpu_seconds(reader.proc.pid) - before) / (time.monotonic() - started)
         return max(cores, TICK / window)  # (the clock's resolution: no zero to divide by)
     finally:
-        os.kill(trainer.proc.pid, signal.SIGCONT)
+        if trainer.proc.poll() is None:
+            os.kill(trainer.proc.pid, signal.SIGCONT)
         if reader is not None:
             reader.stop()
         trainer.stop()
