@@ -187,17 +187,18 @@ def test_the_second_sglang_pulls_the_next_version_natively_into_its_live_paramet
     assert bridge["memory"]["checkpoint_copy_bytes"] > 10 * native["memory"]["compact_bytes"]
 
 
-def test_a_version_the_model_cannot_load_is_refused_and_sglang_serves_on(fleet):
-    """SGLang and vLLM side by side: each refuses a version its model cannot load before
-    the model is touched, says which tensor in `/tensorhub/status`, keeps answering as HF
-    does on its version, and takes the next good one."""
+def test_a_version_the_model_cannot_load_is_refused_and_sglang_serves_on(fleet, late):
+    """SGLang (the checkpoint path, and one that joined natively with no weights on disk)
+    and vLLM side by side: each refuses a version its model cannot load before the model
+    is touched, says which tensor in `/tensorhub/status`, keeps answering as HF does on its
+    version, and takes the next good one."""
     from integration.test_vllm import _bad_versions
     from tensorhub.testing.waits import wait_for
 
     serving = fleet.sgl.request("/tensorhub/status")["serving_version"]
     for what, state, tensor in _bad_versions(fleet.versions.state(serving)):
         bad = fleet.pub.publish(state)
-        for server in (fleet.sgl, fleet.vllm):
+        for server in (fleet.sgl, late, fleet.vllm):
             wait_for(lambda s=server, bad=bad: (s.request("/tensorhub/status")["unloadable"]
                                                 or {}).get("version") == bad,
                      timeout=60, what=f"{server.url} refusing v{bad} ({what})")
@@ -207,6 +208,7 @@ def test_a_version_the_model_cannot_load_is_refused_and_sglang_serves_on(fleet):
             assert server.greedy(fleet.prompts, TOKENS) == fleet.expected[serving - 1]
     good = fleet.pub.publish(fleet.versions.state(3))
     wait_sglang(fleet.sgl, good)
+    wait_sglang(late, good)
     wait_serving(fleet.vllm, good)
-    for server in (fleet.sgl, fleet.vllm):
+    for server in (fleet.sgl, late, fleet.vllm):
         assert server.greedy(fleet.prompts, TOKENS) == fleet.expected[2]

@@ -127,3 +127,17 @@ def test_a_copy_a_late_read_landed_in_is_verified_again_before_it_is_applied(
             assert holder.version is None
     finally:
         holder.close()
+
+
+def test_what_an_engine_loads_can_be_a_published_versions_manifest(coordinator):
+    """An engine that applied a version another way (SGLang's native path) checks later
+    versions against that version's published tensors."""
+    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+                              follow=False)
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            v = pub.publish(STATE)
+            assert holder.loadable_as(v, set()).specs == from_tensors(STATE.items(), "").specs
+            assert holder.loadable_as(v + 5, set()) is None
+    finally:
+        holder.close()

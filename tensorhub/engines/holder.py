@@ -28,8 +28,9 @@ from contextlib import contextmanager
 
 import torch
 
+from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.weights_check import LoadableWeights, from_tensors
+from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
 from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
@@ -217,6 +218,22 @@ class CheckpointHolder:
         finally:
             if locked:
                 self._lock.release()
+
+    def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
+        """What the engine loads, as the published tensors of `version`, a version it
+        applied another way (SGLang's native path); None if the coordinator no longer has
+        it."""
+        try:
+            session = self.replica.session
+            first = session.call(GetManifest(model=self.replica.model, version=version))
+            manifests = [first.manifest] + [
+                session.call(GetManifest(model=self.replica.model, version=version,
+                                         part=k)).manifest for k in range(1, first.parts)]
+        except TensorHubError as exc:
+            log.info("%s: no manifest of v%d to check versions against (%s)", self.name,
+                     version, exc)
+            return None
+        return from_manifests(manifests, f"v{version}, the last version it applied", optional)
 
     def check(self, version: int) -> None:
         """Raise the refusal if the copy holds `version` and the engine cannot load it (the

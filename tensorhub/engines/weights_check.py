@@ -91,6 +91,18 @@ def from_tensors(named: Iterable[tuple[str, torch.Tensor]], source: str,
                            set(optional or ()))
 
 
+def from_manifests(manifests: Iterable, source: str, optional: set[str] | None = None
+                   ) -> LoadableWeights:
+    """What a published version holds, from its parts' manifests (a tensor split by rows
+    over parts counts whole)."""
+    specs: dict[str, Spec] = {}
+    for manifest in manifests:
+        for t in manifest.tensors:
+            shape = tuple(t.shape) if t.rows is None else (t.rows[2], *t.shape[1:])
+            specs[t.name] = (t.dtype, shape)
+    return LoadableWeights(specs, source, set(optional or ()))
+
+
 def from_checkpoint(model_dir: str | Path, optional: set[str] | None = None
                     ) -> LoadableWeights | None:
     """What a checkpoint folder's safetensors files hold (headers only); None where it has

@@ -126,8 +126,10 @@ def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
         if not shared or _rank == 0:
             holder = _copy()
             if holder.loadable is None and holder.applied is None:
-                holder.loadable = from_checkpoint(getattr(model.config, "_name_or_path", ""),
-                                                  tied_optional(model.config))
+                optional = tied_optional(model.config)
+                holder.loadable = from_checkpoint(
+                    getattr(model.config, "_name_or_path", ""), optional) or (
+                    holder.loadable_as(_applied, optional) if _applied else None)
             if holder.version != version:
                 holder.pull(version)
                 sources = holder.sources()
