@@ -79,7 +79,8 @@ def test_the_file_is_closed_once_the_last_view_is_gone():
     assert regions_of([view]) == [region]  # a view keeps the memory and its file
     del view
     gc.collect()
-    assert region not in shared_memory._regions.values()
+    with shared_memory._lock:
+        assert region not in shared_memory._regions_now().values()
     assert not os.path.exists(f"/proc/self/fd/{region.fd}") or \
         os.fstat(os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)).st_ino != region.inode
 
@@ -217,3 +218,26 @@ def test_mappings_of_holders_that_exited_are_let_go(pair):
     reader._shm._pruned = 0.0  # (checked at most once a second)
     reader.read(Peer("near", holder.endpoint()), [_op(dest, src)], 10)
     assert set(reader._shm._maps) == {"near"}
+
+
+def test_a_buffer_freed_inside_the_registrys_lock_does_not_wait_on_itself():
+    """The garbage collector may free a shared buffer on a thread that holds the registry's
+    lock (an allocation there): its finalizer must not wait for that lock (it once waited
+    until pytest-timeout's alarm broke it)."""
+    import threading
+
+    from tensorhub.core import shared_memory
+
+    buffer = [shared_memory.shared_empty(4096)]
+    addr = buffer[0].data_ptr()
+
+    def free_inside_the_lock() -> None:
+        with shared_memory._lock:
+            buffer.clear()  # the last reference: the mapping's finalizer runs here
+
+    thread = threading.Thread(target=free_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "the finalizer waited for a lock its own thread holds"
+    with shared_memory._lock:
+        assert addr not in shared_memory._regions_now()

@@ -19,6 +19,7 @@ TENSORHUB_SHARED_MEMORY=0, buffers are ordinary memory.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import logging
 import mmap
@@ -44,15 +45,26 @@ def enabled() -> bool:
 
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}  # by start address: our live shared buffers
+_freed: collections.deque[int] = collections.deque()  # addresses unmapped, still in _regions
 
 
 def _forget(addr: int, fd: int) -> None:
-    with _lock:
-        _regions.pop(addr, None)
+    """A mapping's finalizer. It takes no lock: the garbage collector may run it on a thread
+    inside `_lock` already (an allocation there), which would then wait on itself. The
+    address leaves `_regions` at the next locked step (`_regions_now`), before it can be
+    mapped again."""
+    _freed.append(addr)
     try:
         os.close(fd)
     except OSError:
         pass
+
+
+def _regions_now() -> dict[int, SharedRegion]:
+    """`_regions` without the freed addresses (call under `_lock`)."""
+    while _freed:
+        _regions.pop(_freed.popleft(), None)
+    return _regions
 
 
 def shared_empty(nbytes: int) -> torch.Tensor:
@@ -79,7 +91,7 @@ def shared_empty(nbytes: int) -> torch.Tensor:
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
     region = SharedRegion(fd=fd, inode=inode, addr=tensor.data_ptr(), nbytes=nbytes)
     with _lock:
-        _regions[region.addr] = region
+        _regions_now()[region.addr] = region
     weakref.finalize(mapping, _forget, region.addr, fd)  # the fd lives as long as the memory
     return tensor
 
@@ -87,7 +99,7 @@ def shared_empty(nbytes: int) -> torch.Tensor:
 def regions_of(buffers: list[torch.Tensor]) -> list[SharedRegion]:
     """The shared regions that hold any of `buffers` (CPU tensors), each once."""
     with _lock:
-        regions = list(_regions.values())
+        regions = list(_regions_now().values())
     found: dict[int, SharedRegion] = {}
     for b in buffers:
         if b.device.type != "cpu":
