@@ -35,6 +35,7 @@ ENGINES = {
     "tp_update": ("vllm", [], ["--updates", "1"]),
     "tp_update_sglang": ("sglang", ["--engine", "sglang"],
                          ["--engine", "sglang", "--updates", "1"]),
+    "engine_stopped_source": ("vllm", [], ["--seconds", "5"]),
 }
 MODULES = {"tp_update_sglang": "tp_update"}  # a benchmark run by another's module
 

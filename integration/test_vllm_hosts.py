@@ -58,19 +58,6 @@ def test_a_vllm_engine_joins_from_an_engine_on_another_host(tmp_path, vllm_pytho
             first.stop()
 
 
-# A trainer on another host that publishes a version and stops (SIGSTOP) right after the
-# coordinator accepted it: the engine starts reading from it and gets no byte.
-STOPPING_TRAINER = """
-import glob, os, signal, sys
-from safetensors.torch import load_file
-from tensorhub import Publisher
-state = {}
-for path in sorted(glob.glob(os.path.join(sys.argv[2], "*.safetensors"))):
-    state.update(load_file(path))
-pub = Publisher(sys.argv[1], "policy", name="stopping-trainer")
-print('{"version": %d}' % pub.publish(state), flush=True)
-os.kill(os.getpid(), signal.SIGSTOP)
-"""
 QUIET_REQUESTS = 5
 STOPPED_FOR = 60.0
 ON_TIME = 2.0  # seconds over the engine's quiet latency (the issue's bound)
@@ -106,8 +93,8 @@ def test_an_engine_answers_on_time_while_the_source_it_reads_from_is_stopped(
                 return time.monotonic() - started
 
             quiet = statistics.median(timed() for _ in range(QUIET_REQUESTS))
-            trainer = h0.popen([sys.executable, "-c", STOPPING_TRAINER, fleet.address,
-                                str(published)], name="stopping-trainer",
+            trainer = h0.popen([sys.executable, "-m", "integration.stopping_trainer",
+                                fleet.address, str(published)], name="stopping-trainer",
                                log_path=str(tmp_path / "trainer.log"))
             assert trainer.next_json(120) == {"version": 1}
             stopped_at, latencies = time.monotonic(), []

@@ -80,7 +80,7 @@ def test_a_copy_refuses_an_unloadable_version_and_takes_the_next(coordinator):
                               follow=False)
     holder.loadable = from_tensors(STATE.items(), "the checkpoint")
     try:
-        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
             bad = pub.publish({**STATE, "model.norm.weight": torch.ones(5)})
             assert holder.pull(bad) == bad
             with pytest.raises(TensorHubError, match="has shape \\[5\\]") as err:
@@ -111,7 +111,7 @@ def test_a_copy_a_late_read_landed_in_is_verified_again_before_it_is_applied(
     holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
-        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
             v = pub.publish(STATE)
             holder.pull(v)
             late = [0]
@@ -135,7 +135,7 @@ def test_what_an_engine_loads_can_be_a_published_versions_manifest(coordinator):
     holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
-        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
             v = pub.publish(STATE)
             assert holder.loadable_as(v, set()).specs == from_tensors(STATE.items(), "").specs
             assert holder.loadable_as(v + 5, set()) is None
