@@ -294,6 +294,7 @@ class Replica:
         left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
         for what a failure leaves behind."""
         deadline = time.monotonic() + timeout
+        late_before = self._late_reads()  # a late read landing from here on: verify again
         warm = self._warm_plan(version)
         self.last_pull_planned = warm is None
         if self.layout is None and (self.chunked or self.part.part):
@@ -383,7 +384,7 @@ class Replica:
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.hold(self.model, plan.version, self.layout, plan.checksums, self.part)
             self.version = plan.version
-            self._checksums, self._late_seen = plan.checksums, self._late_reads()
+            self._checksums, self._late_seen = plan.checksums, late_before
             if reader is not None and not self.staging:
                 self._remember_parents(reader)
         finally:
