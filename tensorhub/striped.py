@@ -36,6 +36,9 @@ POLL_MAX = 0.01
 # A poll reads a few hundred bytes: a parent that does not answer one in this long is gone
 # (or hung), and the stripe goes elsewhere.
 POLL_TIMEOUT = 2.0
+# How long a pull asks again for a version the coordinator does not know (holders register
+# again within a few heartbeats of a coordinator restart) before it fails.
+UNKNOWN_GRACE = 15.0
 
 
 class StripedReader:
@@ -61,6 +64,7 @@ class StripedReader:
         self.sources: dict[str, Source] = {}
         self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         self.by_source: dict[str, int] = {}  # worker id -> bytes
+        self._unknown_since: float | None = None  # asked again for an unknown version since
         self._take(plan)
 
     def _take(self, plan: ReadPlan, confirming: bool = False) -> None:
@@ -119,13 +123,21 @@ class StripedReader:
     def _replan(self, action: Replan) -> None:
         try:
             self._take(self.ask(action))
+            self._unknown_since = None
         except CoordinatorError as exc:
             # `no_holder` (after `_plan`'s grace): no copy is left that could finish this
             # version; the pull fails now rather than at its timeout, and the caller can
-            # take a newer version.
+            # take a newer version. A version the coordinator does not know is asked again
+            # (a restarted coordinator, its holders registering again), for a while only:
+            # one whose holders all left is gone.
             if exc.code not in ("busy", "unknown_model", "unknown_version"):
                 raise
-            self.state.asked_failed(time.monotonic(), exc.retry_after or 0.2)
+            now = time.monotonic()
+            if exc.code != "busy":
+                self._unknown_since = self._unknown_since or now
+                if now - self._unknown_since > UNKNOWN_GRACE:
+                    raise
+            self.state.asked_failed(now, exc.retry_after or 0.2)
 
     def _read(self, action: Read, deadline: float) -> BaseException | None:
         src = self.sources[action.source]
