@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from tensorhub import Publisher, TensorHubError
-from tensorhub.engines.holder import REFUSE_ENV, CheckpointHolder, versions_to_release
+from tensorhub.engines.holder import (
+    REFUSE_ENV,
+    CheckpointHolder,
+    TornLoad,
+    versions_to_release,
+)
 from tensorhub.testing.waits import wait_for
 
 
@@ -28,6 +33,7 @@ class Vote:
         result = all(self._votes)
         if self._barrier.wait() == 0:
             self._votes.clear()
+        self._barrier.wait()  # cleared before any rank votes again
         return result
 
 
@@ -128,3 +134,60 @@ def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
 @pytest.fixture(autouse=True)
 def _no_refusals(monkeypatch):
     monkeypatch.delenv(REFUSE_ENV, raising=False)
+
+
+def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(coordinator):
+    """Both ranks voted yes, then rank 1's load failed half-way: neither records the
+    version as applied, and both hear of it (`TornLoad`), so both restore."""
+    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+                                transport="zmq", follow=False) for r in range(2)]
+    vote, errors = Vote(2), [None, None]
+
+    def apply(rank: int) -> None:
+        try:
+            with holders[rank].tensors_of(1, vote):
+                if rank == 1:
+                    raise RuntimeError("load_weights: a bug half-way")
+        except TornLoad as exc:
+            errors[rank] = str(exc)
+
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            pub.publish({"w": torch.ones(4)})
+            for h in holders:
+                h.pull(1)
+            threads = [threading.Thread(target=apply, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert errors == ["loading v1 failed half-way on another rank of this engine",
+                              "loading v1 failed half-way: load_weights: a bug half-way"]
+            assert [h.applied for h in holders] == [None, None]
+    finally:
+        for h in holders:
+            h.close()
+
+
+def test_a_restore_pulls_the_version_served_before_from_peers(coordinator):
+    """The copy holds v2 (whose load failed); the engine restores v1, which it no longer
+    holds: `fetch` pulls it back from a peer that does."""
+    v1, v2 = torch.ones(4), torch.full((4,), 2.0)
+    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+                              follow=False)
+    peer = CheckpointHolder(coordinator.address, "policy", "peer", transport="zmq",
+                            follow=False)
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq",
+                       min_replicas=0) as pub:  # (nobody else need keep v2 when it leaves)
+            pub.publish({"w": v1})
+            peer.pull(1)
+            pub.publish({"w": v2})  # (the trainer keeps v2 only: v1 is the peer's alone)
+            holder.pull(2)
+            with holder.tensors_of(1, fetch=True) as named:
+                assert torch.equal(dict(named)["w"], v1)
+            assert holder.version == 1 and holder.applied == 1
+            assert holder.sources() == ["peer"]
+    finally:
+        holder.close()
+        peer.close()

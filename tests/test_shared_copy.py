@@ -1,6 +1,7 @@
 """One checkpoint copy per engine: the ranks of an engine apply a version from rank 0's
-copy (`apply_shared`), all of them or none. Ranks are threads here; the group's broadcast
-and vote are what gloo gives the real ranks."""
+copy (`apply_shared`), all of them or none, and a load that fails on one rank is torn on
+every rank. Ranks are threads here; the group's broadcast and vote stand in for
+`votes.RankVote` (`test_votes.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tensorhub import Publisher, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.holder import CheckpointHolder, TornLoad
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
 
 
@@ -45,15 +46,21 @@ class Group:
         return result
 
 
-def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = None):
+def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = None,
+                  load_fails_on_rank1: bool = False):
     """Each rank applies `version` in a thread; returns (loaded tensors, error) per rank."""
     group, results = Group(2), [None, None]
 
     def run(rank: int) -> None:
         loaded: dict[str, torch.Tensor] = {}
+
+        def load(named) -> None:
+            loaded.update({n: t.clone() for n, t in named})
+            if rank == 1 and load_fails_on_rank1:
+                raise RuntimeError("load_weights: a bug half-way")
+
         try:
-            apply_shared(version, lambda named: loaded.update(
-                {n: t.clone() for n, t in named}), group.broadcast_from(rank), group.vote,
+            apply_shared(version, load, group.broadcast_from(rank), group.vote,
                 holder=holder if rank == 0 else None,
                 reader=SharedCopyReader() if rank == 1 else None,
                 failure=failure_on_rank1 if rank == 1 else None)
@@ -99,3 +106,11 @@ def test_a_rank_that_cannot_apply_makes_every_rank_keep_its_weights(holder_of_v1
     assert isinstance(error0, TensorHubError) and error0.code == "refused"
     assert "still being read" in str(error1)
     assert holder.refused == 1 and holder.applied is None  # the copy may move on
+
+
+def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(holder_of_v1):
+    holder, _ = holder_of_v1
+    (_, error0), (_, error1) = apply_on_both(holder, 1, load_fails_on_rank1=True)
+    assert isinstance(error0, TornLoad) and isinstance(error1, TornLoad)
+    assert "bug half-way" in str(error1) and "another rank" in str(error0)
+    assert holder.applied is None and holder.refused == 1

@@ -14,7 +14,8 @@ SGLang's pulls the version it applies, so its ranks never wait on each other).
 
 An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
 share rank 0's (`shared_copy.py`), and applies a version on all of them or on none:
-`tensors_of` takes a vote (`agree`) among the ranks before any of them touches its weights.
+`tensors_of` takes a vote (`agree`, `votes.RankVote`) among the ranks before any of them
+touches its weights, and another after they loaded it (`TornLoad`, `restore`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ LOST_RETRY = 15.0
 REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
 
 
+class TornLoad(TensorHubError):
+    """A load that failed half-way, on this rank (`cause`) or another: the model holds
+    parts of two versions until a whole one is loaded again (`restore_after`)."""
+
+    def __init__(self, version: int, cause: BaseException | None = None):
+        where = f": {cause}" if cause is not None else " on another rank of this engine"
+        super().__init__(f"loading v{version} failed half-way{where}", code="torn")
+        self.version = version
+
+
 def alone(ok: bool) -> bool:
     """The vote of an engine with one rank."""
     return ok
@@ -58,16 +69,6 @@ def versions_to_release(holdings: dict[str, list[int]], serving: int | None) -> 
         return set()
     top = max(newest)
     return {v for v in newest if v < top and (serving is None or v > serving)}
-
-
-def all_agree(ok: bool, cpu_group) -> bool:
-    """The vote of an engine's ranks: whether every one is ready (an all-reduce MIN over
-    `cpu_group`, the engine's gloo group; every rank must call it)."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
-    return bool(flag.item())
 
 
 class CheckpointHolder:
@@ -179,16 +180,25 @@ class CheckpointHolder:
         return bool(spec) and wanted == str(version) and self.name.endswith(suffix)
 
     @contextmanager
-    def tensors_of(self, version: int, agree: Callable[[bool], bool] = alone,
+    def tensors_of(self, version: int, agree: Callable[[bool], bool] = alone, *,
+                   loaded: Callable[[bool], bool] | None = None, fetch: bool = False,
                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The checkpoint tensors of `version`, locked against replacement while the engine
         applies them. Raises before yielding if we do not hold exactly that version, or if
         another rank of the engine does not (`agree`: every rank's readiness in, whether
-        all are ready out; every rank reaches it, whatever happened here)."""
-        locked = self._lock.acquire(timeout=10.0)
+        all are ready out; every rank reaches it, whatever happened here). `fetch`: pull
+        `version` from peers first if the copy holds another (a restore).
+
+        After the engine's load, the ranks vote again (`loaded`, default `agree`) on
+        whether each loaded it: if one did not, `TornLoad` is raised on every rank, and the
+        version is not recorded as applied."""
+        # (a restore waits out a pull in progress: it may take the whole pull timeout)
+        locked = self._lock.acquire(timeout=self.pull_timeout if fetch else 10.0)
         try:
-            problem = None
-            if not locked:
+            problem = self._fetched(version) if locked and fetch else None
+            if problem is not None:
+                pass  # the restore's pull failed: its error is the refusal
+            elif not locked:
                 problem = TensorHubError("the checkpoint copy is busy (a pull is running)",
                                          code="busy")
             elif self.replica.version != version:
@@ -207,17 +217,30 @@ class CheckpointHolder:
                     f"another rank of this engine cannot apply v{version}, so no rank "
                     f"applies it; the engine keeps its current weights", code="refused")
             named = self.replica.named_tensors()
+            failure: Exception | None = None
             try:
                 yield named
-            except BaseException:
+            except Exception as exc:
+                failure = exc
+            if not (loaded or agree)(failure is None):
                 self.refused = version  # the engine could not load it: the copy moves on
-                raise
+                raise TornLoad(version, failure) from failure
             self.applied = version
             self.loadable = from_tensors(named, f"v{version}, the last version it applied",
                                          self.loadable.optional if self.loadable else None)
         finally:
             if locked:
                 self._lock.release()
+
+    def _fetched(self, version: int) -> TensorHubError | None:
+        """Pull `version` from peers unless the copy holds it (the caller holds the lock)."""
+        if self.replica.version == version:
+            return None
+        try:
+            self.replica.pull(version, timeout=self.pull_timeout)
+        except TensorHubError as exc:
+            return exc
+        return None
 
     def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
         """What the engine loads, as the published tensors of `version`, a version it

@@ -38,6 +38,11 @@ class EngineSettings(BaseModel):
     join_timeout: float = Field(default=300.0, gt=0,
                                 description="start-up: longest wait for the newest version")
     update_timeout: float = Field(default=120.0, gt=0, description="longest pull")
+    swap_timeout: float = Field(
+        default=300.0, gt=0,
+        description="longest wait for each step of a swap (pause, load, resume); past it "
+                    "the swap fails with the step named and the ranks' votes name a rank "
+                    "that hangs")
     poll_interval: float = Field(default=0.2, gt=0,
                                  description="how often the front end checks for versions")
     checkpoint_copy: Literal["auto", "always", "never"] = Field(

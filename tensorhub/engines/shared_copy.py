@@ -9,7 +9,7 @@ one model's bytes whatever its TP size. The holder's lock is held until every ra
 loaded, so the copy is never replaced under a rank still reading it.
 
 `apply_shared` is that exchange, the same for every engine: the engine gives it its rank
-group's broadcast, vote and its own way to load named tensors.
+group's broadcast and vote (`votes.RankVote`) and its own way to load named tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tensorhub.core.errors import TensorHubError
 from tensorhub.core.layout import BoundLayout, arena_bytes
 from tensorhub.core.shared_memory import map_region, regions_of
 from tensorhub.core.wire import encode
-from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.holder import CheckpointHolder, TornLoad
 from tensorhub.parted import PartedReplica, whole_tensors
 
 log = logging.getLogger("tensorhub.engines")
@@ -47,13 +47,14 @@ def apply_shared(version: int, load: Callable[[Named], None],
                  broadcast: Callable[[bytes | None], bytes], agree: Callable[[bool], bool],
                  holder: CheckpointHolder | None = None,
                  reader: SharedCopyReader | None = None,
-                 failure: Exception | None = None) -> None:
+                 failure: Exception | None = None, fetch: bool = False) -> None:
     """Apply `version` on every rank of an engine from rank 0's copy, or on none. Every
     rank calls it at once: rank 0 with its `holder` (None, or a `failure`, when it has
     nothing to share), the others with a `reader` (and their own `failure`, if any).
     `broadcast` sends rank 0's bytes to every rank (its argument is ignored elsewhere);
-    `agree` is the ranks' vote. Raises on every rank when any rank cannot apply it (the
-    weights are then untouched), or where `load` raises."""
+    `agree` is the ranks' vote; `fetch`: rank 0 pulls `version` from peers first if its
+    copy holds another. Raises on every rank when any rank cannot apply it (the weights are
+    then untouched), and `TornLoad` on every rank when a rank's `load` failed."""
     if reader is not None:
         payload, named = broadcast(None), None
         if failure is not None:
@@ -71,10 +72,14 @@ def apply_shared(version: int, load: Callable[[Named], None],
             raise TensorHubError(f"a rank of this engine cannot apply v{version}, so no "
                                  f"rank applies it; the engine keeps its current weights",
                                  code="refused")
+        loaded: Exception | None = None
         try:
             load(named)
-        finally:
-            agree(True)  # rank 0 keeps its copy locked until every rank is done
+        except Exception as exc:
+            loaded = exc
+        # (rank 0 keeps its copy locked until this vote: every rank is done with it)
+        if not agree(loaded is None):
+            raise TornLoad(version, loaded) from loaded
         return
     if holder is None or failure is not None:
         broadcast(b"")
@@ -92,24 +97,8 @@ def apply_shared(version: int, load: Callable[[Named], None],
         broadcast(payload)
         return agree(ok)
 
-    with holder.tensors_of(version, share_and_agree) as named:
-        try:
-            load(named)
-        finally:
-            agree(True)
-
-
-def broadcast_from_first(payload: bytes | None, ranks: list[int], cpu_group) -> bytes:
-    """The first rank's `payload` to every rank of a group (gloo, CPU)."""
-    import torch.distributed as dist
-
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src=ranks[0], group=cpu_group)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            if payload else torch.empty(int(size.item()), dtype=torch.uint8))
-    if int(size.item()):
-        dist.broadcast(data, src=ranks[0], group=cpu_group)
-    return data.numpy().tobytes()
+    with holder.tensors_of(version, share_and_agree, loaded=agree, fetch=fetch) as named:
+        load(named)
 
 
 def describe(replica: PartedReplica) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,3 +127,17 @@ def tied_optional(hf_config) -> set[str]:
     """Names a version may carry that the engine skips: a tied model's `lm_head.weight`
     (a trainer's `state_dict()` has it, the checkpoint on disk does not)."""
     return {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint folder's safetensors files, one at a time (what an
+    engine that started from it restores after a load failed half-way)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)

@@ -34,6 +34,7 @@ from tensorhub import metrics
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest, StatusRequest
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.restore import outcome_in
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings
 from tensorhub.engines.weights_check import refusal_in
 from tensorhub_plugins.sglang.naming import (
@@ -83,6 +84,8 @@ class Driver:
         self.last_update: dict | None = None
         self.last_error: str | None = None
         self.unloadable: dict | None = None  # the last version refused: {version, reason}
+        self.torn: dict | None = None  # {version, reason}: generation paused until repaired
+        self._repair_at = 0.0  # torn weights: the next try to load the served version again
         self._first_seen: dict[int, float] = {}
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
         self._stop = threading.Event()
@@ -163,26 +166,37 @@ class Driver:
     def swap(self, version: int, path: str = "checkpoint") -> float:
         started = time.perf_counter()
         torn = False
-        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]})
+        bound = self.settings.swap_timeout  # each step's; the workers' votes name a hung rank
+        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
         try:
-            self._post("/begin_weight_update", {})
+            self._post("/begin_weight_update", {}, bound)
             try:
                 self._post("/update_weights_from_tensor", {
                     "serialized_named_tensors": [descriptor_payload(version, path)]
                     * self.tp_size,
                     "load_format": LOADER, "weight_version": str(version),
-                    "flush_cache": True})
+                    "flush_cache": True}, bound)
             finally:
-                self._post("/end_weight_update", {})
+                self._post("/end_weight_update", {}, bound)
         finally:
             torn = any(s.get("torn") for s in self.applied())
-            if not torn:  # torn weights are never served: stay paused, retry next poll
-                self._post("/continue_generation", {})
+            if not torn:  # torn weights are never served: stay paused, repair next poll
+                self._post("/continue_generation", {}, bound)
         stall = time.perf_counter() - started
         states = self.applied()
+        outcomes = {outcome_in(s.get("error") or "") for s in states} - {None}
+        if outcomes:
+            self._retry_at[version] = float("inf")  # its load failed half-way: a bug
+        if "restored_checkpoint" in outcomes:
+            self.serving = None  # the weights it started with, loaded again
         if torn:
+            self.torn = {"version": version, "reason": next(
+                (s["error"] for s in states if s.get("error")), "")[:500]}
             raise TensorHubError(f"swap to v{version} left the weights torn; generation "
-                                 f"stays paused until an update succeeds: {states}")
+                                 f"stays paused until a whole version is loaded: {states}")
+        if self.torn is not None:
+            log.warning("TensorHub: a whole version is loaded; generation resumes")
+        self.torn = None
         if any(s.get("applied") != version for s in states):
             # The loader refused (and left the weights alone): put the label back.
             self._post("/update_weight_version",
@@ -232,7 +246,7 @@ class Driver:
             "mode": self.settings.mode, "serving_version": serving,
             "held_version": self.held_version, "latest_version": self.latest,
             "updates": self.updates, "last_update": self.last_update,
-            "last_error": self.last_error, "unloadable": self.unloadable,
+            "last_error": self.last_error, "unloadable": self.unloadable, "torn": self.torn,
             "memory": _memory(states),
             "params_moved": any(s.get("params_moved") for s in states), "ranks": states,
         }
@@ -277,6 +291,11 @@ class Driver:
                  ", ".join(self.names), self.serving)
         while not self._stop.wait(self.settings.poll_interval):
             try:
+                if self.torn is not None and self.serving is not None and \
+                        time.monotonic() >= self._repair_at:
+                    # Load the version served before again, from peers if need be.
+                    self._repair_at = time.monotonic() + RETRY_REFUSED
+                    self.swap(self.serving, "checkpoint")
                 update = self.next_update()
                 if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0):
                     try:

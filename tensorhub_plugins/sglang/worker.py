@@ -20,29 +20,33 @@ checkpoint-path update and frees it right after.
 
 Failures never raise into SGLang from the loader (see `loader`). A native pull that fails
 before writing falls back to the checkpoint path; one that fails after it started writing
-leaves the parameters torn: the checkpoint path of the new version repairs them, or else the
-checkpoint copy of the old version; if both fail the status says `torn` and the driver keeps
-generation paused (torn weights are never served) and retries.
+leaves the parameters torn: the checkpoint path of the new version repairs them. A load that
+fails half-way on any rank is undone on every rank by loading the version served before
+again, from the checkpoint copy or from peers (`engines/restore.py`); if that fails too the
+status says `torn` and the driver keeps generation paused (torn weights are never served)
+and tries again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NoReturn
 
 import torch
 
 from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import CoordinatorError, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, all_agree, alone
+from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone
+from tensorhub.engines.restore import outcome_in, restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.shared_copy import (
     SharedCopyReader,
     apply_shared,
-    broadcast_from_first,
     one_copy_per_engine,
 )
-from tensorhub.engines.weights_check import from_checkpoint, tied_optional
+from tensorhub.engines.votes import RankVote
+from tensorhub.engines.weights_check import checkpoint_tensors, from_checkpoint, tied_optional
 from tensorhub_plugins.sglang.naming import (
     instance_name,
     native_worker_name,
@@ -63,6 +67,10 @@ _one_copy = False  # the TP ranks share rank 0's checkpoint copy (`shared_copy`)
 _reader = SharedCopyReader()  # ranks other than 0: their view of rank 0's copy
 _applied: int | None = None
 _torn = False
+_votes: RankVote | None = None  # the TP ranks' votes (`tp_vote`)
+# Beyond the pull timeout, how long a rank waits for the others at a vote before it goes on
+# without them (they are named in its log).
+VOTE_MARGIN_S = 60.0
 _last: dict = {}
 
 
@@ -114,10 +122,11 @@ def _drop_copy() -> None:
     holder.close()
 
 
-def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
+def _apply_checkpoint(model, version: int, agree=alone, fetch: bool = False) -> list[str]:
     """Pull `version` in checkpoint layout (unless the copy has it) and `load_weights` it;
     with `agree` (`tp_vote`), only if every TP rank can, and from rank 0's copy when the
-    ranks share one (`shared_copy`; a rank that falls back alone uses a copy of its own)."""
+    ranks share one (`shared_copy`; a rank that falls back alone uses a copy of its own).
+    Raises `TornLoad` on every rank when a rank's load failed half-way."""
     shared = _one_copy and agree is tp_vote
     sources: list[str] = []
     failure: Exception | None = None
@@ -147,14 +156,15 @@ def _apply_checkpoint(model, version: int, agree=alone) -> list[str]:
     if shared:
         try:
             apply_shared(version, load, _tp_broadcast, tp_vote, holder=holder,
-                         failure=failure, reader=_reader if _rank != 0 else None)
+                         failure=failure, reader=_reader if _rank != 0 else None,
+                         fetch=fetch)
         finally:
             _reader.forget()  # rank 0 may free its copy (`checkpoint_copy`): do not pin it
         return sources
     if holder is None or failure is not None:
         agree(False)  # the other ranks learn that this one cannot, and refuse it too
         raise failure or TensorHubError("no checkpoint copy")
-    with holder.tensors_of(version, agree) as named:
+    with holder.tensors_of(version, agree, fetch=fetch) as named:
         load(named)
     return sources
 
@@ -195,18 +205,18 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     previous = _applied
     sources = _pull_native(version) if path == "native" else None
     taken = "native" if sources is not None else "checkpoint"
+    # Every rank takes the checkpoint path when asked to: they vote. A rank that falls back
+    # from the native path does so alone (its peers may not).
+    agree = tp_vote if path == "checkpoint" else alone
     try:
         if sources is None:
-            # Every rank takes the checkpoint path when asked to: they vote. A rank that
-            # falls back from the native path does so alone (its peers may not).
-            sources = _apply_checkpoint(model, version,
-                                        tp_vote if path == "checkpoint" else alone)
-    except Exception:
+            sources = _apply_checkpoint(model, version, agree)
+    except Exception as exc:
         if _checkpoint is not None and _checkpoint.version is None \
                 and _settings.checkpoint_copy != "always":
             _drop_copy()  # built for this update, holds nothing: free it
-        if _torn:
-            _repair(model, previous)
+        if isinstance(exc, TornLoad) or _torn:
+            _repair(model, version, previous, agree, exc)
         elif _native is not None and previous is not None and _native.replica.version is None:
             _native.hold_applied(previous)  # untouched: serve it to peers again
         raise
@@ -237,37 +247,60 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
              mem["checkpoint_copy_bytes"])
 
 
-def _tp_broadcast(payload: bytes | None) -> bytes:
-    from sglang.srt.distributed.parallel_state import get_tp_group
+def _rank_votes() -> RankVote:
+    global _votes
+    if _votes is None:
+        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import get_tp_group
 
-    group = get_tp_group()
-    return broadcast_from_first(payload, group.ranks, group.cpu_group)
+        timeout = (_settings.update_timeout if _settings else 120.0) + VOTE_MARGIN_S
+        _votes = RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
+    return _votes
+
+
+def _tp_broadcast(payload: bytes | None) -> bytes:
+    return _rank_votes().broadcast(payload)
 
 
 def tp_vote(ok: bool) -> bool:
-    """Whether every TP rank of this engine is ready (all-reduce MIN on SGLang's TP CPU
-    group): a version is applied on all ranks or on none."""
-    from sglang.srt.distributed.parallel_state import get_tp_group
-
-    group = get_tp_group()
-    return ok if group.world_size == 1 else all_agree(ok, group.cpu_group)
+    """Whether every TP rank of this engine is ready: a version is applied on all ranks or
+    on none (a rank that does not answer in time counts as a no)."""
+    return ok if _tp_size() == 1 else _rank_votes()(ok)
 
 
-def _repair(model, previous: int | None) -> None:
-    """The live parameters are torn: re-apply the old version from the checkpoint copy if it
-    still has it. If not, `_torn` stays set and the driver keeps generation paused."""
-    global _torn
-    if previous is None or _checkpoint is None or _checkpoint.version != previous:
-        log.error("live parameters torn and no copy of v%s to restore: generation stays "
-                  "paused until an update succeeds", previous)
-        return
+def _repair(model, version: int, previous: int | None, agree, failure: Exception
+            ) -> NoReturn:
+    """Loading `version` left the live parameters torn (on this rank, or on another:
+    `TornLoad`): load the version served before again, from the checkpoint copy or from
+    peers (or the checkpoint the engine started from), on every rank that voted. Raises
+    what happened (`restore_after`); if the restore failed, `_torn` stays set and the driver
+    keeps generation paused."""
+    global _torn, _applied
+    _torn = True
+    torn = failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
+
+    def load_version(v: int) -> None:
+        _apply_checkpoint(model, v, agree, fetch=True)
+
+    def load_disk() -> None:
+        loaded: Exception | None = None
+        try:
+            model.load_weights(checkpoint_tensors(getattr(model.config, "_name_or_path", "")))
+        except Exception as exc:
+            loaded = exc
+        if not agree(loaded is None):
+            raise loaded or TensorHubError("another rank could not load the checkpoint")
+
     try:
-        _apply_checkpoint(model, previous)
-        if _native is not None:
-            _native.hold_applied(previous)
-        log.warning("restored v%d from the checkpoint copy", previous)
-    except Exception as exc:
-        log.error("restoring v%d failed (%s): generation stays paused", previous, exc)
+        restore_after(torn, previous, load_version, load_disk)
+    except TensorHubError as exc:
+        if exc.code == "restored":
+            _torn = False
+            if outcome_in(str(exc)) == "restored_checkpoint":
+                _applied = None
+            elif _native is not None and previous is not None:
+                _native.hold_applied(previous)
+        raise
 
 
 def refused(error: str) -> None:

@@ -4,8 +4,9 @@ It keeps a checkpoint-layout copy of the weights it holds (`CheckpointHolder`) t
 new versions while the engine serves, and serves them to other engines. Applying a version
 is vLLM's layerwise reload (the path that works on CPU, where linear weights are repacked
 after loading) fed from that copy. Everything that can fail — holding the wrong version,
-a pull in progress — is checked before the model is touched, so a failed update leaves
-the engine on its previous weights.
+a pull in progress, tensors the model does not load — is checked before the model is
+touched, so a refused update leaves the engine on its previous weights; a load that still
+fails half-way is undone by loading the previous version again (`engines/restore.py`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, all_agree
-from tensorhub.engines.shared_copy import (
-    SharedCopyReader,
-    apply_shared,
-    broadcast_from_first,
-)
-from tensorhub.engines.weights_check import from_checkpoint, tied_optional
+from tensorhub.engines.holder import CheckpointHolder, TornLoad
+from tensorhub.engines.restore import outcome_in, restore_after
+from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
+from tensorhub.engines.votes import RankVote
+from tensorhub.engines.weights_check import checkpoint_tensors, from_checkpoint, tied_optional
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -57,7 +56,16 @@ class TensorHubInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class TensorHubUpdateInfo(WeightTransferUpdateInfo):
+    """`fetch`: pull `version` from peers first if the copy holds another (restoring the
+    version served before when the weights were left torn)."""
+
     version: int = 0
+    fetch: bool = False
+
+
+# Beyond the pull timeout, how long a rank waits for the others at a vote before it goes on
+# without them (they are named in its log).
+VOTE_MARGIN_S = 60.0
 
 
 class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
@@ -71,6 +79,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         # The ranks share rank 0's copy (`engines/shared_copy.py`): only rank 0 holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
+        self._votes: RankVote | None = None
+        self._vote_timeout = 120.0 + VOTE_MARGIN_S
+        self.applied: int | None = None  # the version this rank's model holds (None: disk)
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -91,14 +102,21 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             return get_tp_group()
         return get_world_group() if pc.data_parallel_size == 1 else None
 
+    def _rank_votes(self) -> RankVote:
+        if self._votes is None:
+            import torch.distributed as dist
+
+            self._votes = RankVote(self._group().ranks, dist.get_rank(), self._vote_timeout)
+        return self._votes
+
     def _agree(self, ok: bool) -> bool:
-        """Whether every rank of this engine is ready (all-reduce MIN on its CPU group):
-        one version per engine, on all ranks or on none."""
-        group = self._group()
-        return ok if group is None else all_agree(ok, group.cpu_group)
+        """Whether every rank of this engine is ready: one version per engine, on all
+        ranks or on none (a rank that does not answer in time counts as a no)."""
+        return ok if self._group() is None else self._rank_votes()(ok)
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         if init_info.op == "init":
+            self._vote_timeout = init_info.pull_timeout + VOTE_MARGIN_S
             if self.holder is not None:
                 self.holder.close()
             if self.one_copy and self._group().rank_in_group != 0:
@@ -168,24 +186,58 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         return get_world_group().rank
 
     def _apply(self, update_info: TensorHubUpdateInfo) -> None:
-        version = update_info.version
+        previous = self.applied
+        try:
+            self._apply_version(update_info.version, update_info.fetch)
+        except TornLoad as torn:
+            try:
+                restore_after(torn, previous, lambda v: self._apply_version(v, fetch=True),
+                              self._load_checkpoint)
+            except TensorHubError as exc:
+                if outcome_in(str(exc)) == "restored_checkpoint":
+                    self.applied = None
+                raise
+
+    def _apply_version(self, version: int, fetch: bool = False) -> None:
         if self.one_copy:  # rank 0's copy, mapped by the other ranks
             apply_shared(version, self._load, self._broadcast, self._agree,
-                         holder=self.holder, reader=self._shared)
-            return
-        if self.holder is None:  # (init failed here): the other ranks must still hear it
+                         holder=self.holder, reader=self._shared, fetch=fetch)
+        elif self.holder is None:  # (init failed here): the other ranks must still hear it
             self._agree(False)
             raise TensorHubError("TensorHub engine not initialised on this rank")
-        with self.holder.tensors_of(version, self._agree) as named:
-            self._load(named)
+        else:
+            with self.holder.tensors_of(version, self._agree, fetch=fetch) as named:
+                self._load(named)
+        self.applied = version
+
+    def _load_checkpoint(self) -> None:
+        """Load the checkpoint the engine started from again, on every rank."""
+        if self.vllm_config.load_config.load_format == "dummy":
+            raise TensorHubError("it started with --load-format dummy: no checkpoint")
+        failure = None
+        try:
+            self._load(checkpoint_tensors(self.vllm_config.model_config.model))
+        except Exception as exc:
+            failure = exc
+        if not self._agree(failure is None):
+            raise failure or TensorHubError("another rank could not load the checkpoint")
 
     def _broadcast(self, payload: bytes | None) -> bytes:
-        group = self._group()
-        return broadcast_from_first(payload, group.ranks, group.cpu_group)
+        return self._rank_votes().broadcast(payload)
 
     def _load(self, named) -> None:
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(named))
+        try:
+            self.model.load_weights(iter(named))
+        except BaseException:
+            # Never leave layers on the meta device: the layers it reached hold the new
+            # version, the others get their old tensors back (the caller then loads a
+            # whole version).
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as exc:
+                log.warning("finishing the failed reload: %s", exc)
+            raise
         finalize_layerwise_reload(self.model, self.model_config)
         if getattr(self.model_config.hf_config, "tie_word_embeddings", False) and \
                 hasattr(self.model, "lm_head") and hasattr(self.model.lm_head, "quant_method"):

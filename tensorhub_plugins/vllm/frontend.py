@@ -4,7 +4,9 @@ The front end decides *when* the engine switches version; the workers' `TensorHu
 do the pulling and the swap. It learns what its workers hold from the coordinator (they
 report every version they hold, which is how other engines find them too), and swaps only
 to a version that every rank already holds: pause → swap → reset prefix cache → resume,
-so the stall is the swap alone, never the transfer.
+so the stall is the swap alone, never the transfer. Every step of a swap has a bound
+(`swap_timeout`). A load that fails half-way is undone by the workers (`engines/restore.py`);
+if they cannot undo it, generation stays paused until a whole version is loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tensorhub.core.client import CoordinatorClient, token_from_env
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import versions_to_release
+from tensorhub.engines.restore import outcome_in
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
 from tensorhub.engines.weights_check import refusal_in
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
@@ -56,9 +59,11 @@ class Frontend:
         self.updates = 0
         self.last_error: str | None = None
         self.unloadable: dict | None = None  # the last version refused: {version, reason}
+        self.torn: dict | None = None  # {version, reason}: generation paused until repaired
         self._swap = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
+        self._repair_at = 0.0  # torn weights: the next try to load the served version again
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -101,42 +106,59 @@ class Frontend:
             await asyncio.sleep(self.settings.poll_interval)
 
     # ------------------------------------------------------------------ swapping
-    async def swap(self, version: int, pause: bool = True) -> dict:
-        """Make the engine serve `version`, which every rank holds. Returns timings."""
+    async def _bounded(self, step, what: str):
+        """Await one step of a swap for at most `swap_timeout` seconds."""
+        try:
+            return await asyncio.wait_for(step, self.settings.swap_timeout)
+        except TimeoutError:
+            raise TensorHubError(f"{what} did not finish within {self.settings.swap_timeout:.0f}"
+                                 f" s (a rank may hang: see the workers' log)",
+                                 code="timeout") from None
+
+    async def swap(self, version: int, pause: bool = True, fetch: bool = False) -> dict:
+        """Make the engine serve `version`, which every rank holds (`fetch`: or pulls from
+        its peers first). Returns timings. Generation stays paused after a swap that left
+        the weights torn, until one succeeds."""
         async with self._swap:
-            if self.serving == version:
+            if self.serving == version and self.torn is None:
                 return {"version": version, "stall_ms": 0.0, "changed": False}
             started = time.perf_counter()
             marks: dict[str, float] = {}
             await self._check(version)
-            if pause:
+            paused = pause and self.torn is None  # (torn: generation is paused already)
+            if paused:
                 # clear_cache=False: we reset the prefix cache ourselves after the swap.
-                await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
+                await self._bounded(self.engine.pause_generation(
+                    mode=self.settings.pause, clear_cache=False), "pausing generation")
                 marks["pause"] = time.perf_counter()
             try:
-                await self.engine.start_weight_update()
+                await self._bounded(self.engine.start_weight_update(), "starting the update")
                 try:
-                    await self.engine.update_weights(
-                        WeightTransferUpdateRequest(update_info={"version": version}))
+                    await self._bounded(self.engine.update_weights(WeightTransferUpdateRequest(
+                        update_info={"version": version, "fetch": fetch})),
+                        f"applying v{version}")
                     marks["swap"] = time.perf_counter()
-                except BaseException:
-                    metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-                    log.error("swap to v%d failed; still serving %s", version,
-                              self.serving or "the weights loaded at start")
+                except BaseException as exc:
+                    self._failed(version, exc)
                     # Close vLLM's update session (it refuses to start the next one
                     # otherwise), keeping the weight version label as it was. (A rank
                     # that raised has closed its own: that answer is not the news.)
                     try:
-                        await self.engine.finish_weight_update()
-                    except Exception as exc:
-                        log.debug("closing the update session: %s", exc)
+                        await self._bounded(self.engine.finish_weight_update(),
+                                            "closing the update")
+                    except Exception as close_exc:
+                        log.debug("closing the update session: %s", close_exc)
                     raise
-                await self.engine.finish_weight_update(weight_version=str(version))
-                await self.engine.reset_prefix_cache()
+                await self._bounded(self.engine.finish_weight_update(
+                    weight_version=str(version)), "closing the update")
+                await self._bounded(self.engine.reset_prefix_cache(), "resetting the cache")
                 marks["finish"] = time.perf_counter()
+                if self.torn is not None:
+                    log.warning("TensorHub: v%d loaded whole; generation resumes", version)
+                self.torn = None
             finally:
-                if pause:
-                    await self.engine.resume_generation()
+                if (paused or pause) and self.torn is None:
+                    await self._bounded(self.engine.resume_generation(), "resuming generation")
             marks["resume"] = time.perf_counter()
             steps, last = [], started
             for step, t in marks.items():
@@ -151,6 +173,25 @@ class Frontend:
             log.info("now serving %s v%d (stall %.1f ms: %s ms)", self.settings.model, version,
                      stall_ms, ", ".join(steps))
             return {"version": version, "stall_ms": stall_ms, "changed": True}
+
+    def _failed(self, version: int, exc: BaseException) -> None:
+        """Record a swap that failed: a version whose load failed half-way (undone, or not)
+        is never tried again; torn weights keep generation paused."""
+        metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
+        outcome = outcome_in(str(exc))
+        if outcome is not None:
+            self._retry_at[version] = float("inf")
+        if outcome == "restored_checkpoint":
+            self.serving = None  # the weights it started with, loaded again
+        if outcome == "torn":
+            self.torn = {"version": version, "reason": str(exc).splitlines()[0][:500]}
+            log.error("swap to v%d left the weights torn: generation stays paused until a "
+                      "whole version is loaded (%s)", version, self.torn["reason"])
+        else:
+            log.error("swap to v%d failed; still serving %s%s", version,
+                      f"v{self.serving}" if self.serving else "the weights loaded at start",
+                      " (restored after a load that failed half-way)"
+                      if outcome in ("restored", "restored_checkpoint") else "")
 
     async def _check(self, version: int) -> None:
         """Refuse `version` before generation pauses if the model cannot load it (its
@@ -188,6 +229,11 @@ class Frontend:
             try:
                 _, held = await self.holdings()
                 await self._release_stale()
+                if self.torn is not None and self.serving is not None and \
+                        time.monotonic() >= self._repair_at:
+                    # Load the version served before again, from peers if need be.
+                    self._repair_at = time.monotonic() + RETRY_REFUSED
+                    await self.swap(self.serving, fetch=True)
                 if held is not None and (self.serving is None or held > self.serving) \
                         and time.monotonic() >= self._retry_at.get(held, 0.0):
                     try:
@@ -245,7 +291,7 @@ class Frontend:
             "vllm_weight_version": await self.engine.get_weight_version(),
             "held_version": held, "latest_version": latest, "updates": self.updates,
             "last_update": self.last_update, "last_error": self.last_error,
-            "unloadable": self.unloadable,
+            "unloadable": self.unloadable, "torn": self.torn,
         }
 
 
