@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from integration.faults import load_fault_env
 from integration.sglang_server import SGLangServer
 from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_serving
 from integration.tiny_model import Versions, pick_stable_prompts
@@ -55,7 +56,8 @@ def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
     pub.publish(versions.state(1))
-    sgl = SGLangServer(sglang_python, versions.dir, env=sglang_env(address),
+    sgl = SGLangServer(sglang_python, versions.dir,
+                       env={**sglang_env(address), **load_fault_env(root / "fault-version")},
                        extra_args=["--custom-weight-loader", LOADER, "--enable-metrics"],
                        log_path=root / "sglang.log").launch()
     vllm = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
@@ -212,3 +214,38 @@ def test_a_version_the_model_cannot_load_is_refused_and_sglang_serves_on(fleet, 
     wait_serving(fleet.vllm, good)
     for server in (fleet.sgl, late, fleet.vllm):
         assert server.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
+
+
+def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet):
+    """A bug in the model's loader (a test fault, `integration/faults`) fails SGLang's load
+    of a version half-way. It loads the version it served before again, from the one peer
+    that still holds it in checkpoint layout, before generation resumes: its tokens equal
+    HF's on that version. It never tries the failed version again, and takes the next."""
+    from integration.test_vllm import latest_version
+    from tensorhub import Replica
+    from tensorhub.testing.waits import wait_for
+
+    good = fleet.pub.publish(fleet.versions.state(4))
+    wait_sglang(fleet.sgl, good)
+    wait_serving(fleet.vllm, good)
+    with Replica(fleet.address, MODEL, name="lagging-peer") as peer:
+        assert peer.pull(good) == good
+        bad = latest_version(fleet.address) + 1
+        (fleet.root / "fault-version").write_text(str(bad))
+        try:
+            assert fleet.pub.publish(fleet.versions.state(3)) == bad
+            wait_for(lambda: "restored the version it served before" in str(
+                fleet.sgl.request("/tensorhub/status")["ranks"][0].get("error")),
+                timeout=120, what="SGLang restoring the version it served before")
+            status = fleet.sgl.request("/tensorhub/status")
+            assert status["serving_version"] == good and status["torn"] is None
+            assert sglang_version(fleet.sgl) == str(good)
+            assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
+            [worker] = status["workers"]
+            assert any(t.reader == worker and t.source == "lagging-peer" and t.ok
+                       for t in transfers(fleet.address, good))
+        finally:
+            (fleet.root / "fault-version").unlink()
+    after = fleet.pub.publish(fleet.versions.state(2))
+    wait_sglang(fleet.sgl, after)
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[1]

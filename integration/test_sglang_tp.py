@@ -13,6 +13,7 @@ from integration.test_sglang import LOADER, sglang_env, sglang_version, wait_sgl
 from integration.tp_fleet import (
     REFUSED,
     TOKENS,
+    bad_versions_refused_then_next,
     refused_then_next,
     tp_fleet,
     two_rank_version_pulled_once,
@@ -55,3 +56,7 @@ def test_a_version_one_rank_refuses_is_applied_on_neither_and_the_next_one_is(tp
     engine = tp_engine.engine
     refused_then_next(tp_engine, lambda: int(sglang_version(engine)),
                       lambda v: wait_sglang(engine, v))
+
+
+def test_versions_the_model_cannot_load_are_refused_on_both_ranks(tp_engine):
+    bad_versions_refused_then_next(tp_engine, lambda v: wait_sglang(tp_engine.engine, v))

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from integration.faults import load_fault_env
 from integration.sharded import publish_in_two_ranks
 from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
-from tensorhub import Publisher
+from tensorhub import Publisher, Replica
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import StatusRequest
+from tensorhub.core.data_types import GetManifest, StatusRequest
 from tensorhub.testing.waits import wait_for
 
 MODEL = "policy"
@@ -60,8 +61,9 @@ def fleet(tmp_path_factory, vllm_python, coordinator_process):
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
     pub.publish(versions.state(1))  # version 1: the weights in the model folder
-    engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
-                          env=plugin_env(address), log_path=root / f"engine-{i}.log").launch()
+    env = {**plugin_env(address), **load_fault_env(root / "fault-version")}
+    engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
+                          log_path=root / f"engine-{i}.log").launch()
                for i in range(2)]
     try:
         for e in engines:
@@ -191,7 +193,7 @@ def test_a_manual_update_to_the_current_version_changes_nothing(fleet):
 HANGING_TRAINER = """
 import os, signal, sys
 from safetensors.torch import load_file
-from tensorhub import Publisher
+from tensorhub import Publisher, Replica
 pub = Publisher(sys.argv[1], "policy", name="doomed-trainer", transport="nixl")
 print('{"version": %d}' % pub.publish(load_file(sys.argv[2])), flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
@@ -314,3 +316,45 @@ def test_a_version_the_model_cannot_load_is_refused_and_the_engines_serve_on(fle
     for e in fleet.engines:
         assert wait_serving(e, good)["vllm_weight_version"] == str(good)
         assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]
+
+
+def latest_version(address: str) -> int:
+    client = CoordinatorClient(address)
+    try:
+        return client.call(GetManifest(model=MODEL)).version
+    finally:
+        client.close()
+
+
+def test_a_load_that_fails_half_way_is_undone_before_the_engines_answer_again(fleet):
+    """A bug in the model's loader (a test fault, `integration/faults`) fails the load of a
+    version half-way on both engines. Each loads the version it served before again, from
+    the one peer that still holds it, before it answers: its tokens equal HF's on that
+    version. It never tries the failed version again, and takes the next one."""
+    good = fleet.pub.publish(fleet.versions.state(4))
+    for e in fleet.engines:
+        wait_serving(e, good)
+    with Replica(fleet.address, MODEL, name="lagging-peer") as peer:
+        assert peer.pull(good) == good  # the only holder of it once the trainer moves on
+        bad = latest_version(fleet.address) + 1
+        (fleet.root / "fault-version").write_text(str(bad))
+        try:
+            assert fleet.pub.publish(fleet.versions.state(5)) == bad
+            for e in fleet.engines:
+                wait_for(lambda e=e: f"restored the version it served before (v{good})"
+                         in e.log_path.read_text(errors="replace"), timeout=120,
+                         what=f"{e.url} restoring v{good}")
+                status = e.request("/tensorhub/status")
+                assert status["serving_version"] == good and status["torn"] is None
+                assert status["vllm_weight_version"] == str(good)
+                assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
+                [worker] = status["workers"]
+                assert any(t.reader == worker and t.source == "lagging-peer" and t.ok
+                           for t in transfers(fleet.address, good))
+        finally:
+            (fleet.root / "fault-version").unlink()
+    after = fleet.pub.publish(fleet.versions.state(6))
+    for e in fleet.engines:
+        wait_serving(e, after)
+        assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]
+        assert e.log_path.read_text().count(f"swap to v{bad} failed") == 1  # never again

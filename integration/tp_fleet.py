@@ -75,3 +75,29 @@ def two_rank_version_pulled_once(fleet: SimpleNamespace, wait_serving: Callable[
                  if t.version == 2 and t.ok and t.reader.startswith(prefix))
     model = sum(t.numel() * t.element_size() for t in state.values())
     assert model <= pulled < 1.01 * model
+
+
+def bad_versions_refused_then_next(fleet: SimpleNamespace,
+                                   wait_serving: Callable[[int], object]) -> None:
+    """Versions the model cannot load (an unknown tensor mid-order, a wrong shape, a wrong
+    dtype: `test_vllm._bad_versions`) are refused by the TP=2 engine before either rank
+    touches its weights, with the tensor named in `/tensorhub/status`; it keeps answering
+    as HF does on the version it serves, and takes the next good one."""
+    from integration.test_vllm import _bad_versions
+    from tensorhub.testing.waits import wait_for
+
+    engine = fleet.engine
+    served = fleet.pub.publish(fleet.versions.state(2))
+    wait_serving(served)
+    for what, state, tensor in _bad_versions(fleet.versions.state(2)):
+        bad = fleet.pub.publish(state)
+        wait_for(lambda bad=bad: (engine.request("/tensorhub/status")["unloadable"] or {}
+                                  ).get("version") == bad, timeout=60,
+                 what=f"refusing v{bad} ({what})")
+        status = engine.request("/tensorhub/status")
+        assert tensor in status["unloadable"]["reason"], status["unloadable"]
+        assert status["serving_version"] == served
+        assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[1]
+    good = fleet.pub.publish(fleet.versions.state(3))
+    wait_serving(good)
+    assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[2]
