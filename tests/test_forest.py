@@ -99,3 +99,18 @@ def test_the_next_version_takes_in_each_reader_with_its_parents_and_theirs_first
                                               for p in m.used]
     assert nxt.members["trainer-2"].children == [1, 1]
     assert nxt.adopt("stranger", last) is None
+
+
+def test_old_parents_that_form_a_loop_are_not_followed_round_it():
+    """Two engines that let a version go and read it again, each from the other (restoring
+    it after a failed load), left a loop of old parents: the next version takes them in
+    without following it for ever, and places them afresh."""
+    last = _fan_out(2)
+    last.publisher = "trainer"
+    last.members["r0"].used = ["r1", "r1"]
+    last.members["r1"].used = ["r0", "r0"]
+    nxt = Forest(stripes=2, fanout=2)
+    nxt.publisher = "trainer-2"
+    nxt.add_root("trainer-2", reader=False)
+    assert nxt.adopt("r0", last) == [None, None]
+    assert None not in nxt.fill("r0", now=0.0, expected=3)

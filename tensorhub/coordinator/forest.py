@@ -196,7 +196,7 @@ class Forest:
             return None
         self._take_in(worker_id, previous)
         for s in range(self.stripes):
-            self._chain(worker_id, s, previous)
+            self._chain(worker_id, s, previous, set())
         return list(self.members[worker_id].parents)
 
     @staticmethod
@@ -220,20 +220,23 @@ class Forest:
             self._gateways[old.dc] = self._gateways.get(old.dc, 0) + 1
         return m
 
-    def _chain(self, worker_id: str, stripe: int, previous: Forest) -> bool:
-        """Attach `worker_id` in `stripe` to its old parent there, that parent first (one
-        stripe's tree at a time: no cycles). True if it has a parent there now."""
+    def _chain(self, worker_id: str, stripe: int, previous: Forest, seen: set[str]) -> bool:
+        """Attach `worker_id` in `stripe` to its old parent there, that parent first. True
+        if it has a parent there now. The old parents may form a loop (a reader that read
+        the version again, from a peer that had read it from this reader: engines restoring
+        a version they had let go): a parent met twice is not taken (`fill` places it)."""
         m = self.members[worker_id]
         if m.root or m.depth[stripe] < UNSET:
             return True
         p = self._old(worker_id, previous).used[stripe]
-        if p is None:
+        if p is None or p in seen:
             return False
+        seen.add(worker_id)
         if p == previous.publisher:
             parent = self.members.get(self.publisher) if self.publisher else None
         elif self._adoptable(p, previous):
             parent = self._take_in(p, previous)
-            if not self._chain(p, stripe, previous):
+            if not self._chain(p, stripe, previous, seen):
                 return False
         else:
             return False  # a parent that left, or one that never read it
