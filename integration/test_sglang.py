@@ -230,6 +230,7 @@ def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet)
     wait_serving(fleet.vllm, good)
     with Replica(fleet.address, MODEL, name="lagging-peer") as peer:
         assert peer.pull(good) == good
+        before = transfers(fleet.address, good)
         bad = latest_version(fleet.address) + 1
         (fleet.root / "fault-version").write_text(str(bad))
         try:
@@ -242,8 +243,8 @@ def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet)
             assert sglang_version(fleet.sgl) == str(good)
             assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
             [worker] = status["workers"]
-            assert any(t.reader == worker and t.source == "lagging-peer" and t.ok
-                       for t in transfers(fleet.address, good))
+            again = [t for t in transfers(fleet.address, good) if t not in before]
+            assert {t.source for t in again if t.reader == worker} == {"lagging-peer"}
         finally:
             (fleet.root / "fault-version").unlink()
     after = fleet.pub.publish(fleet.versions.state(2))

@@ -336,6 +336,7 @@ def test_a_load_that_fails_half_way_is_undone_before_the_engines_answer_again(fl
         wait_serving(e, good)
     with Replica(fleet.address, MODEL, name="lagging-peer") as peer:
         assert peer.pull(good) == good  # the only holder of it once the trainer moves on
+        before = transfers(fleet.address, good)
         bad = latest_version(fleet.address) + 1
         (fleet.root / "fault-version").write_text(str(bad))
         try:
@@ -348,9 +349,14 @@ def test_a_load_that_fails_half_way_is_undone_before_the_engines_answer_again(fl
                 assert status["serving_version"] == good and status["torn"] is None
                 assert status["vllm_weight_version"] == str(good)
                 assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
-                [worker] = status["workers"]
-                assert any(t.reader == worker and t.source == "lagging-peer" and t.ok
-                           for t in transfers(fleet.address, good))
+            # Each read it again from a peer: the lagging one, or the engine restored first.
+            peers = {"lagging-peer", *(e.request("/tensorhub/status")["workers"][0]
+                                       for e in fleet.engines)}
+            again = [t for t in transfers(fleet.address, good) if t not in before]
+            for e in fleet.engines:
+                [worker] = e.request("/tensorhub/status")["workers"]
+                assert {t.source for t in again if t.reader == worker} <= peers - {worker}
+                assert any(t.reader == worker for t in again)
         finally:
             (fleet.root / "fault-version").unlink()
     after = fleet.pub.publish(fleet.versions.state(6))

@@ -195,33 +195,26 @@ class CheckpointHolder:
         # (a restore waits out a pull in progress: it may take the whole pull timeout)
         locked = self._lock.acquire(timeout=self.pull_timeout if fetch else 10.0)
         try:
-            problem = self._fetched(version) if locked and fetch else None
-            if problem is not None:
-                pass  # the restore's pull failed: its error is the refusal
-            elif not locked:
-                problem = TensorHubError("the checkpoint copy is busy (a pull is running)",
-                                         code="busy")
-            elif self.replica.version != version:
-                held = self.replica.version
-                problem = TensorHubError(
-                    f"asked to apply v{version} but this worker holds "
-                    f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
-            elif self._refused(version):
-                problem = TensorHubError(f"{self.name}: refusing v{version} ({REFUSE_ENV})",
-                                         code="refused")
-            else:
-                problem = self._unloadable(version) or self._reverified()
+            named: list[tuple[str, torch.Tensor]] = []
+            try:  # whatever fails here, every rank must still reach the vote
+                problem = self._not_ready(version, locked, fetch)
+                if problem is None:
+                    named = self.replica.named_tensors()
+            except Exception as exc:
+                problem = exc
             if not agree(problem is None):
                 self.refused = version  # nobody applies it: the copy may move on
                 raise problem or TensorHubError(
                     f"another rank of this engine cannot apply v{version}, so no rank "
                     f"applies it; the engine keeps its current weights", code="refused")
-            named = self.replica.named_tensors()
             failure: Exception | None = None
             try:
                 yield named
             except Exception as exc:
                 failure = exc
+            except BaseException:
+                (loaded or agree)(False)  # the other ranks must not wait for this one
+                raise
             if not (loaded or agree)(failure is None):
                 self.refused = version  # the engine could not load it: the copy moves on
                 raise TornLoad(version, failure) from failure
@@ -232,15 +225,23 @@ class CheckpointHolder:
             if locked:
                 self._lock.release()
 
-    def _fetched(self, version: int) -> TensorHubError | None:
-        """Pull `version` from peers unless the copy holds it (the caller holds the lock)."""
-        if self.replica.version == version:
-            return None
-        try:
+    def _not_ready(self, version: int, locked: bool, fetch: bool) -> Exception | None:
+        """Why the copy cannot give `version` to the engine now (None: it can). `fetch`:
+        pull it from peers first if the copy holds another (the caller holds the lock)."""
+        if not locked:
+            return TensorHubError("the checkpoint copy is busy (a pull is running)",
+                                  code="busy")
+        if fetch and self.replica.version != version:
             self.replica.pull(version, timeout=self.pull_timeout)
-        except TensorHubError as exc:
-            return exc
-        return None
+        if self.replica.version != version:
+            held = self.replica.version
+            return TensorHubError(
+                f"asked to apply v{version} but this worker holds "
+                f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
+        if self._refused(version):
+            return TensorHubError(f"{self.name}: refusing v{version} ({REFUSE_ENV})",
+                                  code="refused")
+        return self._unloadable(version) or self._reverified()
 
     def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
         """What the engine loads, as the published tensors of `version`, a version it
@@ -260,13 +261,18 @@ class CheckpointHolder:
 
     def check(self, version: int) -> None:
         """Raise the refusal if the copy holds `version` and the engine cannot load it (the
-        front end asks before it pauses generation)."""
-        with self._lock:
+        front end asks before it pauses generation). A pull in progress holds the lock:
+        the check is then left to `tensors_of`."""
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
             if self.replica.version == version:
                 problem = self._unloadable(version)
                 if problem is not None:
                     self.refused = version  # nobody applies it: the copy may move on
                     raise problem
+        finally:
+            self._lock.release()
 
     def _reverified(self) -> TensorHubError | None:
         """What is applied is what was verified: a late read may have landed in the copy."""

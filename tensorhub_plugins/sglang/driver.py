@@ -164,23 +164,31 @@ class Driver:
         return None
 
     def swap(self, version: int, path: str = "checkpoint") -> float:
-        started = time.perf_counter()
+        started, since = time.perf_counter(), time.time()
         torn = False
         bound = self.settings.swap_timeout  # each step's; the workers' votes name a hung rank
-        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
+        sent = answered = False  # an update sent and not answered: its outcome is unknown
         try:
+            self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
             self._post("/begin_weight_update", {}, bound)
             try:
+                sent = True
                 self._post("/update_weights_from_tensor", {
                     "serialized_named_tensors": [descriptor_payload(version, path)]
                     * self.tp_size,
                     "load_format": LOADER, "weight_version": str(version),
                     "flush_cache": True}, bound)
+                answered = True
             finally:
                 self._post("/end_weight_update", {}, bound)
         finally:
-            torn = any(s.get("torn") for s in self.applied())
-            if not torn:  # torn weights are never served: stay paused, repair next poll
+            states = self.applied()
+            # A scheduler that has not reported since the update began may have stopped
+            # half-way: as torn. Torn weights are never served: stay paused, repair later.
+            unknown = sent and not answered
+            torn = any(s.get("torn") or (unknown and (s.get("at") or 0) < since)
+                       for s in states)
+            if not torn:
                 self._post("/continue_generation", {}, bound)
         stall = time.perf_counter() - started
         states = self.applied()

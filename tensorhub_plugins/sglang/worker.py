@@ -208,18 +208,23 @@ def apply(model, version: int, path: str = "checkpoint") -> None:
     # Every rank takes the checkpoint path when asked to: they vote. A rank that falls back
     # from the native path does so alone (its peers may not).
     agree = tp_vote if path == "checkpoint" else alone
+    failure: Exception | None = None
     try:
         if sources is None:
             sources = _apply_checkpoint(model, version, agree)
     except Exception as exc:
+        failure = exc
+    if path != "checkpoint" and _tp_size() > 1:
+        failure, agree = _native_outcome(version, failure), tp_vote
+    if failure is not None:
         if _checkpoint is not None and _checkpoint.version is None \
                 and _settings.checkpoint_copy != "always":
             _drop_copy()  # built for this update, holds nothing: free it
-        if isinstance(exc, TornLoad) or _torn:
-            _repair(model, version, previous, agree, exc)
+        if isinstance(failure, TornLoad) or _torn:
+            _repair(model, version, previous, agree, failure)
         elif _native is not None and previous is not None and _native.replica.version is None:
             _native.hold_applied(previous)  # untouched: serve it to peers again
-        raise
+        raise failure
     _applied = version
     if taken == "native":
         if _settings is not None and _settings.checkpoint_copy == "auto":
@@ -256,6 +261,18 @@ def _rank_votes() -> RankVote:
         timeout = (_settings.update_timeout if _settings else 120.0) + VOTE_MARGIN_S
         _votes = RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
     return _votes
+
+
+def _native_outcome(version: int, failure: Exception | None) -> Exception | None:
+    """On the native path each TP rank went its own way (natively, or the checkpoint path
+    alone): the engine holds `version` on every rank or on none. If a rank failed and any
+    rank's weights changed, every rank gets `TornLoad` (and restores, voting together)."""
+    if tp_vote(failure is None):
+        return None
+    touched = failure is None or _torn or isinstance(failure, TornLoad)
+    if tp_vote(not touched):
+        return failure  # every rank failed before touching its weights: nothing to undo
+    return failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
 
 
 def _tp_broadcast(payload: bytes | None) -> bytes:

@@ -194,8 +194,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 restore_after(torn, previous, lambda v: self._apply_version(v, fetch=True),
                               self._load_checkpoint)
             except TensorHubError as exc:
-                if outcome_in(str(exc)) == "restored_checkpoint":
-                    self.applied = None
+                if outcome_in(str(exc)) in ("restored_checkpoint", "torn"):
+                    self.applied = None  # (torn: no version is whole in the model)
                 raise
 
     def _apply_version(self, version: int, fetch: bool = False) -> None:

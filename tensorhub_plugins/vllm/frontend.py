@@ -125,13 +125,13 @@ class Frontend:
             started = time.perf_counter()
             marks: dict[str, float] = {}
             await self._check(version)
-            paused = pause and self.torn is None  # (torn: generation is paused already)
-            if paused:
-                # clear_cache=False: we reset the prefix cache ourselves after the swap.
-                await self._bounded(self.engine.pause_generation(
-                    mode=self.settings.pause, clear_cache=False), "pausing generation")
-                marks["pause"] = time.perf_counter()
+            was_torn = self.torn is not None  # (then generation is paused already)
             try:
+                if pause and not was_torn:
+                    # clear_cache=False: we reset the prefix cache ourselves after the swap.
+                    await self._bounded(self.engine.pause_generation(
+                        mode=self.settings.pause, clear_cache=False), "pausing generation")
+                    marks["pause"] = time.perf_counter()
                 await self._bounded(self.engine.start_weight_update(), "starting the update")
                 try:
                     await self._bounded(self.engine.update_weights(WeightTransferUpdateRequest(
@@ -153,11 +153,11 @@ class Frontend:
                     weight_version=str(version)), "closing the update")
                 await self._bounded(self.engine.reset_prefix_cache(), "resetting the cache")
                 marks["finish"] = time.perf_counter()
-                if self.torn is not None:
+                if was_torn:
                     log.warning("TensorHub: v%d loaded whole; generation resumes", version)
                 self.torn = None
             finally:
-                if (paused or pause) and self.torn is None:
+                if (pause or was_torn) and self.torn is None:
                     await self._bounded(self.engine.resume_generation(), "resuming generation")
             marks["resume"] = time.perf_counter()
             steps, last = [], started
@@ -178,7 +178,8 @@ class Frontend:
         """Record a swap that failed: a version whose load failed half-way (undone, or not)
         is never tried again; torn weights keep generation paused."""
         metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-        outcome = outcome_in(str(exc))
+        # A load that did not finish in time may have stopped half-way: as torn.
+        outcome = "torn" if getattr(exc, "code", None) == "timeout" else outcome_in(str(exc))
         if outcome is not None:
             self._retry_at[version] = float("inf")
         if outcome == "restored_checkpoint":
@@ -197,8 +198,9 @@ class Frontend:
         """Refuse `version` before generation pauses if the model cannot load it (its
         tensors' names, shapes or dtypes are unlike the model's): it is never tried again."""
         try:
-            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
-                init_info={"op": "check", "version": version}))
+            await self._bounded(self.engine.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info={"op": "check", "version": version})),
+                f"checking v{version}")
         except Exception as exc:
             reason = refusal_in(str(exc))
             if reason is None:
