@@ -17,6 +17,7 @@ from tensorhub.engines.holder import (
     TornLoad,
     versions_to_release,
 )
+from tensorhub.testing.ranks import on_every_rank
 from tensorhub.testing.waits import wait_for
 
 
@@ -49,11 +50,7 @@ def apply_on_every_rank(holders, version: int, weights: list[dict]) -> list[str 
         except TensorHubError as exc:
             codes[rank] = exc.code
 
-    threads = [threading.Thread(target=apply, args=(r,)) for r in range(len(holders))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    on_every_rank(apply, len(holders))
     return codes
 
 
@@ -156,11 +153,7 @@ def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(coordinator):
             pub.publish({"w": torch.ones(4)})
             for h in holders:
                 h.pull(1)
-            threads = [threading.Thread(target=apply, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+            on_every_rank(apply, 2)
             assert errors == ["loading v1 failed half-way on another rank of this engine",
                               "loading v1 failed half-way: load_weights: a bug half-way"]
             assert [h.applied for h in holders] == [None, None]

@@ -13,6 +13,7 @@ import torch
 from tensorhub import Publisher, TensorHubError
 from tensorhub.engines.holder import CheckpointHolder, TornLoad
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
+from tensorhub.testing.ranks import on_every_rank
 
 
 class Group:
@@ -68,11 +69,7 @@ def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = Non
         except Exception as exc:
             results[rank] = (loaded, exc)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    on_every_rank(run, 2, timeout=60)
     return results
 
 

@@ -4,11 +4,10 @@ outcome the others acted on. Ranks are threads here, over a real torch store."""
 
 from __future__ import annotations
 
-import threading
-
 import torch.distributed as dist
 
 from tensorhub.engines.votes import RankVote
+from tensorhub.testing.ranks import on_every_rank
 
 
 def votes_of(store, ranks: int = 2, timeout: float = 1.0) -> list[RankVote]:
@@ -21,11 +20,7 @@ def vote_together(votes: list[RankVote], oks: list[bool]) -> list[bool]:
     def vote(rank: int) -> None:
         results[rank] = votes[rank](oks[rank])
 
-    threads = [threading.Thread(target=vote, args=(r,)) for r in range(len(votes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    on_every_rank(vote, len(votes))
     return results
 
 
