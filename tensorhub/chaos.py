@@ -15,8 +15,10 @@ import argparse
 import json
 import logging
 import random
+import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,7 +63,8 @@ def replica_process(address: str, name: str, transport: str) -> ChildProcess:
     return ChildProcess.tensorhub(
         "--log-level", "WARNING", "replica", "--coordinator", address, "--name", name,
         "--transport", transport, "--json", "--checksums", "--pull-timeout", "60",
-        "--timeout", "3600", name=name)
+        "--timeout", "3600", name=name,
+        stderr=subprocess.STDOUT)  # its warnings and a crash come into the report's tails
 
 
 @dataclass
@@ -88,6 +91,12 @@ class ChaosReport:
     final: dict[str, int | None] = field(default_factory=dict)  # replica -> last version
     settled: bool = False
     seconds: float = 0.0
+    # replica -> its last lines of output, for each replica not on the newest version at the
+    # end (what it was doing instead)
+    unsettled: dict[str, list[str]] = field(default_factory=dict)
+
+
+TAIL_LINES = 20  # lines of a replica's output kept for the report
 
 
 def _checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -103,6 +112,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     coordinator = CoordinatorProcess().start()
     replicas = {f"r{i}": replica_process(coordinator.address, f"r{i}", cfg.transport)
                 for i in range(cfg.replicas)}
+    tails = {name: deque(maxlen=TAIL_LINES) for name in replicas}
 
     def drain(timeout: float = 0.0) -> None:
         for name, proc in replicas.items():
@@ -112,6 +122,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
                         proc.lines.get_nowait()
                 except Exception:
                     break
+                tails[name].append(line.rstrip())
                 if not line.startswith("{"):
                     continue
                 event = json.loads(line)
@@ -148,6 +159,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
                 replicas[victim].kill()
                 replicas[victim] = replica_process(coordinator.address, victim, cfg.transport)
                 last[victim] = None
+                tails[victim].clear()
                 report.replica_kills += 1
             if rng.random() < cfg.kill_coordinator_p:
                 coordinator.kill()
@@ -162,6 +174,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
             drain(timeout=0.2)
         report.settled = all(last.get(n) == newest for n in replicas)
         report.final = {n: last.get(n) for n in replicas}
+        report.unsettled = {n: list(tails[n]) for n in replicas if last.get(n) != newest}
     finally:
         pub.close()
         for proc in replicas.values():
