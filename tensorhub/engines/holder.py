@@ -213,6 +213,7 @@ class CheckpointHolder:
             except Exception as exc:
                 failure = exc
             except BaseException:
+                self.refused = version  # the engine could not load it: the copy moves on
                 (loaded or agree)(False)  # the other ranks must not wait for this one
                 raise
             if not (loaded or agree)(failure is None):
