@@ -34,10 +34,9 @@ import msgpack
 import zmq
 
 from bench.results import Report
-from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.client import CoordinatorClient, Credentials
 from tensorhub.core.data_types import (
     Endpoint,
-    Envelope,
     Heartbeat,
     Hold,
     Manifest,
@@ -81,8 +80,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+CREDENTIALS = Credentials()  # the load's workers' secrets, from their registrations
+
+
 def _payload(request) -> bytes:
-    return encode(Envelope(request=request))
+    return encode(CREDENTIALS.envelope(request))
 
 
 class _Fleet:
@@ -143,6 +145,7 @@ class _Load:
                 time.perf_counter())
         for _, _, w, reply in self.fleet.drain(time.perf_counter() + 120):
             ids[w] = reply["worker_id"]
+            CREDENTIALS.remember(reply["worker_id"], reply["secret"])
         for w in filter(_holds, range(workers)):
             self.fleet.send(w, "hold", _payload(Hold(
                 worker_id=ids[w], model="m", version=1, layout_id=layout_id(MANIFEST),
@@ -227,7 +230,9 @@ def _published(manifest: Manifest, memory: list[MemoryDesc]):
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
     try:
         def call(request):
-            return c.handle(encode(Envelope(request=request)))
+            reply = c.handle(_payload(request))
+            CREDENTIALS.learn(reply)
+            return reply
 
         t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
         call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
@@ -252,8 +257,8 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
         for k in range(plans):
             w = readers[k % len(readers)]
             chunked = k % 2 == 0
-            payload = encode(Envelope(request=PlanRequest(worker_id=w, model="m", version=1,
-                                                          chunked=chunked)))
+            payload = _payload(PlanRequest(worker_id=w, model="m", version=1,
+                                                   chunked=chunked))
             started = time.perf_counter()
             reply = c.answer(payload)
             out["plan_chunked" if chunked else "plan_whole"].append(
@@ -286,19 +291,19 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"plan_striped_first": [], "plan_striped_again": []}
         parents: dict[str, list] = {}
         for w in ids:
-            payload = encode(Envelope(request=PlanRequest(
+            payload = _payload(PlanRequest(
                 worker_id=w, model="m", version=1, chunked=True, striped=True,
-                memory=memory)))
+                memory=memory))
             started = time.perf_counter()
             reply = c.answer(payload)
             out["plan_striped_first"].append(time.perf_counter() - started)
             parents[w] = msgpack.unpackb(reply)["stripes"]
         for w in ids:
             behind = [p for p in parents[w] if p is not None][:1]
-            payload = encode(Envelope(request=PlanRequest(
+            payload = _payload(PlanRequest(
                 worker_id=w, model="m", version=1, chunked=True, striped=True,
                 known_manifest=True, stripes=[parents[w].index(behind[0])] if behind else [1],
-                behind=behind)))
+                behind=behind))
             started = time.perf_counter()
             c.answer(payload)
             out["plan_striped_again"].append(time.perf_counter() - started)

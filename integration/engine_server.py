@@ -229,8 +229,9 @@ class EngineServer:
 
     def tensorhub_status(self) -> dict:
         """`GET /tensorhub/status`, which both engine plugins serve on the engine's own port
-        (with the server's TENSORHUB_TOKEN, if it has one)."""
-        token = self.env.get("TENSORHUB_TOKEN")
+        (with the server's TENSORHUB_TOKEN or TENSORHUB_HTTP_TOKEN, if it has one: without,
+        the route answers callers on the engine's own host only)."""
+        token = self.env.get("TENSORHUB_TOKEN") or self.env.get("TENSORHUB_HTTP_TOKEN")
         return self.request("/tensorhub/status", timeout=10,
                             headers={"Authorization": f"Bearer {token}"} if token else None)
 

@@ -16,6 +16,8 @@ from tensorhub.testing.fleet import Fleet
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
 TOKENS = 12
+# This test asks an engine on another host for its status: its routes need a token then.
+ROUTE_TOKEN = {"TENSORHUB_HTTP_TOKEN": "vllm-hosts-test"}
 PLUGIN_ARGS = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
 
 
@@ -29,7 +31,7 @@ def test_a_vllm_engine_joins_from_an_engine_on_another_host(tmp_path, vllm_pytho
     with Cluster(3, egress="800mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
         h0, h1, h2 = cluster.hosts
         env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": fleet.address,
-               "TENSORHUB_MODEL": "policy"}
+               "TENSORHUB_MODEL": "policy", **ROUTE_TOKEN}
         # the trainer publishes, waits until one engine holds the version, and leaves
         trainer = h0.tensorhub("--log-level", "INFO", "publish", str(published),
                                "--coordinator", fleet.address, "--wait-replicas", "1",
@@ -80,7 +82,7 @@ def test_an_engine_answers_on_time_while_the_source_it_reads_from_is_stopped(
     with Cluster(2, egress="800mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
         h0, h1 = cluster.hosts
         env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": fleet.address,
-               "TENSORHUB_MODEL": "policy"}
+               "TENSORHUB_MODEL": "policy", **ROUTE_TOKEN}
         engine = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
                             log_path=tmp_path / "vllm-h1.log").on(h1)
         trainer = None

@@ -36,12 +36,10 @@ def _coordinator(args: argparse.Namespace) -> int:
                               **({} if args.chunk_mib is None else
                                  {"chunk_bytes": int(args.chunk_mib * 2**20), "min_chunks": 1})),
     )  # fmt: skip
-    if not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and token is None:
-        logging.warning("binding %s beyond loopback without TENSORHUB_TOKEN: anyone who can "
-                        "reach it can publish and read references", args.bind)
-    elif not args.bind.startswith(("tcp://127.", "tcp://localhost", "ipc://")) and not secret:
-        logging.warning("binding %s beyond loopback without CURVE: the token travels in clear "
-                        "text (see `tensorhub keygen`)", args.bind)
+    if token is None:
+        logging.warning("no TENSORHUB_TOKEN: anyone who can reach %s can publish, and read "
+                        "the weights of every worker; set the same token here and on every "
+                        "worker", args.bind)
     coordinator = Coordinator(config)
     signal.signal(signal.SIGTERM, lambda *_: coordinator._stop.set())
     print(f"tensorhub coordinator: requests on {coordinator.address}, announcements on "

@@ -181,12 +181,12 @@ class PartedReplica:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.tensors.items())
 
-    def reverify(self) -> None:
-        """Each part verified again if a late read may have landed in it (`Replica.reverify`);
-        a part that fails stops the whole version being ours."""
+    def reverify(self, always: bool = False) -> None:
+        """Each part verified again if a late read may have landed in it, or `always`
+        (`Replica.reverify`); a part that fails stops the whole version being ours."""
         try:
             for r in self.replicas:
-                r.reverify()
+                r.reverify(always)
         except Exception:
             self.version = None
             raise

@@ -54,7 +54,7 @@ class Publisher:
         transport: str | Transport | None = None,
         zero_copy: bool = False,
         compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
-        release_timeout: float = 60.0,
+        release_timeout: float | None = None,
         min_replicas: int = 1,
         retain_timeout: float = 30.0,
         token: str | None = None,
@@ -67,7 +67,9 @@ class Publisher:
         """`part` of `parts`: this trainer rank publishes one part of each version, and the
         version appears to readers once all `parts` ranks have published theirs (FSDP or
         Megatron ranks, each with the tensors it owns, or row slices; `publish(rows=...)`).
-        """
+        `release_timeout`: how long `publish` waits for reads of the previous version to end
+        before it overwrites it (default: as long as the coordinator lets a read live, so a
+        slow reader delays a training step but never fails it)."""
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
@@ -254,8 +256,10 @@ class Publisher:
 
     def _drop_current(self, timeout: float | None = None) -> None:
         if self.version is not None:
+            default = self.release_timeout if self.release_timeout is not None else \
+                self.session.lease_ttl + self.session.heartbeat_interval
             self.session.withdraw(self.model, self.version,
-                                  self.release_timeout if timeout is None else timeout,
+                                  default if timeout is None else timeout,
                                   force=True)
             self.version = None
 

@@ -158,12 +158,14 @@ class Replica:
     def _late_reads(self) -> int:
         return self.session.transport.late_reads
 
-    def reverify(self) -> None:
+    def reverify(self, always: bool = False) -> None:
         """Verify the version we hold again if a read given up earlier has landed since it
-        was verified (its bytes may have gone into our buffers); raises `IntegrityError`
-        and stops holding the version if they did not match."""
+        was verified (its bytes may have gone into our buffers), or `always` (before an
+        engine applies it: a peer's one-sided WRITE into registered memory is possible on
+        some fabrics); raises `IntegrityError` and stops holding the version if they did
+        not match."""
         late = self._late_reads()
-        if self.version is None or late == self._late_seen:
+        if self.version is None or (late == self._late_seen and not always):
             return
         plan = ReadPlan.model_construct(model=self.model, version=self.version,
                                         checksums=self._checksums)
@@ -177,9 +179,10 @@ class Replica:
             except TensorHubError as exc:
                 log.warning("%s: withdrawing v%d: %s", self.session.name, version, exc)
             raise
+        if late != self._late_seen:
+            log.warning("%s: a late read landed; %s v%d verified again: whole",
+                        self.session.name, self.model, self.version)
         self._late_seen = late
-        log.warning("%s: a late read landed; %s v%d verified again: whole", self.session.name,
-                    self.model, self.version)
 
     # ------------------------------------------------------------------ pulling
     def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,

@@ -145,7 +145,7 @@ class StripedReader:
                for c in action.chunks for seg in self.chunks[c].segments]
         try:
             self.session.transport.read(
-                Peer(src.worker_id, src.endpoint), ops,
+                Peer(src.worker_id, src.endpoint, src.grant), ops,
                 timeout=max(0.001, min(STALL_TIMEOUT, deadline - time.monotonic())))
         except TransferError as exc:
             self.session.transport.forget_peer(src.worker_id)
@@ -159,7 +159,7 @@ class StripedReader:
         buf = self.session.poll_buffer(action.stripe)[:action.hi - action.lo]
         try:
             self.session.transport.read(
-                Peer(src.worker_id, src.endpoint),
+                Peer(src.worker_id, src.endpoint, src.grant),
                 [ReadOp(local=buf, remote=MemoryDesc(addr=src.progress.addr + action.lo,
                                                      nbytes=action.hi - action.lo))],
                 timeout=max(0.001, min(POLL_TIMEOUT, deadline - time.monotonic())))

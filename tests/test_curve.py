@@ -1,6 +1,6 @@
-"""ZeroMQ CURVE on the control plane: clients that know the coordinator's public key work
-end to end (requests and announcements), clients that do not get a clear timeout, and the
-token is still required on top."""
+"""ZeroMQ CURVE on the control plane with a keypair from `tensorhub keygen`: clients that
+know the coordinator's public key and the token work end to end (requests and
+announcements); a client missing either is refused in the handshake, with a clear error."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from tensorhub.core import curve
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.core.errors import CoordinatorUnavailable
 from tensorhub.core.wire import decode_announcement
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
@@ -94,30 +93,36 @@ def test_with_the_server_key_publish_pull_and_announcements_work(secured, keys, 
             assert torch.equal(rep.tensors[name], t)
 
 
-def test_without_the_server_key_a_client_times_out_with_a_hint(secured, monkeypatch):
+def test_with_the_token_but_not_the_server_key_a_client_is_told_what_to_set(secured):
     client = CoordinatorClient(secured.address, timeout=1.0)
-    assert client.curve_server_key is None
-    with pytest.raises(CoordinatorUnavailable, match=curve.SERVER_KEY_ENV) as err:
+    assert client.token == TOKEN and client.curve_server_key != secured.curve_public_key
+    with pytest.raises(CoordinatorError, match=curve.SERVER_KEY_ENV) as err:
         client.call(StatusRequest())
-    assert err.value.code == "unavailable"
+    assert err.value.code == "unauthorized"
     client.close()
 
 
-def test_a_wrong_server_key_gets_no_answer_either(secured):
+def test_a_wrong_server_key_is_refused(secured):
     impostor_key, _ = curve.generate_keypair()
     client = CoordinatorClient(secured.address, timeout=1.0, curve_server_key=impostor_key)
-    with pytest.raises(CoordinatorUnavailable, match="no reply"):
+    with pytest.raises(CoordinatorError, match="refused our handshake") as err:
         client.call(StatusRequest())
+    assert err.value.code == "unauthorized"
     client.close()
 
 
-def test_the_token_still_applies_under_curve(secured, keys):
-    wrong = CoordinatorClient(secured.address, token="wrong", curve_server_key=keys[0],
-                              timeout=5.0)
-    with pytest.raises(CoordinatorError) as err:
-        wrong.call(StatusRequest())
-    assert err.value.code == "unauthorized"
-    wrong.close()
+def test_the_server_key_alone_does_not_let_a_client_in_the_token_is_needed(secured, keys):
+    """The server key is public (every worker has it): the coordinator admits only the
+    keypair derived from the token, so a client with the key and a wrong token (or none)
+    never completes a handshake."""
+    for token in ("wrong", ""):
+        outsider = CoordinatorClient(secured.address, token=token, curve_server_key=keys[0],
+                                     timeout=1.0)
+        with pytest.raises(CoordinatorError, match="TENSORHUB_TOKEN") as err:
+            outsider.call(StatusRequest())
+        assert err.value.code == "unauthorized"
+        outsider.close()
     right = CoordinatorClient(secured.address, curve_server_key=keys[0], timeout=5.0)
     assert right.token == TOKEN and right.call(StatusRequest()).type == "status_reply"
     right.close()
+    assert secured.gate.refused >= 2

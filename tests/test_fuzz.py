@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+from tensorhub.core import curve
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import DTYPES, ErrorReply, Reply, Request, StatusRequest
 from tensorhub.core.errors import CoordinatorError
@@ -155,6 +156,8 @@ def request_dict(draw) -> dict:
 
 envelope_dict = st.fixed_dictionaries({
     "token": st.sampled_from(["@token"] * 6 + [None, "", "wrong", TOKEN + "x"]),
+    # "@secret": the secret of the worker the request names (if it is one of the world's)
+    "secret": st.sampled_from(["@secret"] * 6 + [None, "", "wrong"]),
     "request": request_dict(),
 })  # fmt: skip
 
@@ -167,12 +170,15 @@ class World:
     def __init__(self) -> None:
         self.coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token=TOKEN))
         self.refs: dict[str, Any] = {}
+        self.secrets: dict[str, str] = {}  # worker id -> its secret, from its registration
 
     def close(self) -> None:
         self.coordinator.stop()
 
     def call(self, request: dict, token: Any = TOKEN) -> Any:
-        payload = msgpack.packb({"token": token, "request": request}, use_bin_type=True)
+        secret = self.secrets.get(request.get("worker_id"))
+        payload = msgpack.packb({"token": token, "secret": secret, "request": request},
+                                use_bin_type=True)
         return self.coordinator.handle(payload)
 
     def reset(self) -> None:
@@ -181,6 +187,7 @@ class World:
         for ref, role in (("trainer", "trainer"), ("reader", "replica"), ("other", "replica")):
             reply = self.call({"type": "register", "name": ref, "role": role, "endpoint": ep})
             self.refs["@" + ref] = reply.worker_id
+            self.secrets[reply.worker_id] = reply.secret
         manifest = {"tensors": [{"name": "w", "dtype": "float32", "shape": [4, 4],
                                  "nbytes": 64}], "compact_threshold": 1 << 20}
         checksums, memory = ["c0"], [{"addr": 4096, "nbytes": 64}]
@@ -271,12 +278,18 @@ def test_hostile_requests_in_any_order_get_typed_replies_and_refusals_change_not
         env = world.resolve(env)
         before = world.snapshot()
         sender = env["request"].get("worker_id") if isinstance(env["request"], dict) else None
+        if env["secret"] == "@secret":
+            env["secret"] = world.secrets.get(sender) if isinstance(sender, str) else None
+        registered = isinstance(sender, str) and sender in world.coordinator.table.workers
         others_leases = {k for k, lease in world.coordinator.table.leases.items()
                          if lease.reader != sender}
         reply = world.coordinator.handle(msgpack.packb(env, use_bin_type=True))
         assert_typed(reply)
         if env["token"] != TOKEN and reply.code != "bad_request":
             assert reply.code == "unauthorized", reply
+        if registered and env["secret"] != world.secrets.get(sender) \
+                and reply.code != "bad_request":
+            assert reply.code == "unauthorized", reply  # no one acts for another worker
         if isinstance(reply, ErrorReply):
             assert world.snapshot() == before, (env, reply)
         # No worker can end another's read: its lease outlives whatever this one sends.
@@ -367,6 +380,8 @@ def test_hostile_frames_on_the_router_socket_get_typed_replies_and_it_serves_on(
     coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token=TOKEN)).start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a token holder's socket (one without the token never gets past the handshake)
+    curve.secure_client(sock, curve.token_server_key(TOKEN), curve.token_client_keypair(TOKEN))
     sock.connect(coordinator.address)
     sent = []
 

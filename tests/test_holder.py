@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tensorhub import Publisher, TensorHubError
+from tensorhub.core.errors import IntegrityError
 from tensorhub.engines.holder import (
     REFUSE_ENV,
     CheckpointHolder,
@@ -184,3 +185,23 @@ def test_a_restore_pulls_the_version_served_before_from_peers(coordinator):
     finally:
         holder.close()
         peer.close()
+
+
+def test_bytes_changed_in_the_copy_after_its_pull_are_never_applied(coordinator):
+    """What is applied is what was verified: a byte written into the copy after the pull
+    (a peer's one-sided WRITE, a late read) is caught just before the engine reads it."""
+    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+                              follow=False)
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            pub.publish({"w": torch.ones(1024)})
+            holder.pull(1)
+            holder.replica.replicas[0].layout.item_bytes[0][7] ^= 0xFF  # the "remote write"
+            with pytest.raises(IntegrityError), holder.tensors_of(1):
+                pytest.fail("tampered bytes were handed to the engine")
+            assert holder.applied is None and holder.version is None
+            holder.pull(1)  # pulled again, whole, from the trainer
+            with holder.tensors_of(1) as tensors:
+                assert torch.equal(dict(tensors)["w"], torch.ones(1024))
+    finally:
+        holder.close()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorhub.core.data_types import MemoryDesc
-from tensorhub.core.transport import Peer, ReadOp, make_transport
+from tensorhub.core.transport import Peer, ReadOp, grants, make_transport
 
 NBYTES = 48 << 20  # several of the zmq fallback's 16 MiB requests each way
 
@@ -25,7 +25,7 @@ def test_two_workers_reading_from_each_other_at_once_both_finish(name):
         errors: list[BaseException] = []
 
         def read(reader, holder, holder_id):
-            peer = Peer(holder_id, holder.endpoint())
+            peer = Peer(holder_id, holder.endpoint(), grants.issue(holder.grant_key, "reader"))
             remote = MemoryDesc(addr=src[holder].data_ptr(), nbytes=NBYTES)
             try:
                 reader.read(peer, [ReadOp(dst[reader], remote)], timeout=60)

@@ -12,7 +12,7 @@ import zmq
 
 from tensorhub.cli import DEFAULT_COORDINATOR, build_parser
 from tensorhub.coordinator.server import CoordinatorConfig
-from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.client import SNDHWM, CoordinatorClient
 from tensorhub.core.data_types import Envelope, StatusRequest
 from tensorhub.core.errors import CoordinatorUnavailable
 from tensorhub.core.wire import MAX_MESSAGE_BYTES, encode
@@ -56,6 +56,19 @@ def test_an_oversized_message_on_the_socket_is_dropped_unanswered_and_it_serves_
         assert msgpack.unpackb(sock.recv_multipart()[1])["type"] == "status_reply"
     finally:
         sock.close(0)
+
+
+def test_a_client_whose_queue_is_full_is_told_so_at_once_not_blocked():
+    """With no coordinator, requests queue unsent up to the high-water mark; the next
+    send then waits no longer than the call's timeout (it used to block for ever)."""
+    client = CoordinatorClient("tcp://127.0.0.1:9", timeout=0.001)  # nobody listens
+    outcomes = set()
+    for _ in range(SNDHWM + 50):
+        with pytest.raises(CoordinatorUnavailable) as err:
+            client.call(StatusRequest())
+        outcomes.add("cannot send" if "cannot send" in str(err.value) else "no reply")
+    assert outcomes == {"no reply", "cannot send"}
+    client.close()
 
 
 def test_a_client_gets_a_clear_timeout_not_a_hang_when_nobody_answers():

@@ -164,13 +164,47 @@ def test_only_the_server_main_process_starts_the_driver(monkeypatch, argv, proce
 def test_routes_take_the_tensorhub_token_as_a_bearer_token(monkeypatch, tmp_path):
     for key in ("TENSORHUB_TOKEN", "TENSORHUB_TOKEN_FILE", "TENSORHUB_HTTP_TOKEN"):
         monkeypatch.delenv(key, raising=False)
-    assert authorized(None)  # no token configured: open, as the vLLM routes
     monkeypatch.setenv("TENSORHUB_TOKEN", "s3cret")
-    assert authorized("Bearer s3cret")
-    assert not authorized(None) and not authorized("Bearer wrong")
+    for host in ("10.0.0.7", "127.0.0.1"):
+        assert authorized("Bearer s3cret", host)
+        assert not authorized(None, host) and not authorized("Bearer wrong", host)
     monkeypatch.delenv("TENSORHUB_TOKEN")
     monkeypatch.setenv("TENSORHUB_TOKEN_FILE", str(tmp_path / "missing"))
-    assert not authorized("Bearer anything")  # an unreadable token fails closed
+    assert not authorized("Bearer anything", "127.0.0.1")  # unreadable: fails closed
+
+
+def test_with_no_token_set_the_routes_answer_this_host_only(monkeypatch):
+    for key in ("TENSORHUB_TOKEN", "TENSORHUB_TOKEN_FILE", "TENSORHUB_HTTP_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    for host in ("127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1", "localhost"):
+        assert authorized(None, host), host
+    for host in ("10.0.0.7", "192.168.1.2", "::ffff:10.0.0.7", "2001:db8::1", "", None):
+        assert not authorized(None, host), host
+        assert not authorized("Bearer anything", host), host
+
+
+def test_the_driver_shows_sglangs_api_key_on_every_call(monkeypatch):
+    seen = []
+
+    class Reply:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return b"{}"
+
+    def urlopen(req, timeout):
+        seen.append(req.headers.get("Authorization"))
+        return Reply()
+
+    monkeypatch.setattr("urllib.request.urlopen", urlopen)
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, "i", api_key="sk-engine")
+    driver._post("/pause_generation", {})
+    driver._get("/get_model_info")
+    assert seen == ["Bearer sk-engine", "Bearer sk-engine"]
 
 
 def test_the_status_dir_goes_before_sglang_sigkills_its_own_main_process(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import hmac
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -94,6 +95,8 @@ from tensorhub.core.errors import LayoutError
 from tensorhub.core.layout import check_manifest, layout_id, plan_items
 from tensorhub.core.memory import regions_digest
 from tensorhub.core.stripes import PROGRESS_BYTES, warm_lease_id
+from tensorhub.core.transport import grants
+from tensorhub.core.transport.grants import ANY_READER
 from tensorhub.core.wire import (
     MAX_MESSAGE_BYTES,
     Packed,
@@ -102,6 +105,7 @@ from tensorhub.core.wire import (
     encode,
     encode_array,
     encode_map,
+    foreign,
 )
 
 log = logging.getLogger("tensorhub.coordinator")
@@ -175,6 +179,7 @@ class _Plan:
     retry_after: float | None = None
     progress: dict[str, MemoryDesc] | None = None  # striped: the sources' progress bytes
     holding: list[str] | None = None  # striped: the sources that hold every chunk
+    reader: str = ANY_READER  # whom the sources' grants are for
 
     def _progress_of(self, worker_id: str) -> MemoryDesc | None:
         return self.progress.get(worker_id) if self.progress else None
@@ -191,7 +196,8 @@ class _Plan:
             manifest=layout.manifest if self.manifest else None,
             checksums=layout.checksums if self.manifest else None,
             lease_id=self.lease_id, lease_ttl=self.lease_ttl,
-            sources=[source_of(w, load_memory(rec.memory), self._progress_of(w.worker_id))
+            sources=[source_of(w, load_memory(rec.memory), self._progress_of(w.worker_id),
+                               self.reader)
                      for w, rec in self.sources],
             ranges=self.ranges, **chunked)
 
@@ -204,7 +210,8 @@ class _Plan:
             "sources": encode_array([
                 encode_map({"worker_id": w.worker_id, "name": w.name, "role": w.role,
                             "endpoint": w.endpoint, "memory": Packed(rec.packed_memory()),
-                            "progress": self._progress_of(w.worker_id)})
+                            "progress": self._progress_of(w.worker_id),
+                            "grant": grants.issue(w.grant_key, self.reader)})
                 for w, rec in self.sources]),
             "ranges": [r.__dict__ for r in self.ranges],  # (what `encode` packs, sooner)
             "complete": self.complete, "chunk_bytes": self.chunk_bytes,
@@ -229,11 +236,12 @@ class _Encoded:
         return self.bytes
 
 
-def source_of(worker: WorkerRec, memory: list[MemoryDesc],
-              progress: MemoryDesc | None) -> Source:
-    """A holder as a reader is told of it: who, where, and its regions."""
+def source_of(worker: WorkerRec, memory: list[MemoryDesc], progress: MemoryDesc | None,
+              reader: str) -> Source:
+    """A holder as `reader` is told of it: who, where, its regions, and leave to read."""
     return Source(worker_id=worker.worker_id, name=worker.name, role=worker.role,
-                  endpoint=worker.endpoint, memory=memory, progress=progress)
+                  endpoint=worker.endpoint, memory=memory, progress=progress,
+                  grant=grants.issue(worker.grant_key, reader))
 
 
 def announce_address_for(bind: str) -> str:
@@ -262,18 +270,26 @@ class Coordinator:
         self.start_over()
         self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
         self._fleet_measured_at: float | None = None  # None: no metrics served, never
-        self._ctx = zmq.Context.instance()
+        # A context of its own: its ZAP handler (`TokenGate`) must not judge the sockets of
+        # workers or other coordinators living in the same process.
+        self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         # Larger messages are dropped by libzmq, which also drops the sender's connection.
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.curve_public_key = None
-        if config.curve_secret is not None:
+        self.curve_public_key = None  # an explicit keypair's, which clients must be given
+        self.gate: curve.TokenGate | None = None
+        secret = config.curve_secret or (
+            curve.token_server_secret(config.token) if config.token else None)
+        if secret is not None:
             for sock in (self._router, self._pub):
-                curve.secure_server(sock, config.curve_secret)
-            self.curve_public_key = curve.public_key_of(config.curve_secret)
+                curve.secure_server(sock, secret)
+            if config.curve_secret is not None:
+                self.curve_public_key = curve.public_key_of(config.curve_secret)
+        if config.token:
+            self.gate = curve.TokenGate(self._ctx, config.token)
         self._router.bind(config.bind)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         # A requested port 0 means "any free port": the announcement port is then random
@@ -341,6 +357,9 @@ class Coordinator:
             self._thread.join(timeout=5)
         self._router.close(0)
         self._pub.close(0)
+        if self.gate is not None:
+            self.gate.stop()
+        self._ctx.term()
 
     def serve_forever(self) -> None:
         log.info("coordinator serving on %s, announcing on %s", self.address,
@@ -398,13 +417,17 @@ class Coordinator:
         try:
             envelope = decode_envelope(payload)
         except WireError as exc:
-            return ErrorReply(code="bad_request", message=str(exc))
+            return ErrorReply(code="bad_request",
+                              message=foreign(payload, "this worker", "request") or str(exc))
         if self.config.token is not None and not hmac.compare_digest(
             (envelope.token or "").encode(), self.config.token.encode()
         ):
             return ErrorReply(code="unauthorized",
                               message="wrong or missing token (set TENSORHUB_TOKEN)")
         request = envelope.request
+        impostor = self._impostor(request, envelope.secret)
+        if impostor is not None:
+            return impostor
         try:
             if type(request) is PlanRequest:
                 started = time.perf_counter()
@@ -422,6 +445,22 @@ class Coordinator:
         except Exception as exc:  # a bug must not take the coordinator down
             log.exception("internal error handling %s", request.type)
             return ErrorReply(code="internal", message=f"internal error: {exc}")
+
+    def _impostor(self, request, secret: str | None) -> ErrorReply | None:
+        """A refusal if `request` is made as a registered worker without that worker's
+        secret (what it carries as another worker, a plan's `done`, is refused by its
+        handler)."""
+        worker_id = getattr(request, "worker_id", None)
+        if worker_id is None:
+            return None
+        worker = self.table.workers.get(worker_id)
+        if worker is None or hmac.compare_digest((secret or "").encode(),
+                                                 worker.secret.encode()):
+            return None  # (an unknown worker is refused by the handler: register again)
+        return ErrorReply(code="unauthorized",
+                          message=f"{request.type} as worker {worker_id} without its secret: a "
+                                  f"worker acts only for itself (the secret comes with "
+                                  f"`Registered`; `CoordinatorClient` shows it)")
 
     def _send(self, ident: bytes, req_id: bytes, reply) -> None:
         """`reply`: a model, or its bytes."""
@@ -494,7 +533,8 @@ class Coordinator:
             publisher=publisher, memory_digest=regions_digest(memory), parts=parts,
             manifest=layout.manifest,
             source=source_of(self.table.workers[publisher], memory,
-                             self.table.workers[publisher].progress) if parts == 1 else None)
+                             self.table.workers[publisher].progress, ANY_READER)
+            if parts == 1 else None)
         msg = encode(announcement)
         self._announcements[model] = _Encoded(announcement, msg)
         try:
@@ -505,16 +545,18 @@ class Coordinator:
     # ------------------------------------------------------------------ handlers
     def _register(self, req: Register) -> Registered:
         worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
+        secret = secrets.token_hex(16)
         self.table.workers[worker_id] = WorkerRec(
             worker_id, req.name, req.role, req.endpoint, dict(req.labels), self.clock(),
-            progress=req.progress)
+            progress=req.progress, secret=secret, grant_key=req.grant_key)
         if req.role == "replica":
             self._workers_in_dc[req.labels.get("dc", "")] += 1
         log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
-        return Registered(worker_id=worker_id,
+        return Registered(worker_id=worker_id, secret=secret,
                           heartbeat_interval=self.config.heartbeat_interval,
                           worker_ttl=self.config.worker_ttl,
-                          announce_address=self.announce_address)
+                          announce_address=self.announce_address,
+                          lease_ttl=self.config.lease_ttl)
 
     def _heartbeat(self, req: Heartbeat) -> Ack:
         self._worker(req.worker_id).pull = req.pull
@@ -551,6 +593,7 @@ class Coordinator:
     def _make_version(self, model: str, vrec: VersionRec) -> None:
         """`vrec` becomes the model's newest version (all checks passed)."""
         mrec = self.table.models.setdefault(model, ModelRec())
+        mrec.published = True
         previous = mrec.versions.get(mrec.latest)
         mrec.versions[vrec.version] = vrec
         mrec.latest = vrec.version
@@ -721,6 +764,11 @@ class Coordinator:
             if req.manifest is None or (mrec is not None and req.version < mrec.latest):
                 raise Reject("unknown_version",
                              f"model {req.model!r} has no version {req.version}")
+            if mrec is not None and mrec.published:
+                raise Reject("unknown_version",
+                             f"model {req.model!r} has no version {req.version}: its trainer "
+                             f"publishes versions (latest {mrec.latest}), a holder cannot "
+                             f"bring one it never published")
             # Soft state: a holder re-registering after a coordinator restart brings it back.
             # Records are built aside and stored only once every check below has passed.
             lid, layout = self._new_layout(req.manifest, req.checksums)
@@ -800,6 +848,11 @@ class Coordinator:
         return self._plan_reply(req).reply()
 
     def _plan_reply(self, req: PlanRequest) -> _Plan:
+        plan = self._make_plan(req)
+        plan.reader = req.worker_id
+        return plan
+
+    def _make_plan(self, req: PlanRequest) -> _Plan:
         self._worker(req.worker_id)
         self._apply_carried(req)
         _, vrec = self._resolve(req.model, req.version)
@@ -1061,7 +1114,8 @@ class Coordinator:
             raise Reject("layout_mismatch", str(exc)) from None
         standing = self.standby.get(req.model, req.layout_id)
         workers = self.table.workers
-        sources = [source_of(workers[p], load_memory(standing.memory[p]), workers[p].progress)
+        sources = [source_of(workers[p], load_memory(standing.memory[p]), workers[p].progress,
+                             req.worker_id)
                    for p in dict.fromkeys(parents) if p is not None and p != PUBLISHER]
         return Placement(model=req.model, layout_id=req.layout_id,
                          chunk_bytes=self.config.planner.chunk_bytes_for(sum(sizes)),

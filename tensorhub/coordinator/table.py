@@ -70,6 +70,8 @@ class WorkerRec:
     seq: int = field(default_factory=lambda: next(_seq))
     progress: MemoryDesc | None = None  # its progress bytes (striped pulls)
     pull: PullProgress | None = None  # its pull in flight, as of its last heartbeat
+    secret: str = ""  # what its requests must show (`Envelope.secret`)
+    grant_key: str | None = None  # what its readers' grants are made with
 
 
 class _PackedMemory:
@@ -235,6 +237,9 @@ class VersionRec:
 class ModelRec:
     latest: int = 0
     versions: dict[int, VersionRec] = field(default_factory=dict)
+    # A trainer published it since this coordinator started: from then on versions come
+    # from publishes only, never from a holder's word (before, holders restore them).
+    published: bool = False
 
 
 @dataclass(slots=True)

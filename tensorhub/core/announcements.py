@@ -13,7 +13,6 @@ import time
 
 import zmq
 
-from tensorhub.core import curve
 from tensorhub.core.data_types import Announcement, LatestRequest
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.session import WorkerSession
@@ -30,8 +29,7 @@ class VersionWatcher:
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, model.encode())
-        if session.client.curve_server_key is not None:  # same key as the request socket
-            curve.secure_client(self._sub, session.client.curve_server_key)
+        session.client.secure(self._sub)  # as the request socket: CURVE with a token
         self._sub.connect(session.announce_address)
 
     def _take(self, announcement: Announcement) -> None:

@@ -14,11 +14,12 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tensorhub.core import curve
-from tensorhub.core.data_types import Envelope, ErrorReply
+from tensorhub.core.data_types import Envelope, ErrorReply, Registered
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
-from tensorhub.core.wire import WireError, decode_reply, encode
+from tensorhub.core.wire import WireError, decode_reply, encode, foreign
 
 DEFAULT_TIMEOUT = 10.0
 # A busy reply's retry_after is scaled by 1 +- this (uniform): readers refused together
@@ -26,6 +27,9 @@ DEFAULT_TIMEOUT = 10.0
 # holder whose slot frees is taken at once, not at the next common tick (the simulated
 # fleet, worst / lower bound: 1.245 -> 1.22 at N = 1024, 1.28 -> 1.26 at N = 4096).
 BUSY_RETRY_JITTER = 0.5
+# Handshakes failed in a row that mean "refused": one may be a coordinator killed mid-way.
+REFUSALS = 3
+SNDHWM = 1000  # requests a client queues while the coordinator is unreachable (libzmq's)
 
 
 def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
@@ -45,42 +49,107 @@ def token_from_env() -> str | None:
     return token or None
 
 
+class Credentials:
+    """What a client shows the coordinator: the token, and for a request made as a worker,
+    the secret that worker was given when it registered (learned from `Registered`). One
+    object may serve several clients of one worker (its heartbeat connection)."""
+
+    def __init__(self, token: str | None = None):
+        self.token = token
+        self._secrets: dict[str, str] = {}  # worker id -> its secret
+
+    def envelope(self, request) -> Envelope:
+        worker_id = getattr(request, "worker_id", None)
+        return Envelope(token=self.token, request=request,
+                        secret=self._secrets.get(worker_id) if worker_id else None)
+
+    def learn(self, reply) -> None:
+        if type(reply) is Registered:
+            self.remember(reply.worker_id, reply.secret)
+
+    def remember(self, worker_id: str, secret: str) -> None:
+        self._secrets[worker_id] = secret
+
+    def forget(self, worker_id: str) -> None:
+        self._secrets.pop(worker_id, None)
+
+
 class CoordinatorClient:
     def __init__(self, address: str, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, curve_server_key: str | None = None):
-        """`curve_server_key`: the coordinator's CURVE public key (default: from the
-        environment, see `core/curve.py`); None there too: a plain connection."""
+                 timeout: float = DEFAULT_TIMEOUT, curve_server_key: str | None = None,
+                 credentials: Credentials | None = None):
+        """`curve_server_key`: the coordinator's CURVE public key, when it was given one
+        (`tensorhub keygen`; default: from the environment, see `core/curve.py`). With a
+        token the connection is CURVE in any case (the key then derived from the token)."""
         self.address = address
         self.token = token if token is not None else token_from_env()
+        self.credentials = credentials or Credentials(self.token)
         self.timeout = timeout
-        self.curve_server_key = (curve_server_key if curve_server_key is not None
-                                 else curve.server_key_from_env())
+        explicit = (curve_server_key if curve_server_key is not None
+                    else curve.server_key_from_env())
+        self.curve_server_key = explicit or (
+            curve.token_server_key(self.token) if self.token else None)
+        self._explicit_key = explicit is not None
+        self._keypair = curve.token_client_keypair(self.token) if self.token else None
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
-        self._sock = self._new_socket()
+        self._sock, self._monitor = self._new_socket()
+        self._handshake = _Handshake()
 
-    def _new_socket(self) -> zmq.Socket:
+    def secure(self, sock: zmq.Socket) -> None:
+        """Make a (not yet connected) socket of ours speak to the coordinator as this
+        client does (the announcement socket: `VersionWatcher`)."""
+        if self.curve_server_key is not None:
+            curve.secure_client(sock, self.curve_server_key, self._keypair)
+
+    def _new_socket(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.curve_server_key is not None:
-            curve.secure_client(sock, self.curve_server_key)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.secure(sock)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS) \
+            if self.curve_server_key is not None else None
         sock.connect(self.address)
-        return sock
+        return sock, monitor
+
+    def _refused(self, request) -> CoordinatorError | None:
+        """Why the coordinator's handshakes fail, if they did since the last success."""
+        if self._monitor is not None:
+            self._handshake.take(self._monitor)
+        if self._handshake.failed < REFUSALS:
+            return None
+        return CoordinatorError(
+            f"the coordinator at {self.address} refused our handshake for {request.type!r} "
+            f"({self._handshake.failed} times): wrong or missing token; set "
+            f"TENSORHUB_TOKEN (or TENSORHUB_TOKEN_FILE) as the coordinator has it, and, if "
+            f"it was given a keypair by `tensorhub keygen`, {curve.SERVER_KEY_ENV} to its "
+            f"public key",
+            code="unauthorized")
 
     def call(self, request, timeout: float | None = None):
         """Send one request; return its typed reply or raise `CoordinatorError` /
         `CoordinatorUnavailable`."""
         timeout = self.timeout if timeout is None else timeout
         req_id = uuid.uuid4().bytes
-        payload = encode(Envelope(token=self.token, request=request))
+        payload = encode(self.credentials.envelope(request))
         with self._lock:
-            self._sock.send_multipart([req_id, payload])
             deadline = time.monotonic() + timeout
+            # Bounded like the reply: with the coordinator gone, requests queue up to the
+            # socket's high-water mark, and a blocking send would then wait for ever.
+            if not self._sock.poll(int(timeout * 1000) + 1, zmq.POLLOUT):
+                raise CoordinatorUnavailable(
+                    f"cannot send {request.type!r} to the coordinator at {self.address}: "
+                    f"{SNDHWM} requests wait unsent (it has been unreachable for a while)")
+            self._sock.send_multipart([req_id, payload], zmq.NOBLOCK)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    refused = self._refused(request)
+                    if refused is not None:
+                        raise refused
                     hint = ("" if self.curve_server_key is not None else
-                            f" (if it uses CURVE, set {curve.SERVER_KEY_ENV} to its public key)")
+                            " (if it uses a token, set TENSORHUB_TOKEN as it has it; if it "
+                            f"uses a CURVE key, set {curve.SERVER_KEY_ENV} to its public key)")
                     raise CoordinatorUnavailable(
                         f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
                         f"to {request.type!r}; is `tensorhub coordinator` running there?{hint}"
@@ -91,11 +160,43 @@ class CoordinatorClient:
         try:
             reply = decode_reply(frames[1])
         except WireError as exc:
-            raise CoordinatorError(f"unreadable reply from the coordinator: {exc}") from None
+            why = foreign(frames[1], "the coordinator", "worker_id")
+            raise CoordinatorError(why or f"unreadable reply from the coordinator: {exc}",
+                                   code="bad_request") from None
         if isinstance(reply, ErrorReply):
             raise CoordinatorError(reply.message, code=reply.code, retry_after=reply.retry_after)
+        self.credentials.learn(reply)
         return reply
 
     def close(self) -> None:
         with self._lock:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(0)
+
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
+
+
+class _Handshake:
+    """What a client socket's monitor said of its CURVE handshakes: `failed` counts those
+    refused (or cut before they completed: a coordinator with another key drops them
+    silently) since the last that succeeded."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self._up = False
+
+    def take(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.failed, self._up = 0, True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.failed += not self._up
+                self._up = False
+            else:  # refused in so many words (not a connection cut short)
+                self.failed += REFUSALS

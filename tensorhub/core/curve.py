@@ -1,12 +1,18 @@
-"""ZeroMQ CURVE on the control plane: the coordinator proves who it is, and no one can read
-or alter requests (tokens included) on the way.
+"""ZeroMQ CURVE on the control plane: only holders of the token connect at all, and no one
+can read or alter requests, replies or announcements on the way.
 
-The shared token alone authenticates clients but travels in clear text over TCP: anyone on
-the path could copy it. With CURVE every client pins the coordinator's public key; its
-requests, replies and the version announcements are encrypted and authenticated with it,
-and a client that does not know the key never completes the handshake (its calls time out).
-Clients use a fresh keypair per socket: who may talk is still decided by the token.
-The data plane (NIXL, the zmq fallback transport) is not covered.
+With a token set (`TENSORHUB_TOKEN`), both of the coordinator's sockets (requests and the
+version announcements) are CURVE servers, and a client proves the token in the handshake:
+its keypair is derived from the token, and the coordinator's ZAP handler admits that public
+key only. A party without the token never completes a handshake, so it can neither send a
+request (libzmq drops it before a byte reaches Python) nor hear an announcement (which says
+where every holder's memory is). The coordinator's own keypair is derived from the token
+too, unless `tensorhub keygen` made one (`--curve-secret-file`): then clients pin its public
+key, and a party that stole the token still cannot pose as the coordinator.
+
+Without a token, an explicit keypair encrypts the traffic but admits any client that knows
+the (public) server key. The data plane (NIXL, the zmq fallback transport) is not covered
+here: see `core/transport/grants.py` and the README's Security section.
 
 Keys are 40-character Z85 text, as libzmq prints them. `tensorhub keygen` writes a pair:
 `NAME.key` (public: give it to every client) and `NAME.key_secret` (the coordinator's only,
@@ -15,6 +21,8 @@ mode 0600).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from pathlib import Path
 
@@ -123,10 +131,58 @@ def secure_server(sock: zmq.Socket, secret: str) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, check_key(secret, "secret key").encode())
 
 
-def secure_client(sock: zmq.Socket, server_key: str) -> None:
-    """Make a (not yet connected) socket a CURVE client of the server with `server_key`."""
+def _derived_secret(token: str, purpose: bytes) -> str:
+    """A CURVE secret key (any 32 bytes are one) derived from the token for `purpose`."""
+    digest = hashlib.blake2b(token.encode(), digest_size=32, person=purpose).digest()
+    return z85.encode(digest).decode()
+
+
+def token_server_secret(token: str) -> str:
+    """The coordinator's secret key when no keypair was given: derived from the token."""
+    return _derived_secret(token, b"tensorhub-server")
+
+
+def token_server_key(token: str) -> str:
+    """The public key of `token_server_secret`: what a token holder pins."""
+    return public_key_of(token_server_secret(token))
+
+
+def token_client_keypair(token: str) -> tuple[str, str]:
+    """(public, secret): the keypair every token holder connects with; the coordinator
+    admits its public key only (`TokenGate`)."""
+    secret = _derived_secret(token, b"tensorhub-client")
+    return public_key_of(secret), secret
+
+
+def secure_client(sock: zmq.Socket, server_key: str,
+                  keypair: tuple[str, str] | None = None) -> None:
+    """Make a (not yet connected) socket a CURVE client of the server with `server_key`,
+    with `keypair` (public, secret), or a fresh one (a server that admits any client)."""
     _require()
-    public, secret = zmq.curve_keypair()
+    public, secret = (k.encode() for k in keypair) if keypair else zmq.curve_keypair()
     sock.setsockopt(zmq.CURVE_SERVERKEY, check_key(server_key, "server key").encode())
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+class TokenGate:
+    """The coordinator's ZAP handler: a CURVE handshake completes only for a client whose
+    public key is the one derived from the token. Runs a thread of pyzmq's authenticator on
+    the coordinator's own ZeroMQ context (one handler per context)."""
+
+    def __init__(self, context: zmq.Context, token: str):
+        from zmq.auth.thread import ThreadAuthenticator  # (imports asyncio: only when used)
+
+        self._admitted = token_client_keypair(token)[0].encode()
+        self.refused = 0  # handshakes refused (a wrong token, or none)
+        self._auth = ThreadAuthenticator(context)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        ok = hmac.compare_digest(client_key, self._admitted)
+        self.refused += not ok
+        return ok
+
+    def stop(self) -> None:
+        self._auth.stop()

@@ -16,6 +16,9 @@ MAX_NAME = 512
 MAX_TENSORS = 200_000
 MAX_DIMS = 8
 MAX_METADATA = 16 * 1024 * 1024
+# The wire protocol's version: peers of releases that speak another one are refused with
+# a clear error (`wire.protocol_of`), not a failed validation.
+PROTOCOL = 2
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
@@ -140,6 +143,8 @@ class Register(Strict):
     labels: dict[Name, Name] = Field(default_factory=dict, max_length=32)
     # Its progress bytes (`core/stripes.py`): what its striped readers poll one-sided.
     progress: MemoryDesc | None = None
+    # The key its transport checks readers' grants with (`core/transport/grants.py`).
+    grant_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
 class PullProgress(Strict):
@@ -393,9 +398,13 @@ Request = Annotated[
 
 
 class Envelope(Strict):
-    """What a client sends: a request and, when the coordinator requires one, the token."""
+    """What a client sends: a request and, when the coordinator requires one, the token;
+    for a request made as a worker (it names a `worker_id`), the secret that worker was
+    given when it registered (`Registered.secret`): a worker acts only for itself."""
 
+    protocol: int = PROTOCOL
     token: str | None = Field(default=None, max_length=1024)
+    secret: str | None = Field(default=None, max_length=128)
     request: Request
 
 
@@ -413,10 +422,13 @@ class ErrorReply(Strict):
 
 class Registered(Strict):
     type: Literal["registered"] = "registered"
+    protocol: int = PROTOCOL
     worker_id: Name
+    secret: str = Field(max_length=128)  # shown with every request made as this worker
     heartbeat_interval: float
     worker_ttl: float
     announce_address: str
+    lease_ttl: float = 120.0  # the longest a read may hold a version its holder withdraws
 
 
 class Ack(Strict):
@@ -473,6 +485,7 @@ class Source(Strict):
     memory: list[MemoryDesc]
     # Striped plans: where its progress bytes are.
     progress: MemoryDesc | None = None
+    grant: str | None = None  # leave to read it, for a holder that checks (`grants.py`)
 
 
 class ReadPlan(Strict):

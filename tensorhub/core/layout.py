@@ -11,6 +11,7 @@ holders describe, what checksums cover and what read plans address.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
@@ -106,6 +107,35 @@ def plan_items(manifest: Manifest) -> list[Item]:
     return items
 
 
+MAX_VERSION_GB_ENV = "TENSORHUB_MAX_VERSION_GB"
+
+
+def allocatable_bytes(device: torch.device) -> int:
+    """The most a version's buffers may take here: TENSORHUB_MAX_VERSION_GB if set, else
+    the memory the device has free now (a manifest is another party's word: one that
+    declares more must not get this process killed for memory)."""
+    configured = os.environ.get(MAX_VERSION_GB_ENV)
+    if configured:
+        return int(float(configured) * 2**30)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 2**62  # (no way to know: no cap)
+
+
+def check_allocatable(nbytes: int, device: torch.device) -> None:
+    limit = allocatable_bytes(device)
+    if nbytes > limit:
+        raise LayoutError(
+            f"a version of {nbytes / 2**30:.1f} GiB does not fit: at most "
+            f"{limit / 2**30:.1f} GiB may be allocated on {device} (its free memory, or "
+            f"{MAX_VERSION_GB_ENV}); refused before allocating anything")
+
+
 class BoundLayout:
     """A manifest bound to this process's tensors, plus the compact region that backs them.
 
@@ -152,6 +182,7 @@ class BoundLayout:
         lands every small tensor in place: no scatter copy at all. On CPU the buffer is
         shared memory (`core.shared_memory`), which same-host readers map and memcpy."""
         total = arena_bytes(manifest)
+        check_allocatable(total, torch.device(device))
         if torch.device(device).type == "cpu":
             arena = shared_empty(total)
         else:

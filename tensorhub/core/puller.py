@@ -106,7 +106,7 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
         ops = [read_op(dest, src.memory, r.item, r.offset, r.nbytes) for r in ranges]
         started = time.perf_counter()
         try:
-            transport.read(Peer(sid, src.endpoint), ops,
+            transport.read(Peer(sid, src.endpoint, src.grant), ops,
                            timeout=max(0.001, min(stall_timeout, deadline - time.monotonic())))
         except TransferError:
             transport.forget_peer(sid)

@@ -68,13 +68,15 @@ class WorkerSession:
         self.client = CoordinatorClient(coordinator, token=token, timeout=timeout)
         # Heartbeats have a connection of their own: behind a slow plan or withdrawal on
         # `client` they could miss the coordinator's TTL and get a healthy worker evicted.
-        self._beat_client = CoordinatorClient(coordinator, token=token, timeout=timeout)
+        self._beat_client = CoordinatorClient(coordinator, token=token, timeout=timeout,
+                                              credentials=self.client.credentials)
         self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
         self._unannounced: set[tuple[str, int]] = set()  # held, coordinator was unreachable
         self._lock = threading.RLock()
         self.worker_id = ""
         self.registrations = 0  # times registered: a new coordinator knows nothing of ours
         self.heartbeat_interval = 1.0
+        self.lease_ttl = 120.0  # (the coordinator says, at registration)
         self.announce_address = ""
         # The pull in flight, if any (`Replica.pull` sets it): heartbeats carry it to the
         # coordinator's status (the live view), and a long one is logged every 10 s.
@@ -95,11 +97,13 @@ class WorkerSession:
     def _register(self) -> None:
         reply = self.client.call(
             Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
-                     labels=self.labels, progress=describe(self.progress))
+                     labels=self.labels, progress=describe(self.progress),
+                     grant_key=self.transport.grant_key)
         )
         self.registrations += 1
         self.worker_id = reply.worker_id
         self.heartbeat_interval = reply.heartbeat_interval
+        self.lease_ttl = reply.lease_ttl
         self.announce_address = reachable_announce(reply.announce_address,
                                                    self.client.address)
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel, RootModel, TypeAdapter, ValidationError
 
-from tensorhub.core.data_types import MAX_TENSORS, Announcement, Envelope, Reply
+from tensorhub.core.data_types import MAX_TENSORS, PROTOCOL, Announcement, Envelope, Reply
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # No list or map in any message may be longer than this; msgpack refuses longer ones before
@@ -140,3 +140,20 @@ def decode_reply(data: bytes) -> Any:
 
 def decode_announcement(data: bytes) -> Announcement:
     return _validate(_announcement, data, "announcement")
+
+
+def foreign(data: bytes, who: str, marker: str) -> str | None:
+    """Why a message from `who` that failed to decode cannot be read, if it is one of ours
+    (a map with a `marker` key: "request" for an envelope, "worker_id" for `Registered`)
+    made by a release that speaks another protocol (its `protocol`; none: an older one)."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, max_array_len=MAX_CONTAINER_LEN,
+                              max_map_len=MAX_CONTAINER_LEN)
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    if not isinstance(obj, dict) or marker not in obj or obj.get("protocol") == PROTOCOL:
+        return None
+    theirs = obj.get("protocol")
+    said = f"protocol {theirs}" if isinstance(theirs, int) else "an older protocol"
+    return (f"{who} speaks {said}, this process protocol {PROTOCOL}: run the same tensorhub "
+            f"release on the coordinator and every worker")

@@ -1,14 +1,21 @@
-"""The bearer-token check of an engine's TensorHub HTTP routes, engine-agnostic so that
-every engine plugin asks for the same token the same way: `Authorization: Bearer <token>`
-where the token is TENSORHUB_TOKEN (or TENSORHUB_TOKEN_FILE), else TENSORHUB_HTTP_TOKEN;
-no token configured, no check (as the vLLM routes)."""
+"""Who may call an engine's TensorHub HTTP routes (pause generation, swap weights, roll
+back), engine-agnostic so that every engine plugin asks the same way.
+
+With a token (TENSORHUB_TOKEN or TENSORHUB_TOKEN_FILE, else TENSORHUB_HTTP_TOKEN): any
+caller that sends `Authorization: Bearer <token>`. Without one: callers on this host only
+(loopback), never the network. Fails closed: a token file that cannot be read opens nothing.
+"""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 
 from tensorhub.core.client import token_from_env
+
+REFUSED = ("TensorHub routes need 'Authorization: Bearer <token>' (the value of "
+           "TENSORHUB_TOKEN); with no token set they answer callers on this host only")
 
 
 def route_token() -> str | None:
@@ -16,14 +23,22 @@ def route_token() -> str | None:
     return token_from_env() or os.environ.get("TENSORHUB_HTTP_TOKEN") or None
 
 
-def authorized(authorization: str | None) -> bool:
-    """Whether an `Authorization` header value opens the routes. Fails closed: a token that
-    cannot be read (an unreadable TENSORHUB_TOKEN_FILE) opens nothing."""
+def is_loopback(host: str | None) -> bool:
+    if host in ("localhost", "testclient"):  # (Starlette's test client)
+        return True
+    try:
+        return ipaddress.ip_address((host or "").removeprefix("::ffff:")).is_loopback
+    except ValueError:
+        return False
+
+
+def authorized(authorization: str | None, client_host: str | None) -> bool:
+    """Whether a caller at `client_host` sending this `Authorization` value may call."""
     try:
         token = route_token()
     except OSError:
         return False
     if not token:
-        return True
+        return is_loopback(client_host)
     given = (authorization or "").removeprefix("Bearer ").strip()
     return hmac.compare_digest(given.encode(), token.encode())

@@ -276,9 +276,11 @@ class CheckpointHolder:
             self._lock.release()
 
     def _reverified(self) -> TensorHubError | None:
-        """What is applied is what was verified: a late read may have landed in the copy."""
+        """What is applied is what was verified: every byte checked again just before the
+        engine reads the copy (a late read, or a peer's one-sided write, may have landed in
+        it since it was pulled; ~1 s per 13 GB, beside a pull of the same bytes)."""
         try:
-            self.replica.reverify()
+            self.replica.reverify(always=True)
         except TensorHubError as exc:
             return exc
         return None

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-from tensorhub.core.data_types import Envelope, Heartbeat, Register
+from tensorhub.core.client import Credentials
+from tensorhub.core.data_types import Heartbeat, Register
 from tensorhub.core.wire import decode_reply, encode
 from tensorhub.sim.links import EventLoop
 
@@ -34,6 +35,7 @@ class CoordinatorQueue:
         self.busy = 0.0  # simulated seconds spent serving
         self.messages: Counter[str] = Counter()
         self.longest_wait = 0.0
+        self.credentials = Credentials()  # the simulated workers' secrets
 
     def send(self, request, on_reply: Reply | None = None) -> None:
         """`request` leaves now; `on_reply(reply)` runs when the reply is back (None: a
@@ -75,11 +77,13 @@ class CoordinatorQueue:
             started = time.perf_counter()
             self.coordinator._expire()
             return None, time.perf_counter() - started
-        payload = encode(Envelope(request=request))
+        payload = encode(self.credentials.envelope(request))
         started = time.perf_counter()
         wire = self.coordinator.answer(payload)  # as the socket loop does
         seconds = time.perf_counter() - started
-        return decode_reply(wire), seconds
+        reply = decode_reply(wire)
+        self.credentials.learn(reply)
+        return reply, seconds
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ def measure_socket_cost(samples: int = 20_000) -> SocketCost:
                                       endpoint=Endpoint(transport="zmq",
                                                         address="tcp://probe:1"))).worker_id
         beat = Heartbeat(worker_id=worker)
-        payload = encode(Envelope(request=beat))
+        payload = encode(client.credentials.envelope(beat))
         trips, handled = [], []
         for _ in range(2000):
             started = time.perf_counter()

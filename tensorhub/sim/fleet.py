@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_of, merge
-from tensorhub.core.client import BUSY_RETRY_JITTER, busy_wait
+from tensorhub.core.client import BUSY_RETRY_JITTER, Credentials, busy_wait
 from tensorhub.core.data_types import (
     Endpoint,
-    Envelope,
     ErrorReply,
     Heartbeat,
     Hold,
@@ -327,6 +326,7 @@ class FleetSim:
         # every call served at once, for free (how this simulator first ran).
         self.queue = CoordinatorQueue(self.loop, self.coordinator, config.rpc, socket_cost) \
             if socket_cost is not None else None
+        self.credentials = self.queue.credentials if self.queue else Credentials()
         self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
         manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
         items = plan_items(manifest)
@@ -361,7 +361,10 @@ class FleetSim:
     def call(self, request):
         """One request to the real coordinator, as the socket loop would hand it over."""
         if self.config.wire:
-            return decode_reply(encode(self.coordinator.handle(encode(Envelope(request=request)))))
+            reply = decode_reply(encode(self.coordinator.handle(
+                encode(self.credentials.envelope(request)))))
+            self.credentials.learn(reply)
+            return reply
         try:
             return self.coordinator._handlers[type(request)](request)
         except Reject as rej:

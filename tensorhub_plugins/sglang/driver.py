@@ -67,8 +67,11 @@ class Driver:
     after `instance` (see `naming.start_instance`)."""
 
     def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int,
-                 instance: str, one_copy: bool = False):
+                 instance: str, one_copy: bool = False, api_key: str | None = None):
+        """`api_key`: the server's `--api-key`, which SGLang requires of every call to it."""
         self.settings = settings
+        self.api_key = api_key or None
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
         self.port = port
         self.tp_size = tp_size
@@ -92,7 +95,7 @@ class Driver:
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self._auth})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read()
         try:
@@ -101,7 +104,8 @@ class Driver:
             return {"text": text.decode(errors="replace")}
 
     def _get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        req = urllib.request.Request(self.url + path, headers=self._auth)
+        with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
     def applied(self) -> list[dict]:
@@ -263,7 +267,8 @@ class Driver:
         deadline = time.monotonic() + timeout
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(urllib.request.Request(
+                        self.url + "/health", headers=self._auth), timeout=2) as r:
                     if r.status == 200:
                         return True
             except (urllib.error.URLError, OSError):

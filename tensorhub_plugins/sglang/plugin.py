@@ -86,7 +86,8 @@ def _start_main() -> None:
         pp_size = int(_arg("--pp-size", _arg("--pipeline-parallel-size", "1")))
         driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
                         one_copy=one_copy_per_engine(tp_size, pp_size,
-                                                     int(_arg("--nnodes", "1"))))
+                                                     int(_arg("--nnodes", "1"))),
+                        api_key=_arg("--api-key", ""))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -12,9 +12,7 @@ if they cannot undo it, generation stays paused until a whole version is loaded.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
 import time
 
 from fastapi import APIRouter, HTTPException, Request
@@ -25,9 +23,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from tensorhub import metrics
-from tensorhub.core.client import CoordinatorClient, token_from_env
+from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.holder import versions_to_release
 from tensorhub.engines.restore import outcome_in
 from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
@@ -328,12 +327,9 @@ def _frontend(request: Request) -> Frontend:
     if frontend is None:
         raise HTTPException(503, "TensorHub is not configured on this server "
                                  "(set TENSORHUB_COORDINATOR)")
-    token = token_from_env() or os.environ.get("TENSORHUB_HTTP_TOKEN")
-    if token:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "TensorHub routes need 'Authorization: Bearer <token>' "
-                                     "(the value of TENSORHUB_TOKEN)")
+    if not authorized(request.headers.get("authorization"),
+                      request.client.host if request.client else None):
+        raise HTTPException(401, REFUSED)
     return frontend
 
 

@@ -29,6 +29,7 @@ class Peer:
 
     worker_id: str
     endpoint: Endpoint
+    grant: str | None = None  # the coordinator's leave to read it (`grants.py`)
 
 
 class Transport(ABC):
@@ -36,6 +37,9 @@ class Transport(ABC):
     (same-host process_vm_readv) and `auto` (cma for same-host peers, nixl for the rest)."""
 
     name: str
+    # The key this transport's server checks readers' grants with (`grants.py`), given to
+    # the coordinator at registration; None: a transport that cannot check who reads.
+    grant_key: str | None = None
 
     @abstractmethod
     def register(self, buffers: list[torch.Tensor]) -> None:

@@ -1,7 +1,8 @@
 """Fallback transport for machines without NIXL: pyzmq, ~1 MiB zero-copy frames.
 
 Each worker runs a small server thread that answers "send me bytes [addr, addr+n)" for
-memory it registered (and nothing else: an address outside registered memory is refused).
+memory it registered (and nothing else: an address outside registered memory is refused),
+to a reader that shows a grant the coordinator issued under this worker's key (`grants.py`).
 The reader keeps a window of chunk requests in flight and receives every frame straight
 into its preallocated destination (`recv_into`), so memory use stays bounded and the
 stream stays full. CPU memory only.
@@ -25,8 +26,9 @@ import torch
 import zmq
 from pydantic import BaseModel, ConfigDict, Field
 
-from tensorhub.core.data_types import Endpoint
+from tensorhub.core.data_types import MAX_NAME, Endpoint
 from tensorhub.core.errors import TransferError
+from tensorhub.core.transport import grants
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
 FRAME = 1 << 20  # bytes per zmq frame
@@ -39,12 +41,15 @@ class _ChunkRequest(BaseModel):
     seq: int = Field(ge=0)
     addr: int = Field(ge=0, lt=2**64)
     nbytes: int = Field(ge=0, le=CHUNK)
+    grant: str | None = Field(default=None, max_length=MAX_NAME + 64)
 
 
 class ZmqTransport(Transport):
     name = "zmq"
 
     def __init__(self, host: str = "127.0.0.1"):
+        self.grant_key = grants.new_key()
+        self.refused = 0  # requests refused for want of a grant
         self._ctx = zmq.Context.instance()
         self._buffers_lock = threading.Lock()
         self._buffers: dict[int, torch.Tensor] = {}  # addr -> uint8 buffer
@@ -103,6 +108,11 @@ class ZmqTransport(Transport):
                 req = _ChunkRequest.model_validate(msgpack.unpackb(body, raw=False))
             except Exception as exc:
                 self._reply_error(ident, -1, f"bad chunk request: {exc}")
+                continue
+            if not grants.valid(self.grant_key, req.grant):
+                self.refused += 1
+                self._reply_error(ident, req.seq, "no grant from the coordinator to read here "
+                                                  "(read by the plan's sources only)")
                 continue
             view = self._lookup(req.addr, req.nbytes)
             if view is None:
@@ -173,7 +183,8 @@ class ZmqTransport(Transport):
         while done < len(chunks):
             while sent < len(chunks) and sent - done < WINDOW:
                 addr, dest = chunks[sent]
-                sock.send(msgpack.packb({"seq": sent, "addr": addr, "nbytes": dest.size}))
+                sock.send(msgpack.packb({"seq": sent, "addr": addr, "nbytes": dest.size,
+                                         "grant": peer.grant}))
                 sent += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(int(remaining * 1000)):

@@ -1,0 +1,273 @@
+"""Attacks on a fleet that runs with a token, each by an attacker holding exactly what a real
+one would: no token (a stranger on the network), or the token but not another worker's
+secret (a token holder acting for someone else). Each must leave nothing leaked and the
+fleet serving bit-exact. Real coordinator sockets, real workers, the zmq fallback's real
+server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+from tensorhub.core.announcements import VersionWatcher
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import (
+    Heartbeat,
+    Hold,
+    MemoryDesc,
+    Register,
+    StatusRequest,
+    Unregister,
+    Withdraw,
+)
+from tensorhub.core.errors import CoordinatorUnavailable, TransferError
+from tensorhub.core.transport import Peer, ReadOp, grants
+from tensorhub.core.transport.zmq import ZmqTransport
+
+TOKEN = "attack-test-token"
+STATE = {"w": torch.arange(65536, dtype=torch.float32).reshape(256, 256),
+         "b": torch.linspace(-1, 1, 7)}
+FLOOD_SECONDS = 10
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    """A coordinator with a token; this process's workers hold it (the environment)."""
+    monkeypatch.setenv("TENSORHUB_TOKEN", TOKEN)
+    for var in ("TENSORHUB_TOKEN_FILE", "TENSORHUB_CURVE_SERVER_KEY",
+                "TENSORHUB_CURVE_SERVER_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token=TOKEN,
+                                      heartbeat_interval=0.2, worker_ttl=1.0)).start()
+    yield c
+    c.stop()
+
+
+def _stranger_sub(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(address)
+    return sock
+
+
+def test_a_listener_without_the_token_hears_no_announcement(guarded):
+    stranger = _stranger_sub(guarded.announce_address)
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+        watcher = VersionWatcher(rep.session, "policy")
+        heard = None
+        try:
+            for version in range(1, 31):  # long past both SUBs' connection
+                pub.publish(STATE, version=version)
+                if heard is None and watcher._sub.poll(100):
+                    heard = version
+            assert heard is not None, "the token holder heard no announcement"
+            assert stranger.poll(1000) == 0, "a stranger heard an announcement"
+        finally:
+            watcher.close()
+            stranger.close(0)
+
+
+def test_a_stranger_gets_no_reply_to_any_request(guarded):
+    with Publisher(guarded.address, "policy", transport="zmq") as pub:
+        pub.publish(STATE)
+        stranger = CoordinatorClient(guarded.address, token="", timeout=1.0)
+        try:
+            with pytest.raises(CoordinatorUnavailable, match="no reply"):
+                stranger.call(StatusRequest())  # never past the handshake: nothing answers
+        finally:
+            stranger.close()
+
+
+def _trainer_region(pub: Publisher) -> tuple[Peer, MemoryDesc]:
+    """What a leak could tell a stranger: how to reach the trainer and where its weights lie
+    (all that an announcement used to carry), with no grant."""
+    buf = pub._layout.item_bytes[0]
+    return (Peer(pub.session.worker_id, pub.session.transport.endpoint()),
+            MemoryDesc(addr=buf.data_ptr(), nbytes=buf.numel()))
+
+
+def test_the_zmq_fallback_serves_nobody_without_a_grant(guarded):
+    thief = ZmqTransport()
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+        pub.publish(STATE)
+        holder, region = _trainer_region(pub)
+        dest = torch.zeros(region.nbytes, dtype=torch.uint8)
+        thief.register([dest])
+        forged = [None, "", "*.0", f"*.{'0' * 32}", grants.issue(thief.grant_key, "*")]
+        try:
+            for grant in forged:
+                with pytest.raises(TransferError, match="no grant from the coordinator"):
+                    thief.read(Peer(holder.worker_id, holder.endpoint, grant),
+                               [ReadOp(dest, region)], timeout=5)
+            assert not dest.any(), "bytes of the trainer's reached the thief"
+            assert pub.session.transport.refused == len(forged)
+            # ... while the token holder pulls, bit-exact, through a plan's grants
+            assert rep.pull(timeout=20) == 1
+            for name, t in STATE.items():
+                assert torch.equal(rep.tensors[name], t)
+        finally:
+            thief.close()
+
+
+FLOOD = """
+import socket, sys, threading, time
+import zmq
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+big = b"\\x00" * (64 << 20)
+stop = time.monotonic() + seconds
+sent = [0, 0]  # zmq messages queued, raw bytes written
+
+def zmq_client():
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 100)
+    s.connect(f"tcp://{host}:{port}")
+    while time.monotonic() < stop:
+        try:
+            s.send_multipart([b"id", big])
+            sent[0] += 1
+        except zmq.Again:
+            time.sleep(0.01)
+    s.close(0)
+    ctx.term()
+
+def raw_client():
+    while time.monotonic() < stop:
+        try:
+            with socket.create_connection((host, port), timeout=1) as c:
+                while time.monotonic() < stop:
+                    sent[1] += c.send(big[: 1 << 20])
+        except OSError:
+            time.sleep(0.01)
+
+threads = [threading.Thread(target=f) for f in [zmq_client] * 10 + [raw_client] * 10]
+for t in threads: t.start()
+for t in threads: t.join()
+print(sent[0], sent[1])
+"""
+
+
+def test_twenty_strangers_flooding_the_coordinator_cost_no_worker_its_registration(guarded):
+    """10 ZeroMQ clients queueing maximum-size requests and 10 raw TCP clients writing as
+    fast as they can, for FLOOD_SECONDS (10 worker TTLs): none completes a handshake, so
+    nothing is decoded, and a worker heartbeating meanwhile keeps its registration."""
+    host, port = guarded.address.removeprefix("tcp://").rsplit(":", 1)
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+        pub.publish(STATE)
+        assert rep.pull(timeout=20) == 1
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, host, port, str(FLOOD_SECONDS)],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            answered = 0
+            while flood.poll() is None:
+                status = pub.session.client.call(StatusRequest(), timeout=5.0)
+                assert {w["worker_id"] for w in status.workers} == {
+                    pub.session.worker_id, rep.session.worker_id}
+                answered += 1
+                time.sleep(0.5)
+            _queued, written = map(int, flood.stdout.read().split())
+        finally:
+            flood.kill()
+            flood.wait()
+        assert written > 0 and answered > 0  # the flood ran; every status call answered
+        assert rep.session.registrations == 1 and pub.session.registrations == 1
+        pub.publish({k: t + 1 for k, t in STATE.items()})
+        assert rep.pull(timeout=20) == 2
+        assert torch.equal(rep.tensors["w"], STATE["w"] + 1)
+
+
+def test_a_token_holder_cannot_act_as_another_worker(guarded):
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="victim") as victim:
+        pub.publish(STATE)
+        assert victim.pull(timeout=20) == 1
+        mallory = CoordinatorClient(guarded.address, timeout=5.0)
+        try:
+            own = mallory.call(Register(name="mallory", role="replica",
+                                        endpoint=victim.session.transport.endpoint()))
+            status = mallory.call(StatusRequest())
+            vid = next(w["worker_id"] for w in status.workers if w["name"] == "victim")
+            layout = victim.layout
+            attacks = [
+                Unregister(worker_id=vid),
+                Heartbeat(worker_id=vid),
+                Withdraw(worker_id=vid, model="policy", version=1, force=True),
+                Hold(worker_id=vid, model="policy", version=99, layout_id=layout.layout_id,
+                     memory=[MemoryDesc(addr=b.data_ptr(), nbytes=b.numel())
+                             for b in layout.item_bytes]),
+            ]
+            for secret in (None, own.secret):  # none, or mallory's own
+                if secret is not None:
+                    mallory.credentials.remember(vid, secret)
+                for attack in attacks:
+                    with pytest.raises(CoordinatorError, match="acts only for itself") as err:
+                        mallory.call(attack)
+                    assert err.value.code == "unauthorized"
+            holders = guarded.table.models["policy"].versions[1].layouts[layout.layout_id]
+            assert vid in guarded.table.workers and vid in holders.holders
+            assert guarded.table.models["policy"].latest == 1
+        finally:
+            mallory.close()
+        with Replica(guarded.address, "policy", transport="zmq", name="late") as late:
+            assert late.pull(timeout=20) == 1
+            assert torch.equal(late.tensors["w"], STATE["w"])
+
+
+def test_a_hold_beyond_the_trainers_versions_cannot_take_over_the_numbering(guarded):
+    """A token holder holds a version far past the trainer's (its own bytes, its own
+    checksums): refused, so the trainer keeps numbering and engines keep following it."""
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep, \
+            Replica(guarded.address, "policy", transport="zmq", name="mallory") as mallory:
+        pub.publish(STATE)
+        assert mallory.pull(timeout=20) == 1 and rep.pull(timeout=20) == 1
+        layout = mallory.layout
+        forged = Hold(worker_id=mallory.session.worker_id, model="policy", version=10**12,
+                      layout_id=layout.layout_id,
+                      memory=[MemoryDesc(addr=b.data_ptr(), nbytes=b.numel())
+                              for b in layout.item_bytes],
+                      manifest=layout.manifest, checksums=["0" * 16] * len(layout.item_bytes))
+        with pytest.raises(CoordinatorError, match="cannot bring one it never published"):
+            mallory.session.call(forged)
+        assert guarded.table.models["policy"].latest == 1
+        assert pub.publish({k: t * 2 for k, t in STATE.items()}, version=2) == 2
+        assert rep.pull(timeout=20) == 2
+        assert torch.equal(rep.tensors["w"], STATE["w"] * 2)
+
+
+def test_a_declaration_larger_than_memory_is_refused_before_anything_is_allocated(guarded):
+    """A token holder registered as a trainer declares a first version of ~1.6 PiB: a
+    copy standing by refuses it (no allocation, a clear reason), lives on and pulls the
+    real first version when it comes."""
+    from tensorhub.core.data_types import Declare, Manifest, TensorSpec
+    from tensorhub.core.errors import LayoutError
+    from tensorhub.core.layout import BoundLayout
+    from tensorhub.parted import PartedReplica
+
+    huge = Manifest(tensors=[TensorSpec(name=f"t{i}", dtype="uint8", shape=[2**20, 2**23],
+                                        nbytes=2**43) for i in range(200)],
+                    compact_threshold=1 << 20)
+    with pytest.raises(LayoutError, match="does not fit"):
+        BoundLayout.allocate(huge)
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            PartedReplica(guarded.address, "policy", transport="zmq", name="eng") as copy:
+        pub.session.call(Declare(worker_id=pub.session.worker_id, model="policy",
+                                 manifest=huge))
+        assert copy.wait_for_newer(timeout=0.5) is None  # it read the declaration ...
+        assert copy.replicas[0].layout is None  # ... and allocated nothing
+        assert copy._declared_at == float("inf")  # refused it, once: never asks again
+        pub.publish(STATE)
+        assert copy.pull(timeout=20) == 1
+        assert torch.equal(copy.tensors["w"], STATE["w"])
