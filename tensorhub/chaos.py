@@ -174,7 +174,10 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
             drain(timeout=0.2)
         report.settled = all(last.get(n) == newest for n in replicas)
         report.final = {n: last.get(n) for n in replicas}
-        report.unsettled = {n: list(tails[n]) for n in replicas if last.get(n) != newest}
+        report.unsettled = {
+            n: [*tails[n], *([f"(exited with status {replicas[n].proc.poll()})"]
+                             if replicas[n].proc.poll() is not None else [])]
+            for n in replicas if last.get(n) != newest}
     finally:
         pub.close()
         for proc in replicas.values():

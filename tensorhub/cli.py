@@ -124,7 +124,7 @@ def _replica(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
-                      chunked=not args.whole_items)
+                      chunked=not args.whole_items, coordinator_wait=min(120.0, args.timeout))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pulled = 0

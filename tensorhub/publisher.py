@@ -80,7 +80,7 @@ class Publisher:
         self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
-                                     timeout)
+                                     timeout, register_wait=coordinator_wait)
         self._layout: BoundLayout | None = None
         self.version: int | None = None
 

@@ -101,19 +101,21 @@ class Replica:
         device: str = "cpu",
         chunked: bool = True,
         part: int = 0,
+        coordinator_wait: float = 0.0,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
         joining with no weights of its own). `chunked=False`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
-        pulls and holds (`PartedReplica` runs one replica per part)."""
+        pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
+        how long to keep trying to register with a coordinator that does not answer."""
         self.model = model
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
         self.staging = staging
         self.verify = verify
         self.chunked = chunked
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
-                                     timeout)
+                                     timeout, register_wait=coordinator_wait)
         self._device = device
         self.layout: BoundLayout | None = None
         self._staged: list[torch.Tensor] | None = None
@@ -370,7 +372,7 @@ class Replica:
             self.session.pulling = None
             if self.chunked and not self.staging:
                 self.session.progress.zero_()  # our children stop reading from us
-            self._end_lease(plan, ok=False, error=str(exc))
+            self._end_leases(plan, reader, str(exc))
             if self.chunked and not self.staging:
                 self._stop_serving_partial(plan.version, deadline)
             raise
@@ -400,6 +402,23 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _end_leases(self, plan: ReadPlan, reader: StripedReader | None, error: str) -> None:
+        """End every lease a failed pull may hold: its first plan's, its last plan's (a
+        re-plan or a confirmation may have brought another), and that of a confirmation
+        still under way once it is answered (else each would count against its sources,
+        as a read in flight, until it expires: a trainer withdrawing waits for them)."""
+        last = reader.plan if reader is not None else plan
+        self._end_lease(last, ok=False, error=error)
+        if plan.lease_id != last.lease_id:
+            self._end_lease(plan, ok=False, error=error)
+        pending = reader.confirm if reader is not None else None
+        if pending is not None:
+            def end(future: Future) -> None:
+                if future.exception() is None and future.result().lease_id not in (
+                        plan.lease_id, last.lease_id):
+                    self._end_lease(future.result(), ok=False, error=error)
+            pending.add_done_callback(end)
 
     def _progress(self, version: int, dest: list[torch.Tensor], stats: PullStats,
                   striped: Callable[[], StripedReader | None]) -> Callable[[], PullProgress]:

@@ -166,3 +166,24 @@ def test_a_plan_request_carrying_messages_of_an_older_registration_is_accepted(c
         plan = rep.session.call(PlanRequest(worker_id=rep.session.worker_id, model="policy",
                                             version=1, chunked=True, done=stale))
         assert plan.ranges  # the old id was restamped, not refused
+
+
+def test_a_replica_started_before_its_coordinator_registers_once_it_answers():
+    """A worker whose first request goes unanswered (the coordinator not up yet, or killed
+    with the request in its queue) registers on the next try instead of exiting."""
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.processes import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    started: list[Coordinator] = []
+    later = threading.Timer(1.5, lambda: started.append(Coordinator(CoordinatorConfig(
+        bind=address, announce=f"tcp://127.0.0.1:{free_port()}")).start()))
+    later.start()
+    try:
+        with Replica(address, "policy", transport="zmq", timeout=0.5,
+                     coordinator_wait=30.0) as replica:
+            assert started and replica.session.worker_id in started[0].table.workers
+    finally:
+        later.join()
+        for c in started:
+            c.stop()

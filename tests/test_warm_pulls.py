@@ -5,14 +5,19 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 
+import pytest
 import torch
 
-from tensorhub import Publisher, Replica
+from tensorhub import Publisher, Replica, TensorHubError
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Envelope, LatestRequest, PlanRequest
+from tensorhub.core.errors import TransferError
+from tensorhub.core.stripes import Replan
 from tensorhub.core.wire import encode
 from tensorhub.demo import synthetic_state_dict
+from tensorhub.testing.waits import wait_for
 
 
 def sums(tensors) -> dict[str, str]:
@@ -179,3 +184,42 @@ def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
         _pull_all([copy], 2)
         assert manifests == [] and asked == [[]]  # only the warm pull's confirmation
         assert sums(copy.tensors) == sums(v2)
+
+
+def test_a_warm_pull_that_fails_after_a_coordinator_restart_leaves_no_read_behind(coordinator):
+    """The pull began by its last parents under its old worker id; the coordinator then
+    restarted, and the confirmation opened a lease under the new id; the reads fail. The
+    pull ends that lease too (it used to end only its first plan's, unknown by then): the
+    trainer's next publish finds no read of the old version in flight and goes on."""
+    state = synthetic_state_dict(8, n_tiny=50, seed=1)
+    with Publisher(coordinator.address, "policy", transport="zmq", retain_timeout=1.0,
+                   release_timeout=3.0) as pub, \
+            Replica(coordinator.address, "policy", name="r0", transport="zmq") as r:
+        pub.publish(state)
+        assert r.wait_for_newer(5) == 1 and r.pull(timeout=10) == 1
+        pub.publish({k: v + 1 for k, v in state.items()})
+        assert r.wait_for_newer(5) == 2
+        old_id = r.session.worker_id
+
+        def confirm_after_restart(warm, dest, deadline) -> Future:
+            coordinator.start_over()  # (a restart, sockets kept)
+            wait_for(lambda: r.session.worker_id != old_id and pub.session.registrations == 2,
+                     timeout=10, what="both registered again")
+            wait_for(lambda: "policy" in coordinator.table.models, timeout=10,
+                     what="the trainer's v2 held again")
+            future: Future = Future()
+            try:
+                future.set_result(r._ask_again(warm, dest, Replan(()), deadline))
+            except BaseException as exc:
+                future.set_exception(exc)
+            return future
+
+        def failing_read(peer, ops, timeout):
+            raise TransferError(f"no bytes from {peer.worker_id}", peer.worker_id)
+
+        r._confirm = confirm_after_restart
+        r.session.transport.read = failing_read
+        with pytest.raises(TensorHubError):
+            r.pull(timeout=10)
+        assert coordinator.table.leases == {}
+        assert pub.publish({k: v + 2 for k, v in state.items()}) == 3

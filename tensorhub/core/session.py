@@ -50,7 +50,10 @@ class WorkerSession:
         labels: dict[str, str] | None = None,
         token: str | None = None,
         timeout: float = 10.0,
+        register_wait: float = 0.0,
     ):
+        """`register_wait`: how long to keep trying to register while the coordinator does
+        not answer (not up yet, restarting: a lost request is sent again); 0: one try."""
         self.name = name
         self.role = role
         self.labels = worker_labels(labels)
@@ -82,7 +85,13 @@ class WorkerSession:
         # coordinator's status (the live view), and a long one is logged every 10 s.
         self.pulling: Callable[[], PullProgress] | None = None
         self._progress_logged = 0.0
-        self._register()
+        try:
+            self._register_patiently(register_wait)
+        except BaseException:
+            self.transport.close()
+            self.client.close()
+            self._beat_client.close()
+            raise
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                       name=f"tensorhub-heartbeat-{name}")
@@ -106,6 +115,17 @@ class WorkerSession:
         self.lease_ttl = reply.lease_ttl
         self.announce_address = reachable_announce(reply.announce_address,
                                                    self.client.address)
+
+    def _register_patiently(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._register()
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
+                            deadline - time.monotonic())
 
     def _recover(self) -> None:
         """The coordinator forgot us: register again and re-announce what we hold."""
