@@ -153,7 +153,8 @@ class Publisher:
         else:
             if self._layout is not None:
                 self.session.transport.deregister(self._layout.item_bytes)
-            layout = BoundLayout.allocate(manifest, tensors[0].device if tensors else "cpu")
+            layout = BoundLayout.allocate(manifest, tensors[0].device if tensors else "cpu",
+                                          bounded=False)
             layout.copy_large_from(tensors)
         layout.pack(tensors)
         if self._layout is not None and self._layout is not layout and self.zero_copy:

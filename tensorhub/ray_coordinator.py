@@ -10,10 +10,11 @@ survive); `stop_coordinator` ends it.
 
 Across nodes by default: the coordinator binds its node's Ray address, with a token made
 for the cluster (anyone who can reach the port but is not in the cluster cannot publish or
-read references). The token travels in clear text; on a network others share, pass a
-CURVE secret (`curve_secret=`, from `tensorhub keygen`) and give the engines its public
-key. `coordinator_env` is what a launcher puts in an engine's environment (`vllm serve`,
-an SGLang server) so that its TensorHub plugin finds the coordinator with no flag.
+read references, and the control plane is encrypted with keys derived from it). To have the
+coordinator prove who it is as well, pass a CURVE secret (`curve_secret=`, from `tensorhub
+keygen`) and give the engines its public key. `coordinator_env` is what a launcher puts in
+an engine's environment (`vllm serve`, an SGLang server) so that its TensorHub plugin finds
+the coordinator with no flag.
 
 Ray is imported only here, so TensorHub itself does not depend on it.
 """

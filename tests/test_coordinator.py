@@ -20,6 +20,7 @@ from tensorhub.core.data_types import (
     StatusRequest,
     TensorSpec,
 )
+from tensorhub.core.transport import grants
 
 STATE = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
 
@@ -168,7 +169,7 @@ def test_a_coordinator_with_a_token_refuses_clients_without_it():
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token="s3cret")).start()
     try:
         with pytest.raises(CoordinatorError, match="token") as err:
-            CoordinatorClient(c.address, token="wrong").call(StatusRequest())
+            CoordinatorClient(c.address, token="wrong", timeout=1.0).call(StatusRequest())
         assert err.value.code == "unauthorized"
         assert CoordinatorClient(c.address, token="s3cret").call(StatusRequest()).workers == []
     finally:
@@ -268,7 +269,7 @@ def test_a_plan_on_the_socket_is_the_plan_model_encoded():
                             pid=42, host="h",
                             shared=[SharedRegion(fd=5, inode=7, addr=1 << 40, nbytes=4096)])
         return call[Register](Register(name=name, role=role, endpoint=endpoint,
-                                       labels={"dc": "a"})).worker_id
+                                       labels={"dc": "a"}, grant_key=grants.new_key())).worker_id
 
     try:
         trainer = join("trainer", "trainer")
@@ -287,6 +288,7 @@ def test_a_plan_on_the_socket_is_the_plan_model_encoded():
             model = plan.reply()
             assert plan.wire() == encode(model)
             assert decode_reply(plan.wire()) == model
+            assert all(src.grant and src.grant.startswith(f"{reader}.") for src in model.sources)
             sources.update(s.worker_id for s in model.sources)
             call[ReadDone](ReadDone(worker_id=reader, lease_id=model.lease_id, ok=True))
         assert sources == {trainer, partial}  # a complete and a partial holder's regions

@@ -4,6 +4,8 @@ dropped before they are read, and no code path that unpickles what a peer sent."
 from __future__ import annotations
 
 import ast
+import socket
+import threading
 from pathlib import Path
 
 import msgpack
@@ -69,6 +71,29 @@ def test_a_client_whose_queue_is_full_is_told_so_at_once_not_blocked():
         outcomes.add("cannot send" if "cannot send" in str(err.value) else "no reply")
     assert outcomes == {"no reply", "cannot send"}
     client.close()
+
+
+def test_one_handshake_cut_short_is_a_timeout_not_a_refusal():
+    """A connection dropped mid-handshake (a coordinator killed as a worker connects) looks
+    like a wrong key on the wire, but once is not a refusal: the caller may wait and try
+    again (`unauthorized` is never retried)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def accept_once_then_go():
+        conn, _ = listener.accept()
+        conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=accept_once_then_go)
+    thread.start()
+    client = CoordinatorClient(f"tcp://127.0.0.1:{port}", token="t", timeout=1.5)
+    try:
+        with pytest.raises(CoordinatorUnavailable, match="no reply"):
+            client.call(StatusRequest())
+    finally:
+        client.close()
+        thread.join(5)
 
 
 def test_a_client_gets_a_clear_timeout_not_a_hang_when_nobody_answers():

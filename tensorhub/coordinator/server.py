@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -244,6 +245,16 @@ def source_of(worker: WorkerRec, memory: list[MemoryDesc], progress: MemoryDesc 
                   grant=grants.issue(worker.grant_key, reader))
 
 
+def _sockets_closed(router: zmq.Socket, pub: zmq.Socket, ctx: zmq.Context,
+                    gates: list) -> None:
+    """A coordinator's sockets closed, its gate stopped, its context ended (once)."""
+    router.close(0)
+    pub.close(0)
+    for gate in gates:
+        gate.stop()
+    ctx.term()
+
+
 def announce_address_for(bind: str) -> str:
     head, _, port = bind.rpartition(":")
     return f"{head}:{int(port) + 1}"
@@ -271,38 +282,20 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()  # served by `serve_metrics`
         self._fleet_measured_at: float | None = None  # None: no metrics served, never
         # A context of its own: its ZAP handler (`TokenGate`) must not judge the sockets of
-        # workers or other coordinators living in the same process.
+        # workers or other coordinators living in the same process. Closed by `stop`, or
+        # by `_sockets_closed` when a coordinator never stopped is collected.
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        # Larger messages are dropped by libzmq, which also drops the sender's connection.
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self.curve_public_key = None  # an explicit keypair's, which clients must be given
         self.gate: curve.TokenGate | None = None
-        secret = config.curve_secret or (
-            curve.token_server_secret(config.token) if config.token else None)
-        if secret is not None:
-            for sock in (self._router, self._pub):
-                curve.secure_server(sock, secret)
-            if config.curve_secret is not None:
-                self.curve_public_key = curve.public_key_of(config.curve_secret)
-        if config.token:
-            self.gate = curve.TokenGate(self._ctx, config.token)
-        self._router.bind(config.bind)
-        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        # A requested port 0 means "any free port": the announcement port is then random
-        # too (bound port + 1 may be taken by anyone).
-        announce = config.announce or (
-            announce_address_for(self.address) if not config.bind.endswith(":0") else None
-        )
-        if announce and not announce.endswith(":0"):
-            self._pub.bind(announce)
-            self.announce_address = announce
-        else:
-            port = self._pub.bind_to_random_port(self.address.rpartition(":")[0])
-            self.announce_address = f"{self.address.rpartition(':')[0]}:{port}"
+        self._gates: list[curve.TokenGate] = []  # (seen by the finalizer once started)
+        self._close = weakref.finalize(self, _sockets_closed, self._router, self._pub,
+                                       self._ctx, self._gates)
+        try:
+            self._bind(config)
+        except BaseException:
+            self._close()
+            raise
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handlers = {
@@ -320,6 +313,38 @@ class Coordinator:
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
         self._answers = {**self._handlers, PlanRequest: self._plan_reply}
+
+    def _bind(self, config: CoordinatorConfig) -> None:
+        """Make both sockets CURVE servers (with a token, or an explicit keypair), start the
+        token's gate before any connection can arrive, and bind."""
+        self._router.setsockopt(zmq.LINGER, 0)
+        # Larger messages are dropped by libzmq, which also drops the sender's connection.
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.curve_public_key = None  # an explicit keypair's, which clients must be given
+        secret = config.curve_secret or (
+            curve.token_server_secret(config.token) if config.token else None)
+        if secret is not None:
+            for sock in (self._router, self._pub):
+                curve.secure_server(sock, secret)
+            if config.curve_secret is not None:
+                self.curve_public_key = curve.public_key_of(config.curve_secret)
+        if config.token:
+            self.gate = curve.TokenGate(self._ctx, config.token)
+            self._gates.append(self.gate)
+        self._router.bind(config.bind)
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # A requested port 0 means "any free port": the announcement port is then random
+        # too (bound port + 1 may be taken by anyone).
+        announce = config.announce or (
+            announce_address_for(self.address) if not config.bind.endswith(":0") else None
+        )
+        if announce and not announce.endswith(":0"):
+            self._pub.bind(announce)
+            self.announce_address = announce
+        else:
+            port = self._pub.bind_to_random_port(self.address.rpartition(":")[0])
+            self.announce_address = f"{self.address.rpartition(':')[0]}:{port}"
 
     # ------------------------------------------------------------------ lifecycle
     def start_over(self) -> None:
@@ -355,11 +380,7 @@ class Coordinator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._router.close(0)
-        self._pub.close(0)
-        if self.gate is not None:
-            self.gate.stop()
-        self._ctx.term()
+        self._close()
 
     def serve_forever(self) -> None:
         log.info("coordinator serving on %s, announcing on %s", self.address,

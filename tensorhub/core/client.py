@@ -89,7 +89,6 @@ class CoordinatorClient:
                     else curve.server_key_from_env())
         self.curve_server_key = explicit or (
             curve.token_server_key(self.token) if self.token else None)
-        self._explicit_key = explicit is not None
         self._keypair = curve.token_client_keypair(self.token) if self.token else None
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -107,7 +106,8 @@ class CoordinatorClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.secure(sock)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS) \
+        monitor = sock.get_monitor_socket(  # (a fresh address: an fd-named one may be taken)
+            _HANDSHAKE_EVENTS, addr=f"inproc://tensorhub-monitor-{uuid.uuid4().hex}") \
             if self.curve_server_key is not None else None
         sock.connect(self.address)
         return sock, monitor
@@ -120,7 +120,8 @@ class CoordinatorClient:
             return None
         return CoordinatorError(
             f"the coordinator at {self.address} refused our handshake for {request.type!r} "
-            f"({self._handshake.failed} times): wrong or missing token; set "
+            f"({self._handshake.failed} times): wrong or missing token (a coordinator "
+            f"started without one refuses a client that has one); set "
             f"TENSORHUB_TOKEN (or TENSORHUB_TOKEN_FILE) as the coordinator has it, and, if "
             f"it was given a keypair by `tensorhub keygen`, {curve.SERVER_KEY_ENV} to its "
             f"public key",
@@ -133,6 +134,8 @@ class CoordinatorClient:
         req_id = uuid.uuid4().bytes
         payload = encode(self.credentials.envelope(request))
         with self._lock:
+            if self._monitor is not None:  # (read every call: its queue is bounded)
+                self._handshake.take(self._monitor)
             deadline = time.monotonic() + timeout
             # Bounded like the reply: with the coordinator gone, requests queue up to the
             # socket's high-water mark, and a blocking send would then wait for ever.
@@ -182,21 +185,27 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 
 
 class _Handshake:
-    """What a client socket's monitor said of its CURVE handshakes: `failed` counts those
-    refused (or cut before they completed: a coordinator with another key drops them
-    silently) since the last that succeeded."""
+    """What a client socket's monitor said of its CURVE handshakes: `failed` scores those
+    that failed since the last that succeeded. A handshake refused in so many words (ZAP,
+    a mechanism mismatch) scores `REFUSALS` at once; one cut short scores 1 (a coordinator
+    with another key drops it silently, but so does one killed mid-way)."""
 
     def __init__(self) -> None:
         self.failed = 0
         self._up = False
+        self._counted = False  # this connection's failure is scored already
 
     def take(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.failed, self._up = 0, True
+                self.failed, self._up, self._counted = 0, True, False
             elif event == zmq.EVENT_DISCONNECTED:
-                self.failed += not self._up
-                self._up = False
-            else:  # refused in so many words (not a connection cut short)
+                self.failed += not (self._up or self._counted)
+                self._up = self._counted = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.failed += 1
+                self._counted = True
+            else:  # refused: wrong credentials, or no CURVE at all on one side
                 self.failed += REFUSALS
+                self._counted = True

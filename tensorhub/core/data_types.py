@@ -17,7 +17,7 @@ MAX_TENSORS = 200_000
 MAX_DIMS = 8
 MAX_METADATA = 16 * 1024 * 1024
 # The wire protocol's version: peers of releases that speak another one are refused with
-# a clear error (`wire.protocol_of`), not a failed validation.
+# a clear error (`wire.foreign`), not a failed validation.
 PROTOCOL = 2
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 

@@ -117,14 +117,29 @@ def allocatable_bytes(device: torch.device) -> int:
     configured = os.environ.get(MAX_VERSION_GB_ENV)
     if configured:
         return int(float(configured) * 2**30)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free, plus what PyTorch's cache holds unused
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+    free = [_cgroup_free()]
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        free.append(int(fields["MemAvailable"].split()[0]) * 1024)
     except (OSError, KeyError, ValueError):
-        return 2**62  # (no way to know: no cap)
+        pass
+    return min((f for f in free if f is not None), default=2**62)  # (unknown: no cap)
+
+
+def _cgroup_free(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup (v2) may still take, if it has a limit (a container)."""
+    try:
+        with open(f"{root}/memory.max") as f:
+            limit = f.read().strip()
+        with open(f"{root}/memory.current") as f:
+            used = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
 
 
 def check_allocatable(nbytes: int, device: torch.device) -> None:
@@ -174,15 +189,19 @@ class BoundLayout:
         self._slots = self._all_slots()
 
     @classmethod
-    def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu") -> BoundLayout:
+    def allocate(cls, manifest: Manifest, device: str | torch.device = "cpu",
+                 bounded: bool = True) -> BoundLayout:
         """Fresh tensors for a manifest (a publisher's snapshot; a worker that joins with no
         weights of its own), all views of one zero-filled buffer.
 
         Small tensors are views into the compact region, so a read of that one region
         lands every small tensor in place: no scatter copy at all. On CPU the buffer is
-        shared memory (`core.shared_memory`), which same-host readers map and memcpy."""
+        shared memory (`core.shared_memory`), which same-host readers map and memcpy.
+        `bounded`: refuse a manifest larger than the memory free here (one that another
+        party sent; a trainer's snapshot of its own tensors is not checked)."""
         total = arena_bytes(manifest)
-        check_allocatable(total, torch.device(device))
+        if bounded:
+            check_allocatable(total, torch.device(device))
         if torch.device(device).type == "cpu":
             arena = shared_empty(total)
         else:

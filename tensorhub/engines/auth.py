@@ -24,7 +24,7 @@ def route_token() -> str | None:
 
 
 def is_loopback(host: str | None) -> bool:
-    if host in ("localhost", "testclient"):  # (Starlette's test client)
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address((host or "").removeprefix("::ffff:")).is_loopback
