@@ -238,9 +238,11 @@ def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet)
             wait_for(lambda: "restored the version it served before" in str(
                 fleet.sgl.request("/tensorhub/status")["ranks"][0].get("error")),
                 timeout=120, what="SGLang restoring the version it served before")
+            # the scheduler reported it; the driver then puts SGLang's label back
+            wait_for(lambda: sglang_version(fleet.sgl) == str(good), timeout=30,
+                     what="SGLang's weight_version back on the version it serves")
             status = fleet.sgl.request("/tensorhub/status")
             assert status["serving_version"] == good and status["torn"] is None
-            assert sglang_version(fleet.sgl) == str(good)
             assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[3]
             [worker] = status["workers"]
             again = [t for t in transfers(fleet.address, good) if t not in before]
