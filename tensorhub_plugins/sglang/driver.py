@@ -167,6 +167,16 @@ class Driver:
             return latest, "checkpoint"
         return None
 
+    def _served_label(self, states: list[dict]) -> str:
+        """SGLang's weight_version for what the ranks hold after an update that did not
+        apply: the version they all report applied, else the one served before."""
+        if any(outcome_in(s.get("error") or "") == "restored_checkpoint" for s in states):
+            return "default"  # the weights it started with, loaded again
+        applied = {s.get("applied") for s in states}
+        if len(applied) == 1 and None not in applied:
+            return str(applied.pop())
+        return str(self.serving or "default")
+
     def swap(self, version: int, path: str = "checkpoint") -> float:
         started, since = time.perf_counter(), time.time()
         torn = False
@@ -193,6 +203,13 @@ class Driver:
             torn = any(s.get("torn") or (unknown and (s.get("at") or 0) < since)
                        for s in states)
             if not torn:
+                if any(s.get("applied") != version for s in states):
+                    # SGLang labelled the weights `version` when our loader returned; the
+                    # loader refused it or restored another: the label must say what is
+                    # served before a request is answered under it.
+                    self._post("/update_weight_version",
+                               {"new_version": self._served_label(states),
+                                "abort_all_requests": False}, bound)
                 self._post("/continue_generation", {}, bound)
         stall = time.perf_counter() - started
         states = self.applied()
@@ -210,10 +227,7 @@ class Driver:
             log.warning("TensorHub: a whole version is loaded; generation resumes")
         self.torn = None
         if any(s.get("applied") != version for s in states):
-            # The loader refused (and left the weights alone): put the label back.
-            self._post("/update_weight_version",
-                       {"new_version": str(self.serving or "default"),
-                        "abort_all_requests": False})
+            # (the label was put back before generation resumed)
             reasons = [r for s in states if (r := refusal_in(s.get("error") or ""))]
             if reasons:  # the model cannot load it: never tried again
                 if (self.unloadable or {}).get("version") != version:
