@@ -70,9 +70,6 @@ class Credentials:
     def remember(self, worker_id: str, secret: str) -> None:
         self._secrets[worker_id] = secret
 
-    def forget(self, worker_id: str) -> None:
-        self._secrets.pop(worker_id, None)
-
 
 class CoordinatorClient:
     def __init__(self, address: str, token: str | None = None,

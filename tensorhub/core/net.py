@@ -32,11 +32,12 @@ def split_tcp(address: str) -> tuple[str, int] | None:
         return None
 
 
-def is_loopback(host: str) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (a name or address, an IPv4-mapped IPv6 one too) is this host's."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address((host or "").removeprefix("::ffff:")).is_loopback
     except ValueError:
         return False
 

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ from tensorhub.core.stripes import POLL_WINDOW, PROGRESS_BYTES
 from tensorhub.core.topology import worker_labels
 from tensorhub.core.transport import Transport, make_transport
 
+T = TypeVar("T")
 log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
 PROGRESS_LOG_SECONDS = 10.0  # a pull (or join) running longer logs its progress this often
@@ -117,10 +119,16 @@ class WorkerSession:
                                                    self.client.address)
 
     def _register_patiently(self, wait: float) -> None:
+        self._patiently(lambda timeout: self._register(), wait)
+
+    def _patiently(self, attempt: Callable[[float], T], wait: float) -> T:
+        """`attempt(timeout)` tried again while the coordinator does not answer, for up to
+        `wait` seconds in all; then `CoordinatorUnavailable`."""
         deadline = time.monotonic() + wait
         while True:
             try:
-                return self._register()
+                return attempt(min(self.client.timeout,
+                                   max(0.1, deadline - time.monotonic())))
             except CoordinatorUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise
@@ -173,16 +181,7 @@ class WorkerSession:
         """`call`, tried again while the coordinator does not answer (restarting, paused,
         unreachable for a moment), for up to `wait` seconds in all; then
         `CoordinatorUnavailable`. Only for requests that are safe to repeat."""
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                return self.call(request, min(self.client.timeout,
-                                              max(0.1, deadline - time.monotonic())))
-            except CoordinatorUnavailable as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
-                            deadline - time.monotonic())
+        return self._patiently(lambda timeout: self.call(request, timeout), wait)
 
     def _pull_progress(self) -> PullProgress | None:
         """The pull in flight, logged when it has run long (a join of a big model, a slow

@@ -9,10 +9,10 @@ caller that sends `Authorization: Bearer <token>`. Without one: callers on this 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 
 from tensorhub.core.client import token_from_env
+from tensorhub.core.net import is_loopback
 
 REFUSED = ("TensorHub routes need 'Authorization: Bearer <token>' (the value of "
            "TENSORHUB_TOKEN); with no token set they answer callers on this host only")
@@ -21,15 +21,6 @@ REFUSED = ("TensorHub routes need 'Authorization: Bearer <token>' (the value of 
 def route_token() -> str | None:
     """The token the routes require, or None when none is configured."""
     return token_from_env() or os.environ.get("TENSORHUB_HTTP_TOKEN") or None
-
-
-def is_loopback(host: str | None) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address((host or "").removeprefix("::ffff:")).is_loopback
-    except ValueError:
-        return False
 
 
 def authorized(authorization: str | None, client_host: str | None) -> bool:
