@@ -77,6 +77,18 @@ def test_a_reader_that_left_frees_its_slots():
     assert forest.members[parent].children[0] == before - 1
 
 
+def test_a_reader_whose_parent_left_gets_another_when_it_asks_again():
+    """A parent that died is removed before its child names it as failed: the child's next
+    request gives it a parent that is still there."""
+    forest = _fan_out(8)
+    child = next(m for m in forest.members.values()
+                 if not m.root and m.parents[0] not in (None, "trainer"))
+    gone = child.parents[0]
+    forest.remove(gone)
+    parents = forest.fill(child.worker_id, now=1.0, expected=9)
+    assert parents[0] not in (None, gone) and all(p in forest.members for p in parents)
+
+
 def test_the_next_version_takes_in_each_reader_with_its_parents_and_theirs_first():
     last = _fan_out(64)
     last.publisher = "trainer"

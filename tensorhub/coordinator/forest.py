@@ -149,10 +149,13 @@ class Forest:
 
     def fill(self, worker_id: str, now: float, expected: int = 0,
              avoid: Collection[str] = ()) -> list[str | None]:
-        """Try again for the stripes a reader still has no parent for (from none in
-        `avoid`: parents it failed to read)."""
+        """Try again for the stripes a reader still has no parent for, or whose parent
+        left the forest (`remove`: it died, or withdrew) before the reader named it as
+        failed; from none in `avoid` (parents it failed to read)."""
         m = self.members[worker_id]
         for s in range(self.stripes):
+            if m.parents[s] is not None and m.parents[s] not in self.members:
+                self._detach(m, s)
             if m.parents[s] is None:
                 self._assign(m, s, expected, now, avoid)
         return list(m.parents)
