@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.engine_server import free_port
+from integration.engine_server import EngineServer, free_port
 from integration.engine_venvs import engine_python
 from tensorhub.processes import ChildProcess
 
@@ -83,6 +83,20 @@ def pytest_runtest_makereport(item, call):
     if coordinator is not None and coordinator.log_file.exists():
         tail = coordinator.log_file.read_text().splitlines()[-40:]
         report.sections.append(("coordinator log (last 40 lines)", "\n".join(tail)))
+    for server in _engine_servers(funcargs) if report.failed else ():
+        tail = [line for line in server.log_tail(2000).splitlines() if "tensorhub" in line]
+        report.sections.append((f"{server.url} log, TensorHub lines (last 40)",
+                                "\n".join(tail[-40:]) or "none"))
     if report.failed and report.when == "call":
         stalls = Path(_STALLS).read_text().splitlines()[-20:] if os.path.exists(_STALLS) else []
         report.sections.append(("machine stalls (last 20)", "\n".join(stalls) or "none"))
+
+
+def _engine_servers(funcargs: dict) -> list[EngineServer]:
+    """The engine servers a test used: its arguments, or their attributes (a fleet)."""
+    found: list[EngineServer] = []
+    for value in funcargs.values():
+        for candidate in [value, *getattr(value, "__dict__", {}).values()]:
+            if isinstance(candidate, EngineServer) and candidate not in found:
+                found.append(candidate)
+    return found
