@@ -216,8 +216,9 @@ class Publisher:
             time.sleep(0.02)
 
     def retained(self, timeout: float | None = None) -> bool:
-        """Wait until `min_replicas` replicas hold our current version. False when no
-        replica is registered and none is reading it for 1 s (nobody could keep it); raises
+        """Wait until `min_replicas` replicas hold our current version in our layout (a
+        holder of another layout cannot serve our readers). False when no replica is
+        registered and none is reading it for 1 s (nobody could keep it); raises
         `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
         if self.version is None or self._latest(patient=False) > self.version:
             return True  # (a newer version supersedes ours: nothing to keep)
@@ -225,8 +226,9 @@ class Publisher:
         deadline = time.monotonic() + timeout
         nobody_since: float | None = None
         while True:
-            r = self.session.client.call(RetentionRequest(model=self.model,
-                                                          version=self.version))
+            r = self.session.client.call(RetentionRequest(
+                model=self.model, version=self.version,
+                layout_id=self._layout.layout_id if self._layout is not None else None))
             if r.replica_holders >= self.min_replicas:
                 return True
             if r.replicas == 0 and r.active_reads == 0:

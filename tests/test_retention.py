@@ -70,6 +70,28 @@ def test_closing_the_trainer_waits_until_a_replica_holds_the_newest_version(coor
         assert sums(keeper.tensors) == sums(state)
 
 
+def test_a_holder_of_another_layout_does_not_let_the_trainer_go(coordinator, state):
+    """An engine holding the version in its own (native) layout cannot serve readers of the
+    trainer's layout: the trainer keeps its copy until one of its layout holds it."""
+    native = {f"native.{name}": t.clone() for name, t in state.items()}
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", native, transport="zmq",
+                    name="native") as other, \
+            Replica(coordinator.address, "policy", transport="zmq", name="keeper") as keeper:
+        pub.publish(state)
+        other.layout.pack()
+        other.session.hold("policy", 1, other.layout, other.layout.checksums())
+        assert holders(coordinator, 1) == {"native", coordinator.table.workers[
+            pub.session.worker_id].name}
+        with pytest.raises(TensorHubError) as kept:
+            pub.release(timeout=0.5)
+        assert kept.value.code == "last_holder"
+        keeper.pull()
+        pub.release(timeout=30)
+        assert holders(coordinator, 1) == {"native", "keeper"}
+        assert sums(keeper.tensors) == sums(state)
+
+
 def test_release_with_no_replica_anywhere_does_not_wait_for_one(coordinator, state):
     with Publisher(coordinator.address, "policy", transport="zmq", retain_timeout=600) as pub:
         pub.publish(state)

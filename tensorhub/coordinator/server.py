@@ -1361,7 +1361,8 @@ class Coordinator:
                            & replicas) if layout else 0
                        for layout in vrec.part_layouts())
         elif vrec is not None:
-            holders = {h.worker_id for layout in vrec.layouts.values()
+            holders = {h.worker_id for lid, layout in vrec.layouts.items()
+                       if req.layout_id in (None, lid)
                        for h in layout.holders.values() if not h.withdrawn}
             held = len(holders & replicas)
         active = sum(1 for lease in self.table.leases.values()

@@ -242,6 +242,9 @@ class RetentionRequest(Strict):
     type: Literal["retention"] = "retention"
     model: Name
     version: Version
+    # Count only holders of this layout (the publisher's own): a holder of another layout
+    # (an engine's native one) cannot serve the readers of this one.
+    layout_id: Name | None = None
 
 
 class ByteRange(Strict):
