@@ -106,3 +106,74 @@ def test_a_reader_with_a_broken_transport_cannot_make_a_version_unavailable(coor
             assert good.pull(timeout=30) == 1
             assert {n: checksum(t) for n, t in good.tensors.items()} == \
                    {n: checksum(t) for n, t in state.items()}
+
+
+class _FailingFrom(_BrokenTransport):
+    """Reads from one holder fail (a network fault between it and this reader's node)."""
+
+    def __init__(self, real, holder: str):
+        super().__init__(real)
+        self._holder = holder
+
+    def read(self, peer, ops, timeout):
+        if peer.worker_id == self._holder:
+            return super().read(peer, ops, timeout)
+        return self._real.read(peer, ops, timeout)
+
+
+def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_probation(
+        caplog):
+    """Readers on two nodes fail to read from a holder: the coordinator stops planning reads
+    from it and tells it so. It offers the version again once the probation (the trust
+    window, on the coordinator's clock) is over, and serves it bit-exact."""
+    import time
+
+    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.testing.waits import wait_for
+
+    skew = [0.0]
+    coordinator = Coordinator(
+        CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.2, worker_ttl=600.0,
+                          trust=TrustConfig(window=60.0)),
+        clock=lambda: time.monotonic() + skew[0]).start()
+    state = synthetic_state_dict(8, n_tiny=20, seed=3)
+    sums = {n: checksum(t) for n, t in state.items()}
+
+    def holders() -> set[str]:
+        return {h.name for v in coordinator._status(None).models[0].versions
+                for h in v.holders if v.version == 1 and not h.withdrawn}
+
+    try:
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+                Replica(coordinator.address, "policy", transport="zmq", name="suspect",
+                        labels={"node": "s"}) as suspect:
+            pub.publish(state)
+            suspect.pull(timeout=30)
+            readers = [Replica(coordinator.address, "policy", transport="zmq",
+                               name=f"reader-{node}", labels={"node": node})
+                       for node in ("a", "b")]
+            for reader in readers:
+                reader.session.transport = _FailingFrom(reader.session.transport,
+                                                        suspect.session.worker_id)
+                assert reader.pull(timeout=30) == 1  # from another holder, then
+                assert {n: checksum(t) for n, t in reader.tensors.items()} == sums
+                # it stays registered (its report counts) but serves nothing: the next
+                # reader is planned onto the suspect too
+                reader.session.withdraw("policy", 1, timeout=5)
+            assert "suspect" not in holders()
+            for reader in readers:
+                reader.close()
+            wait_for(lambda: "could not read policy v1 from us" in caplog.text,
+                     what="the holder being told")
+            time.sleep(1.0)  # five heartbeats, each offering it again: refused on probation
+            assert "suspect" not in holders()
+            skew[0] += 61.0  # the probation is over
+            wait_for(lambda: "suspect" in holders(), what="the holder offering v1 again")
+            pub.release(force=True)  # the trainer leaves: the suspect is the one holder
+            with Replica(coordinator.address, "policy", transport="zmq",
+                         name="late") as late:
+                assert late.pull(timeout=30) == 1
+                assert {n: checksum(t) for n, t in late.tensors.items()} == sums
+                assert late.last_pull.sources == ["suspect"]
+    finally:
+        coordinator.stop()

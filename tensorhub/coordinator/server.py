@@ -53,10 +53,12 @@ from tensorhub.core.data_types import (
     Announcement,
     Declare,
     Declared,
+    Dropped,
     ErrorReply,
     GetDeclared,
     GetManifest,
     Heartbeat,
+    HeartbeatReply,
     Hold,
     HolderStatus,
     HoldingsReply,
@@ -353,6 +355,9 @@ class Coordinator:
         earlier table would name workers the new one does not know)."""
         self.table = Table(clock=self.clock)
         self.trust = Trust(self.config.trust, self.clock)
+        # (holder, model, version) -> until when a holder dropped on readers' reports may
+        # not offer that version again; it is told in its heartbeat replies meanwhile
+        self._probation: dict[tuple[str, str, int], float] = {}
         self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         self._announcements: dict[str, _Encoded] = {}  # model -> its newest
@@ -579,9 +584,14 @@ class Coordinator:
                           announce_address=self.announce_address,
                           lease_ttl=self.config.lease_ttl)
 
-    def _heartbeat(self, req: Heartbeat) -> Ack:
+    def _heartbeat(self, req: Heartbeat) -> Ack | HeartbeatReply:
         self._worker(req.worker_id).pull = req.pull
-        return _ACK
+        if not self._probation:
+            return _ACK
+        now = self.clock()
+        dropped = [Dropped(model=m, version=v, retry_after=max(0.0, until - now))
+                   for (w, m, v), until in self._probation.items() if w == req.worker_id]
+        return HeartbeatReply(dropped=dropped) if dropped else _ACK
 
     def _unregister(self, req: Unregister) -> Ack:
         self._forget_worker(req.worker_id, "unregistered", "unregistered")
@@ -767,6 +777,7 @@ class Coordinator:
 
     def _hold(self, req: Hold) -> Ack:
         worker = self._worker(req.worker_id)
+        self._check_probation(req.worker_id, req.model, req.version)
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         pending = self.pending.versions.get((req.model, req.version))
@@ -1257,9 +1268,27 @@ class Coordinator:
                         holder.name if holder else failed, reader.name, error)
             self.table.drop_holder(failed, model, version)
             self.metrics.evictions.labels("failed_reads").inc()
+            if holder is not None:  # told, and may offer it again after the trust window
+                self._probation[(failed, model, version)] = \
+                    self.clock() + self.trust.config.window
         else:
             log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
                         reader.name, model, version, holder.name if holder else failed, error)
+
+    def _check_probation(self, worker_id: str, model: str, version: int) -> None:
+        """A holder dropped on readers' reports offers the version again only once its
+        probation (the trust window, on our clock) is over; readers' reports of it start
+        afresh then."""
+        until = self._probation.get((worker_id, model, version))
+        if until is None:
+            return
+        left = until - self.clock()
+        if left > 0:
+            raise Reject("probation", f"{model} v{version}: readers on several nodes failed "
+                         f"to read it from this worker; it may be offered again in "
+                         f"{left:.1f} s", retry_after=left)
+        del self._probation[(worker_id, model, version)]
+        log.info("%s offers %s v%d again after its probation", worker_id, model, version)
 
     def _last_complete_holder(self, worker_id: str, model: str, version: int) -> bool:
         """Whether `worker_id` holds `version` completely and nobody else does (a partial
@@ -1436,6 +1465,8 @@ class Coordinator:
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
         self.standby.forget(worker_id)
+        for key in [k for k in self._probation if k[0] == worker_id]:
+            del self._probation[key]
         if self.table.last_pull.get(worker.name, ("",))[0] == worker_id:
             del self.table.last_pull[worker.name]
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:

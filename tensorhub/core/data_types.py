@@ -18,7 +18,7 @@ MAX_DIMS = 8
 MAX_METADATA = 16 * 1024 * 1024
 # The wire protocol's version: peers of releases that speak another one are refused with
 # a clear error (`wire.foreign`), not a failed validation.
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
@@ -417,7 +417,7 @@ class ErrorReply(Strict):
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
         "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
-        "unreachable", "aborted",
+        "unreachable", "aborted", "probation",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None
@@ -436,6 +436,21 @@ class Registered(Strict):
 
 class Ack(Strict):
     type: Literal["ack"] = "ack"
+
+
+class Dropped(Strict):
+    """A version the coordinator no longer plans reads from this worker on: credible readers
+    on several nodes failed to read it. The worker may offer it again (`Hold`) after
+    `retry_after` seconds; the coordinator refuses it before then (`probation`)."""
+
+    model: Name
+    version: Version
+    retry_after: float = Field(ge=0)
+
+
+class HeartbeatReply(Strict):
+    type: Literal["heartbeat_reply"] = "heartbeat_reply"
+    dropped: list[Dropped] = Field(default_factory=list, max_length=4096)
 
 
 class Published(Strict):
@@ -642,8 +657,8 @@ class Announcement(Strict):
 
 
 Reply = Annotated[
-    ErrorReply | Registered | Ack | Published | Withdrawn | ReadPlan | ManifestReply
-    | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply
+    ErrorReply | Registered | Ack | HeartbeatReply | Published | Withdrawn | ReadPlan
+    | ManifestReply | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply
     | Placement | Declared,
     Field(discriminator="type"),
 ]

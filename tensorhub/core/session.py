@@ -18,7 +18,9 @@ import torch
 
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
+    Dropped,
     Heartbeat,
+    HeartbeatReply,
     Hold,
     Part,
     PullProgress,
@@ -207,9 +209,11 @@ class WorkerSession:
         while not self._stop.wait(self.heartbeat_interval):
             try:
                 try:
-                    self._beat_client.call(Heartbeat(worker_id=self.worker_id,
-                                                     pull=self._pull_progress()),
-                                           timeout=max(2.0, 2 * self.heartbeat_interval))
+                    reply = self._beat_client.call(
+                        Heartbeat(worker_id=self.worker_id, pull=self._pull_progress()),
+                        timeout=max(2.0, 2 * self.heartbeat_interval))
+                    if isinstance(reply, HeartbeatReply):
+                        self._dropped(reply.dropped)
                 except CoordinatorError as exc:
                     if exc.code != "unknown_worker":
                         raise
@@ -245,6 +249,20 @@ class WorkerSession:
                 self._holds.pop((model, version), None)
                 raise
 
+    def _dropped(self, dropped: list[Dropped]) -> None:
+        """The coordinator stopped planning reads from us on versions readers on several
+        nodes failed to read: we still hold them, so they are offered again (`Hold`, from
+        the heartbeat loop) once the coordinator's probation is over."""
+        with self._lock:
+            for d in dropped:
+                key = (d.model, d.version)
+                if key in self._holds and key not in self._unannounced:
+                    self._unannounced.add(key)
+                    log.warning("%s: readers on several nodes could not read %s v%d from us, "
+                                "so the coordinator stopped planning reads from us; offering "
+                                "it again in %.0f s", self.name, d.model, d.version,
+                                d.retry_after)
+
     def _announce_pending(self) -> None:
         with self._lock:
             for key in list(self._unannounced):
@@ -254,9 +272,9 @@ class WorkerSession:
                         self.call(entry[1].model_copy(update={
                             "endpoint": self.transport.endpoint()}))
                     except CoordinatorError as exc:
+                        if exc.code in ("busy", "probation"):
+                            continue  # asked again at the next heartbeat
                         log.warning("%s: could not announce %s v%d: %s", self.name, *key, exc)
-                        if exc.code == "busy":
-                            continue
                         self._holds.pop(key, None)
                 self._unannounced.discard(key)
 
