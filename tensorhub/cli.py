@@ -192,7 +192,8 @@ def _wait_replicas(pub, version: int, count: int, timeout: float, stop: list) ->
 
     deadline = time.monotonic() + timeout
     while not stop and time.monotonic() < deadline:
-        reply = pub.session.client.call(RetentionRequest(model=pub.model, version=version))
+        reply = pub.session.client.call(RetentionRequest(model=pub.model, version=version,
+                                                         layout_id=pub.layout_id))
         if reply.replica_holders >= count:
             return True
         time.sleep(0.05)

@@ -83,6 +83,7 @@ class Publisher:
                                      timeout, register_wait=coordinator_wait)
         self._layout: BoundLayout | None = None
         self.version: int | None = None
+        self.layout_id: str | None = None
 
     def _latest(self, patient: bool = True) -> int:
         request = GetManifest(model=self.model)
@@ -172,6 +173,7 @@ class Publisher:
             self._await_parts(publish, self.coordinator_wait if part_timeout is None
                               else part_timeout)
         self.version = version
+        self.layout_id = layout.layout_id  # the current version's (retention counts its holders)
         self._newest = version
         # Kept so a restarted coordinator learns of this version again (soft state).
         self.session.remember(self.model, version, layout, Hold(
@@ -228,7 +230,7 @@ class Publisher:
         while True:
             r = self.session.client.call(RetentionRequest(
                 model=self.model, version=self.version,
-                layout_id=self._layout.layout_id if self._layout is not None else None))
+                layout_id=self.layout_id))
             if r.replica_holders >= self.min_replicas:
                 return True
             if r.replicas == 0 and r.active_reads == 0:

@@ -87,6 +87,23 @@ def test_a_reader_whose_parent_left_gets_another_when_it_asks_again():
     forest.remove(gone)
     parents = forest.fill(child.worker_id, now=1.0, expected=9)
     assert parents[0] not in (None, gone) and all(p in forest.members for p in parents)
+    assert forest.members[parents[0]].depth[0] < child.depth[0]  # never its descendant
+
+
+def test_a_chain_whose_middle_left_is_not_closed_into_a_loop():
+    forest = Forest(stripes=1, fanout=1)
+    forest.add_root("root")
+    for i, name in enumerate("ABCD"):
+        forest.join(name, "", expected=8, now=float(i))
+    forest.remove("B")
+    for i, name in enumerate("EFG"):
+        forest.join(name, "", expected=8, now=10.0 + i)
+    forest.fill("C", now=20.0, expected=8)
+    seen, at = set(), "C"
+    while at is not None and at != "root":  # walk up: the root is reached, no cycle
+        assert at not in seen
+        seen.add(at)
+        at = forest.members[at].parents[0]
 
 
 def test_the_next_version_takes_in_each_reader_with_its_parents_and_theirs_first():
@@ -126,3 +143,13 @@ def test_old_parents_that_form_a_loop_are_not_followed_round_it():
     nxt.add_root("trainer-2", reader=False)
     assert nxt.adopt("r0", last) == [None, None]
     assert None not in nxt.fill("r0", now=0.0, expected=3)
+
+
+def test_a_reader_that_left_the_fleet_is_not_taken_into_the_next_version():
+    """A reader that withdrew v1 to pull v2 is adopted with its old parents; one that then
+    died is not (no reader may be planned onto it)."""
+    old = _fan_out(8)
+    old.remove("r3", keep_history=True)
+    assert Forest().adopt("r3", old) is not None
+    old.forget("r3")
+    assert Forest().adopt("r3", old) is None

@@ -124,11 +124,15 @@ class _FailingFrom(_BrokenTransport):
 def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_probation(
         caplog):
     """Readers on two nodes fail to read from a holder: the coordinator stops planning reads
-    from it and tells it so. It offers the version again once the probation (the trust
-    window, on the coordinator's clock) is over, and serves it bit-exact."""
+    from it and tells it so. An early offer is refused (`probation`, kept on the
+    coordinator's clock); once the probation is over it offers the version again itself,
+    and serves it bit-exact."""
     import time
+    from contextlib import ExitStack
 
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+    from tensorhub.core.client import CoordinatorClient
+    from tensorhub.core.data_types import Hold, StatusRequest
     from tensorhub.testing.waits import wait_for
 
     skew = [0.0]
@@ -138,21 +142,24 @@ def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_
         clock=lambda: time.monotonic() + skew[0]).start()
     state = synthetic_state_dict(8, n_tiny=20, seed=3)
     sums = {n: checksum(t) for n, t in state.items()}
+    status = CoordinatorClient(coordinator.address)
 
     def holders() -> set[str]:
-        return {h.name for v in coordinator._status(None).models[0].versions
+        return {h.name for m in status.call(StatusRequest()).models for v in m.versions
                 for h in v.holders if v.version == 1 and not h.withdrawn}
 
     try:
-        with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-                Replica(coordinator.address, "policy", transport="zmq", name="suspect",
-                        labels={"node": "s"}) as suspect:
+        with ExitStack() as stack:
+            pub = stack.enter_context(Publisher(coordinator.address, "policy", transport="zmq"))
+            suspect = stack.enter_context(Replica(coordinator.address, "policy",
+                                                  transport="zmq", name="suspect",
+                                                  labels={"node": "s"}))
             pub.publish(state)
             suspect.pull(timeout=30)
-            readers = [Replica(coordinator.address, "policy", transport="zmq",
-                               name=f"reader-{node}", labels={"node": node})
-                       for node in ("a", "b")]
-            for reader in readers:
+            for node in ("a", "b"):
+                reader = stack.enter_context(Replica(coordinator.address, "policy",
+                                                     transport="zmq", name=f"reader-{node}",
+                                                     labels={"node": node}))
                 reader.session.transport = _FailingFrom(reader.session.transport,
                                                         suspect.session.worker_id)
                 assert reader.pull(timeout=30) == 1  # from another holder, then
@@ -161,19 +168,25 @@ def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_
                 # reader is planned onto the suspect too
                 reader.session.withdraw("policy", 1, timeout=5)
             assert "suspect" not in holders()
-            for reader in readers:
-                reader.close()
             wait_for(lambda: "could not read policy v1 from us" in caplog.text,
                      what="the holder being told")
-            time.sleep(1.0)  # five heartbeats, each offering it again: refused on probation
+            layout = suspect.layout
+            with pytest.raises(CoordinatorError) as early:
+                suspect.session.call(Hold(
+                    worker_id=suspect.session.worker_id, model="policy", version=1,
+                    layout_id=layout.layout_id, memory=layout.memory(),
+                    endpoint=suspect.session.transport.endpoint(), manifest=layout.manifest,
+                    checksums=layout.checksums()))
+            assert early.value.code == "probation" and early.value.retry_after > 50
             assert "suspect" not in holders()
             skew[0] += 61.0  # the probation is over
             wait_for(lambda: "suspect" in holders(), what="the holder offering v1 again")
             pub.release(force=True)  # the trainer leaves: the suspect is the one holder
-            with Replica(coordinator.address, "policy", transport="zmq",
-                         name="late") as late:
-                assert late.pull(timeout=30) == 1
-                assert {n: checksum(t) for n, t in late.tensors.items()} == sums
-                assert late.last_pull.sources == ["suspect"]
+            late = stack.enter_context(Replica(coordinator.address, "policy",
+                                               transport="zmq", name="late"))
+            assert late.pull(timeout=30) == 1
+            assert {n: checksum(t) for n, t in late.tensors.items()} == sums
+            assert late.last_pull.sources == ["suspect"]
     finally:
+        status.close()
         coordinator.stop()

@@ -124,6 +124,12 @@ class Forest:
         if m.gateway:
             self._gateways[m.dc] -= 1
 
+    def forget(self, worker_id: str) -> None:
+        """A worker left the fleet (died, unregistered): the next version's forest must not
+        take it in as anyone's parent (`adopt`)."""
+        self.remove(worker_id)
+        self.departed.pop(worker_id, None)
+
     def join(self, worker_id: str, dc: str, expected: int, now: float,
              relay: bool = True) -> list[str | None]:
         """Parents for a new reader, one per stripe (None: pending, ask again). `expected`:
@@ -155,8 +161,8 @@ class Forest:
         m = self.members[worker_id]
         for s in range(self.stripes):
             if m.parents[s] is not None and m.parents[s] not in self.members:
-                self._detach(m, s)
-            if m.parents[s] is None:
+                self.replace(worker_id, s, set(avoid), now)  # shallower: no loop
+            elif m.parents[s] is None:
                 self._assign(m, s, expected, now, avoid)
         return list(m.parents)
 

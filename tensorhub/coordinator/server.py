@@ -355,9 +355,9 @@ class Coordinator:
         earlier table would name workers the new one does not know)."""
         self.table = Table(clock=self.clock)
         self.trust = Trust(self.config.trust, self.clock)
-        # (holder, model, version) -> until when a holder dropped on readers' reports may
-        # not offer that version again; it is told in its heartbeat replies meanwhile
-        self._probation: dict[tuple[str, str, int], float] = {}
+        # holder -> {(model, version): until when}: a holder dropped on readers' reports
+        # may not offer that version again before then; it is told in heartbeat replies
+        self._probation: dict[str, dict[tuple[str, int], float]] = {}
         self._stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self._workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         self._announcements: dict[str, _Encoded] = {}  # model -> its newest
@@ -586,12 +586,13 @@ class Coordinator:
 
     def _heartbeat(self, req: Heartbeat) -> Ack | HeartbeatReply:
         self._worker(req.worker_id).pull = req.pull
-        if not self._probation:
+        dropped = self._probation.get(req.worker_id)
+        if not dropped:
             return _ACK
         now = self.clock()
-        dropped = [Dropped(model=m, version=v, retry_after=max(0.0, until - now))
-                   for (w, m, v), until in self._probation.items() if w == req.worker_id]
-        return HeartbeatReply(dropped=dropped) if dropped else _ACK
+        return HeartbeatReply(dropped=[
+            Dropped(model=m, version=v, retry_after=max(0.0, until - now))
+            for (m, v), until in dropped.items()])
 
     def _unregister(self, req: Unregister) -> Ack:
         self._forget_worker(req.worker_id, "unregistered", "unregistered")
@@ -841,6 +842,7 @@ class Coordinator:
 
     def _withdraw(self, req: Withdraw) -> Withdrawn:
         self._worker(req.worker_id)
+        self._end_probation(req.worker_id, req.model, req.version)  # nothing left to offer
         mrec = self.table.models.get(req.model)
         vrec = mrec.versions.get(req.version) if mrec else None
         if vrec is not None and req.version == mrec.latest and not req.force:
@@ -1266,10 +1268,11 @@ class Coordinator:
             log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
                         "dropping its reference", model, version,
                         holder.name if holder else failed, reader.name, error)
+            complete = self._holds_complete(failed, model, version)
             self.table.drop_holder(failed, model, version)
             self.metrics.evictions.labels("failed_reads").inc()
-            if holder is not None:  # told, and may offer it again after the trust window
-                self._probation[(failed, model, version)] = \
+            if holder is not None and complete:  # told; it may offer it again later
+                self._probation.setdefault(failed, {})[(model, version)] = \
                     self.clock() + self.trust.config.window
         else:
             log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
@@ -1279,7 +1282,7 @@ class Coordinator:
         """A holder dropped on readers' reports offers the version again only once its
         probation (the trust window, on our clock) is over; readers' reports of it start
         afresh then."""
-        until = self._probation.get((worker_id, model, version))
+        until = self._probation.get(worker_id, {}).get((model, version))
         if until is None:
             return
         left = until - self.clock()
@@ -1287,8 +1290,24 @@ class Coordinator:
             raise Reject("probation", f"{model} v{version}: readers on several nodes failed "
                          f"to read it from this worker; it may be offered again in "
                          f"{left:.1f} s", retry_after=left)
-        del self._probation[(worker_id, model, version)]
+        self._end_probation(worker_id, model, version)
         log.info("%s offers %s v%d again after its probation", worker_id, model, version)
+
+    def _end_probation(self, worker_id: str, model: str, version: int) -> None:
+        dropped = self._probation.get(worker_id)
+        if dropped is not None:
+            dropped.pop((model, version), None)
+            if not dropped:
+                del self._probation[worker_id]
+
+    def _holds_complete(self, worker_id: str, model: str, version: int) -> bool:
+        """Whether `worker_id` holds (a part of) `version` completely: a reader still
+        pulling it (a relay) has nothing to offer again, and ends its pull as usual."""
+        mrec = self.table.models.get(model)
+        vrec = mrec.versions.get(version) if mrec else None
+        return vrec is not None and any(
+            (h := layout.holders.get(worker_id)) is not None and not h.withdrawn
+            for layout in vrec.layouts.values())
 
     def _last_complete_holder(self, worker_id: str, model: str, version: int) -> bool:
         """Whether `worker_id` holds `version` completely and nobody else does (a partial
@@ -1465,14 +1484,13 @@ class Coordinator:
             self._abort(key, f"{worker.name}, which published a part, {why}")
         self.trust.forget(worker_id)
         self.standby.forget(worker_id)
-        for key in [k for k in self._probation if k[0] == worker_id]:
-            del self._probation[key]
+        self._probation.pop(worker_id, None)
         if self.table.last_pull.get(worker.name, ("",))[0] == worker_id:
             del self.table.last_pull[worker.name]
         for lease_id in [k for k, v in self.table.leases.items() if v.reader == worker_id]:
             lease = self.table.leases.pop(lease_id)
             self._finish_withdrawals(lease.sources, lease.model, lease.version)
-        self.table.drop_holder(worker_id)
+        self.table.drop_holder(worker_id, gone=True)
 
     def _expire(self) -> None:
         now, ttl = self.clock(), self.config.worker_ttl
@@ -1482,6 +1500,9 @@ class Coordinator:
                                  f"{self.config.part_wait:.0f} s")
         for w in [w for w in self.table.workers.values() if now - w.last_seen > ttl]:
             self._forget_worker(w.worker_id, "stopped heartbeating", "heartbeat")
+        for worker_id, dropped in list(self._probation.items()):
+            for model, version in [k for k, until in dropped.items() if until < now - ttl]:
+                self._end_probation(worker_id, model, version)  # told long since, or gone
         for lease in [x for x in self.table.leases.values() if x.expires < now]:
             log.warning("read lease of %s on %s v%d expired", lease.reader, lease.model,
                         lease.version)

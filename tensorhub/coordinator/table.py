@@ -393,8 +393,9 @@ class Table:
         self.transfers.keep_last(self.max_transfers)
 
     def drop_holder(self, worker_id: str, model: str | None = None,
-                    version: int | None = None) -> None:
-        """Remove a worker's references (all, or of one model/version)."""
+                    version: int | None = None, gone: bool = False) -> None:
+        """Remove a worker's references (all, or of one model/version); `gone`: the worker
+        left the fleet, so no forest may adopt it later either."""
         for mname, mrec in self.models.items():
             if model is not None and mname != model:
                 continue
@@ -405,7 +406,7 @@ class Table:
                     lrec.holders.pop(worker_id, None)
                     lrec.partial.drop(worker_id)
                     if lrec.forest is not None:
-                        lrec.forest.remove(worker_id)
+                        (lrec.forest.forget if gone else lrec.forest.remove)(worker_id)
         self.prune()
 
     def drop_partial(self, worker_id: str, model: str, version: int) -> None:

@@ -79,6 +79,10 @@ class WorkerSession:
                                               credentials=self.client.credentials)
         self._holds: dict[tuple[str, int], tuple[BoundLayout, Hold]] = {}
         self._unannounced: set[tuple[str, int]] = set()  # held, coordinator was unreachable
+        # held versions the coordinator stopped planning reads on (`_dropped`): offered
+        # again no sooner than this (monotonic)
+        self._offer_after: dict[tuple[str, int], float] = {}
+        self._withdrawing: set[tuple[str, int]] = set()  # never offered again meanwhile
         self._lock = threading.RLock()
         self.worker_id = ""
         self.registrations = 0  # times registered: a new coordinator knows nothing of ours
@@ -143,6 +147,7 @@ class WorkerSession:
             log.warning("%s: coordinator does not know us; registering again", self.name)
             self._register()
             self._unannounced.clear()
+            self._offer_after.clear()  # (a new coordinator keeps no probation)
             for (model, version), (layout, hold) in list(self._holds.items()):
                 hold = hold.model_copy(update={"worker_id": self.worker_id,
                                                "endpoint": self.transport.endpoint()})
@@ -245,6 +250,14 @@ class WorkerSession:
                 log.warning("%s: coordinator unreachable; will announce %s v%d when it is "
                             "back", self.name, model, version)
                 self._unannounced.add((model, version))
+            except CoordinatorError as exc:
+                if exc.code != "probation":
+                    self._holds.pop((model, version), None)
+                    raise
+                # (we held it before and readers failed on us: offered again, later)
+                log.warning("%s: %s", self.name, exc)
+                self._offer_after[(model, version)] = time.monotonic() + (exc.retry_after or 0)
+                self._unannounced.add((model, version))
             except BaseException:
                 self._holds.pop((model, version), None)
                 raise
@@ -256,7 +269,11 @@ class WorkerSession:
         with self._lock:
             for d in dropped:
                 key = (d.model, d.version)
-                if key in self._holds and key not in self._unannounced:
+                if key not in self._holds or key in self._withdrawing:
+                    continue
+                # (the coordinator's clock decides: each reply says how long is left)
+                self._offer_after[key] = time.monotonic() + d.retry_after
+                if key not in self._unannounced:
                     self._unannounced.add(key)
                     log.warning("%s: readers on several nodes could not read %s v%d from us, "
                                 "so the coordinator stopped planning reads from us; offering "
@@ -266,17 +283,22 @@ class WorkerSession:
     def _announce_pending(self) -> None:
         with self._lock:
             for key in list(self._unannounced):
+                if key in self._withdrawing or self._offer_after.get(key, 0) > time.monotonic():
+                    continue
                 entry = self._holds.get(key)
                 if entry is not None:
                     try:
                         self.call(entry[1].model_copy(update={
                             "endpoint": self.transport.endpoint()}))
                     except CoordinatorError as exc:
+                        if exc.code == "probation":
+                            self._offer_after[key] = time.monotonic() + (exc.retry_after or 0)
                         if exc.code in ("busy", "probation"):
-                            continue  # asked again at the next heartbeat
+                            continue  # asked again at a later heartbeat
                         log.warning("%s: could not announce %s v%d: %s", self.name, *key, exc)
                         self._holds.pop(key, None)
                 self._unannounced.discard(key)
+                self._offer_after.pop(key, None)
 
     def remember(self, model: str, version: int, layout: BoundLayout, hold: Hold) -> None:
         with self._lock:
@@ -290,7 +312,17 @@ class WorkerSession:
         ("last_holder") if we still are the only holder of the model's newest version then
         (the coordinator will not let it be lost; `force` overrides that).
         """
-        deadline = time.monotonic() + timeout
+        key = (model, version)
+        with self._lock:  # no heartbeat offers it again once the coordinator let it go
+            self._withdrawing.add(key)
+        try:
+            self._withdraw(key, timeout, force)
+        finally:
+            with self._lock:
+                self._withdrawing.discard(key)
+
+    def _withdraw(self, key: tuple[str, int], timeout: float, force: bool) -> None:
+        (model, version), deadline = key, time.monotonic() + timeout
         while True:
             try:
                 reply = self.call(Withdraw(worker_id=self.worker_id, model=model,
@@ -304,8 +336,9 @@ class WorkerSession:
                 time.sleep(exc.retry_after or 0.2)
                 continue
             with self._lock:
-                self._holds.pop((model, version), None)
-                self._unannounced.discard((model, version))
+                self._holds.pop(key, None)
+                self._unannounced.discard(key)
+                self._offer_after.pop(key, None)
             if reply.active_reads == 0:
                 return
             if time.monotonic() > deadline:
