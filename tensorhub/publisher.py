@@ -81,6 +81,7 @@ class Publisher:
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
+        self.session.published = lambda: {self.model: self._newest} if self._newest else {}
         self._layout: BoundLayout | None = None
         self.version: int | None = None
         self.layout_id: str | None = None

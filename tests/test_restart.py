@@ -187,3 +187,48 @@ def test_a_replica_started_before_its_coordinator_registers_once_it_answers():
         later.join()
         for c in started:
             c.stop()
+
+
+def test_a_replica_of_another_run_cannot_poison_the_numbering_after_a_restart():
+    """After a coordinator restart a replica left over from an earlier job brings back a
+    version far past the trainer's (v500). Once the trainer registers again, saying the
+    newest it published, that version is dropped: never served, and the trainer's next
+    publish is its own next number, which readers get bit-exact. (Heartbeats 5 s apart, so
+    the left-over one is almost always first; if the trainer is, its word refuses v500.)"""
+
+    coordinator_proc = CoordinatorProcess(heartbeat_interval=5.0, worker_ttl=30.0).start()
+    try:
+        _a_replica_of_another_run_cannot_poison_the_numbering(coordinator_proc)
+    finally:
+        coordinator_proc.stop()
+
+
+def _a_replica_of_another_run_cannot_poison_the_numbering(coordinator_proc) -> None:
+    from tensorhub.core.errors import CoordinatorError
+
+    state = synthetic_state_dict(4, n_tiny=10, seed=21)
+    other_run = synthetic_state_dict(4, n_tiny=10, seed=22)
+    with Publisher(coordinator_proc.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator_proc.address, "policy", transport="zmq",
+                    name="current") as current:
+        assert pub.publish(state) == 1
+        assert current.pull(timeout=30) == 1
+        coordinator_proc.kill()
+        coordinator_proc.start()
+        with Replica(coordinator_proc.address, "policy", other_run, transport="zmq",
+                     name="left-over") as left_over:
+            left_over.layout.pack()
+            try:  # before the trainer is back (accepted, then dropped), or after (refused)
+                left_over.session.hold("policy", 500, left_over.layout,
+                                       left_over.layout.checksums())
+            except CoordinatorError as refused:
+                assert refused.code == "unknown_version"
+            wait_for(lambda: any(w.startswith("trainer-")
+                                 for w in registered(coordinator_proc.address)), 30,
+                     "the trainer registering again")
+            assert 500 not in holders_by_version(coordinator_proc.address)
+            for t in state.values():
+                t.add_(1.0)
+            assert pub.publish(state) == 2
+            assert current.pull(timeout=30) == 2
+            assert sums(current.tensors) == sums(state)

@@ -578,11 +578,39 @@ class Coordinator:
         if req.role == "replica":
             self._workers_in_dc[req.labels.get("dc", "")] += 1
         log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
+        if req.role == "trainer":
+            for model, newest in req.published.items():
+                self._trainer_newest(model, newest)
         return Registered(worker_id=worker_id, secret=secret,
                           heartbeat_interval=self.config.heartbeat_interval,
                           worker_ttl=self.config.worker_ttl,
                           announce_address=self.announce_address,
                           lease_ttl=self.config.lease_ttl)
+
+    def _trainer_newest(self, model: str, newest: int) -> None:
+        """A trainer registering again (we restarted) says the newest version it published:
+        versions past it that holders brought back since are another run's (a replica left
+        over from an earlier job): dropped, so they are never served and never block its
+        next publish. From here on versions come from publishes only."""
+        mrec = self.table.models.setdefault(model, ModelRec())
+        if mrec.published:
+            return
+        mrec.published = True
+        stale = sorted(v for v in mrec.versions if v > newest)
+        for v in stale:
+            holders = {self.table.workers[h].name if h in self.table.workers else h
+                       for layout in mrec.versions.pop(v).layouts.values()
+                       for h in layout.holders}
+            log.warning("%s v%d, brought back by %s, is past the newest version its trainer "
+                        "published (v%d): another run's, dropped", model, v,
+                        ", ".join(sorted(holders)) or "nobody", newest)
+        for lease_id in [k for k, x in self.table.leases.items()
+                         if x.model == model and x.version in stale]:
+            del self.table.leases[lease_id]
+        announced = self._announcements.get(model)
+        if stale and announced is not None and announced.model.version > newest:
+            del self._announcements[model]
+        mrec.latest = max([newest, *mrec.versions])
 
     def _heartbeat(self, req: Heartbeat) -> Ack | HeartbeatReply:
         self._worker(req.worker_id).pull = req.pull
@@ -797,7 +825,7 @@ class Coordinator:
             if req.manifest is None or (mrec is not None and req.version < mrec.latest):
                 raise Reject("unknown_version",
                              f"model {req.model!r} has no version {req.version}")
-            if mrec is not None and mrec.published:
+            if mrec is not None and mrec.published and req.version > mrec.latest:
                 raise Reject("unknown_version",
                              f"model {req.model!r} has no version {req.version}: its trainer "
                              f"publishes versions (latest {mrec.latest}), a holder cannot "
@@ -1343,7 +1371,7 @@ class Coordinator:
         announced = self._announcements.get(req.model)
         if announced is None or announced.model.version != mrec.latest:
             # (a version brought back by holders after a restart: no publish was seen)
-            vrec = mrec.versions[mrec.latest]
+            _, vrec = self._resolve(req.model, "latest")
             lid, layout = self._part_layout(vrec, 0, req.model)
             announcement = Announcement(model=req.model, version=mrec.latest, layout_id=lid,
                                         parts=len(vrec.part_ids), manifest=layout.manifest)

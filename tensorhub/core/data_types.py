@@ -145,6 +145,9 @@ class Register(Strict):
     progress: MemoryDesc | None = None
     # The key its transport checks readers' grants with (`core/transport/grants.py`).
     grant_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # A trainer's newest published version of each model: after a coordinator restart,
+    # versions past it that holders brought back are another run's, and are dropped.
+    published: dict[Name, Version] = Field(default_factory=dict, max_length=1024)
 
 
 class PullProgress(Strict):

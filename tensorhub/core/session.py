@@ -92,6 +92,9 @@ class WorkerSession:
         # The pull in flight, if any (`Replica.pull` sets it): heartbeats carry it to the
         # coordinator's status (the live view), and a long one is logged every 10 s.
         self.pulling: Callable[[], PullProgress] | None = None
+        # A trainer's newest published version per model, told at each registration
+        # (`Publisher` sets it): a restarted coordinator drops versions of another run.
+        self.published: Callable[[], dict[str, int]] | None = None
         self._progress_logged = 0.0
         try:
             self._register_patiently(register_wait)
@@ -115,7 +118,8 @@ class WorkerSession:
         reply = self.client.call(
             Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
                      labels=self.labels, progress=describe(self.progress),
-                     grant_key=self.transport.grant_key)
+                     grant_key=self.transport.grant_key,
+                     published=self.published() if self.published else {})
         )
         self.registrations += 1
         self.worker_id = reply.worker_id
