@@ -260,8 +260,7 @@ class WorkerSession:
                     raise
                 # (we held it before and readers failed on us: offered again, later)
                 log.warning("%s: %s", self.name, exc)
-                self._offer_after[(model, version)] = time.monotonic() + (exc.retry_after or 0)
-                self._unannounced.add((model, version))
+                self._offer_later((model, version), exc.retry_after or 0)
             except BaseException:
                 self._holds.pop((model, version), None)
                 raise
@@ -275,14 +274,19 @@ class WorkerSession:
                 key = (d.model, d.version)
                 if key not in self._holds or key in self._withdrawing:
                     continue
-                # (the coordinator's clock decides: each reply says how long is left)
-                self._offer_after[key] = time.monotonic() + d.retry_after
                 if key not in self._unannounced:
-                    self._unannounced.add(key)
                     log.warning("%s: readers on several nodes could not read %s v%d from us, "
                                 "so the coordinator stopped planning reads from us; offering "
                                 "it again in %.0f s", self.name, d.model, d.version,
                                 d.retry_after)
+                # (the coordinator's clock decides: each reply says how long is left)
+                self._offer_later(key, d.retry_after)
+
+    def _offer_later(self, key: tuple[str, int], seconds: float) -> None:
+        """Offer a held version again (`_announce_pending`) no sooner than `seconds` from
+        now (the caller holds the lock)."""
+        self._offer_after[key] = time.monotonic() + seconds
+        self._unannounced.add(key)
 
     def _announce_pending(self) -> None:
         with self._lock:
@@ -296,7 +300,7 @@ class WorkerSession:
                             "endpoint": self.transport.endpoint()}))
                     except CoordinatorError as exc:
                         if exc.code == "probation":
-                            self._offer_after[key] = time.monotonic() + (exc.retry_after or 0)
+                            self._offer_later(key, exc.retry_after or 0)
                         if exc.code in ("busy", "probation"):
                             continue  # asked again at a later heartbeat
                         log.warning("%s: could not announce %s v%d: %s", self.name, *key, exc)
