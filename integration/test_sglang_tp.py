@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from integration.faults import refuse_fault_env
 from integration.sglang_server import SGLangServer
 from integration.test_sglang import LOADER, sglang_env, sglang_version, wait_sglang
 from integration.tp_fleet import (
@@ -18,7 +19,6 @@ from integration.tp_fleet import (
     tp_fleet,
     two_rank_version_pulled_once,
 )
-from tensorhub.engines.holder import REFUSE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def tp_engine(tmp_path_factory, sglang_python, coordinator_process):
         return SGLangServer(
             sglang_python, model_dir,
             env={**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-                 REFUSE_ENV: f"{REFUSED}@-tp0"},
+                 **refuse_fault_env(REFUSED, "-tp0")},
             extra_args=["--custom-weight-loader", LOADER, "--tp-size", "2"],
             log_path=root / "sglang-tp2.log").launch()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from integration.faults import refuse_fault_env
 from integration.test_vllm import PLUGIN_ARGS, plugin_env, wait_serving
 from integration.tp_fleet import (
     REFUSED,
@@ -19,7 +20,6 @@ from integration.tp_fleet import (
     two_rank_version_pulled_once,
 )
 from integration.vllm_server import VLLMServer
-from tensorhub.engines.holder import REFUSE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def tp_engine(tmp_path_factory, vllm_python, coordinator_process):
         return VLLMServer(
             vllm_python, model_dir, extra_args=[*PLUGIN_ARGS, "--tensor-parallel-size", "2"],
             env={**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                 REFUSE_ENV: f"{REFUSED}@-rank0"},
+                 **refuse_fault_env(REFUSED, "-rank0")},
             log_path=root / "engine-tp2.log").launch()
 
     with tp_fleet(root, address, launch, healthy_timeout=480) as fleet:

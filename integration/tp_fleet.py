@@ -17,7 +17,7 @@ from tensorhub import Publisher
 
 MODEL = "policy"
 TOKENS = 16
-REFUSED = 3  # the version one rank refuses (`TENSORHUB_TEST_REFUSE`), as a failed copy would
+REFUSED = 3  # the version one rank refuses (`faults.refuse_fault_env`), as a failed copy would
 # Heads split over 2 ranks; head_dim 32 (vLLM's CPU attention kernels take no 16).
 TP_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2}
 

@@ -13,7 +13,6 @@ import torch
 from tensorhub import Publisher, TensorHubError
 from tensorhub.core.errors import IntegrityError
 from tensorhub.engines.holder import (
-    REFUSE_ENV,
     CheckpointHolder,
     TornLoad,
     versions_to_release,
@@ -55,11 +54,23 @@ def apply_on_every_rank(holders, version: int, weights: list[dict]) -> list[str 
     return codes
 
 
-def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator, monkeypatch):
-    monkeypatch.setenv(REFUSE_ENV, "2@-rank1")  # rank 1's copy of v2 "fails verification"
+def refusing(holder: CheckpointHolder, refused: int) -> None:
+    """Make `holder`'s copy refuse version `refused`, as a copy that failed verification."""
+    not_ready = holder._not_ready
+
+    def check(version: int, *args):
+        if version == refused:
+            return TensorHubError(f"refusing v{version}", code="refused")
+        return not_ready(version, *args)
+
+    holder._not_ready = check
+
+
+def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator):
     states = {v: {"w": torch.full((8, 8), float(v))} for v in (1, 2, 3)}
     holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
                                 transport="zmq", follow=False) for r in range(2)]
+    refusing(holders[1], 2)  # rank 1's copy of v2 "fails verification"
     weights: list[dict] = [{}, {}]
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
@@ -127,11 +138,6 @@ def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
     assert versions_to_release({"r0": [5], "r1": []}, serving=4) == set()  # r1 is pulling
     assert versions_to_release({"r0": [4], "r1": [5]}, serving=4) == set()  # v4 is served
     assert versions_to_release({"r0": [5], "r1": [7], "r2": [6]}, serving=None) == {5, 6}
-
-
-@pytest.fixture(autouse=True)
-def _no_refusals(monkeypatch):
-    monkeypatch.delenv(REFUSE_ENV, raising=False)
 
 
 def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(coordinator):

@@ -1,8 +1,12 @@
-"""Test-only fault, loaded by an engine whose PYTHONPATH starts with this folder: while the
-file named by `TENSORHUB_TEST_FAULT_LOAD` holds a version number, the engine's load of that
-version fails half-way through its tensors, as a bug in a model's `load_weights` would. The
-layers before it then hold the new version: what the engine does next is under test. No
-product code knows of it: it wraps `CheckpointHolder.tensors_of` once that module loads.
+"""Test-only faults, loaded by an engine whose PYTHONPATH starts with this folder. No
+product code knows of them: they wrap `CheckpointHolder` once its module loads.
+
+- `TENSORHUB_TEST_FAULT_LOAD`: while the file it names holds a version number, the engine's
+  load of that version fails half-way through its tensors, as a bug in a model's
+  `load_weights` would. The layers before it then hold the new version: what the engine
+  does next is under test.
+- `TENSORHUB_TEST_FAULT_REFUSE` ("<version>@<name suffix>"): the checkpoint copy of the
+  worker whose name ends so refuses that version, as a copy that failed verification would.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FAULT_FILE = os.environ.get("TENSORHUB_TEST_FAULT_LOAD")
+REFUSE = os.environ.get("TENSORHUB_TEST_FAULT_REFUSE")
 TARGET = "tensorhub.engines.holder"
 
 
@@ -38,15 +43,29 @@ class HalfWay:
             yield item
 
 
+def refused(name: str, version: int) -> bool:
+    wanted, _, suffix = (REFUSE or "").partition("@")
+    return bool(REFUSE) and wanted == str(version) and name.endswith(suffix)
+
+
 def wrap(module) -> None:
-    original = module.CheckpointHolder.tensors_of
+    holder = module.CheckpointHolder
+    original, not_ready = holder.tensors_of, holder._not_ready
 
     @contextmanager
     def tensors_of(self, version, *args, **kwargs):
         with original(self, version, *args, **kwargs) as named:
-            yield HalfWay(named) if version == faulty_version() else named
+            yield HalfWay(named) if FAULT_FILE and version == faulty_version() else named
 
-    module.CheckpointHolder.tensors_of = tensors_of
+    def refusing(self, version, *args, **kwargs):
+        problem = not_ready(self, version, *args, **kwargs)
+        if problem is None and refused(self.name, version):
+            return module.TensorHubError(f"{self.name}: refusing v{version} (test fault)",
+                                         code="refused")
+        return problem
+
+    holder.tensors_of = tensors_of
+    holder._not_ready = refusing
 
 
 class WrapOnImport(importlib.abc.MetaPathFinder):
@@ -65,5 +84,5 @@ class WrapOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if FAULT_FILE:
+if FAULT_FILE or REFUSE:
     sys.meta_path.insert(0, WrapOnImport())

@@ -21,7 +21,6 @@ touches its weights, and another after they loaded it (`TornLoad`, `restore`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,9 +38,6 @@ log = logging.getLogger("tensorhub.engines")
 # A version no copy was left of is tried again after this long if nothing newer came (its
 # holders may have been re-registering with a restarted coordinator).
 LOST_RETRY = 15.0
-# Fault injection for tests: "<version>@<name suffix>" makes the copy of the worker whose
-# name ends so refuse that version, as a copy that failed verification would.
-REFUSE_ENV = "TENSORHUB_TEST_REFUSE"
 
 
 class TornLoad(TensorHubError):
@@ -174,11 +170,6 @@ class CheckpointHolder:
                 log.exception("follow loop error")
                 self._stop.wait(1.0)
 
-    def _refused(self, version: int) -> bool:
-        spec = os.environ.get(REFUSE_ENV, "")
-        wanted, _, suffix = spec.partition("@")
-        return bool(spec) and wanted == str(version) and self.name.endswith(suffix)
-
     @contextmanager
     def tensors_of(self, version: int, agree: Callable[[bool], bool] = alone, *,
                    loaded: Callable[[bool], bool] | None = None, fetch: bool = False,
@@ -239,9 +230,6 @@ class CheckpointHolder:
             return TensorHubError(
                 f"asked to apply v{version} but this worker holds "
                 f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
-        if self._refused(version):
-            return TensorHubError(f"{self.name}: refusing v{version} ({REFUSE_ENV})",
-                                  code="refused")
         return self._unloadable(version) or self._reverified()
 
     def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
