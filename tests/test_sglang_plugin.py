@@ -144,7 +144,7 @@ def test_the_driver_reports_its_ranks_from_the_private_dir(monkeypatch):
         driver.following = True  # following: only what the driver itself swapped to
         assert driver.status()["serving_version"] is None
     finally:
-        driver.client.close()
+        driver.fleet.close()
 
 
 @pytest.mark.parametrize(("argv", "process", "main"), [
@@ -234,9 +234,10 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
         try:
             assert driver.next_update() == (1, "checkpoint")
             with Replica(coordinator.address, "policy", transport="zmq",
-                         name="other-engine-tp0-native") as other:
-                # Another engine's native worker of our rank, holding nothing yet (it may
-                # be applying a version): worth waiting for.
+                         name="other-engine-tp0-native",
+                         labels={"layout": peer_layout}) as other:
+                # Another engine's native worker of our layout, holding nothing yet (it
+                # may be applying a version): worth waiting for.
                 assert driver.next_update() is None
                 other.pull(timeout=10)  # holds v1 in the layout we now claim as ours
                 write_json(status_path(0), {"applied": None,
@@ -247,4 +248,4 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
                 pub.publish({"w": torch.arange(4.0) + 1, "b": torch.zeros(2)})
                 assert driver.next_update() is None
         finally:
-            driver.client.close()
+            driver.fleet.close()

@@ -1403,7 +1403,18 @@ class Coordinator:
                             and v not in holdings[w.name]:
                         holdings[w.name].append(v)
         pulls = {n: self.table.last_pull[n][1] for n in req.names if n in self.table.last_pull}
-        return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls)
+        in_layout: dict[str, list[int]] = {}
+        if req.layout_id is not None:
+            in_layout = {w.name: [] for w in self.table.workers.values()
+                         if w.labels.get("layout") == req.layout_id}
+            for v, vrec in sorted(mrec.versions.items()) if mrec else []:
+                layout = vrec.layouts.get(req.layout_id)
+                for h in layout.holders.values() if layout else []:
+                    w = self.table.workers.get(h.worker_id)
+                    if w is not None and not h.withdrawn:
+                        in_layout.setdefault(w.name, []).append(v)
+        return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls,
+                             in_layout=in_layout)
 
     def _complete_holders(self, vrec: VersionRec) -> int:
         """Workers holding the version completely: every part, for a sharded one (by the

@@ -307,6 +307,8 @@ class HoldingsRequest(Strict):
     type: Literal["holdings"] = "holdings"
     model: Name
     names: list[Name] = Field(max_length=1024)
+    # Also: who holds which versions in this layout (`HoldingsReply.in_layout`).
+    layout_id: Name | None = None
 
 
 class Progress(Strict):
@@ -630,6 +632,10 @@ class HoldingsReply(Strict):
     # name -> its last successful pull: an engine's front end puts its workers' pulls on
     # the engine's own /metrics (the pulls happen in worker processes it cannot read)
     pulls: dict[str, TransferRecord] = Field(default_factory=dict)
+    # With `layout_id`: name -> versions it holds completely in that layout, for every
+    # worker that does, and [] for a worker registered with that layout as its label
+    # `layout` that holds none at the moment (an engine's live parameters, being written).
+    in_layout: dict[str, list[int]] = Field(default_factory=dict)
 
 
 class Announcement(Strict):

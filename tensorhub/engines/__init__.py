@@ -1,1 +1,45 @@
-"""Engine-agnostic pieces the vLLM and SGLang plugins share (no engine imports here)."""
+"""The engine API: what the vLLM and SGLang plugins (`tensorhub_plugins`) build on, with no
+engine imports here. Plugins import from this package (the names below) and from
+`tensorhub`'s top level, never from `tensorhub.core` or `tensorhub.coordinator`."""
+
+from tensorhub.engines.auth import REFUSED, authorized
+from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
+from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone, versions_to_release
+from tensorhub.engines.logs import show_tensorhub_logs
+from tensorhub.engines.restore import outcome_in, restore_after
+from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
+from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared, one_copy_per_engine
+from tensorhub.engines.votes import RankVote
+from tensorhub.engines.weights_check import (
+    checkpoint_tensors,
+    from_checkpoint,
+    refusal_in,
+    tied_optional,
+)
+
+__all__ = [
+    "REFUSED",
+    "RETRY_REFUSED",
+    "CheckpointHolder",
+    "EngineSettings",
+    "FleetView",
+    "Holdings",
+    "LayoutHolders",
+    "RankVote",
+    "SharedCopyReader",
+    "TornLoad",
+    "alone",
+    "apply_shared",
+    "authorized",
+    "checkpoint_tensors",
+    "from_checkpoint",
+    "layout_labels",
+    "load_settings",
+    "one_copy_per_engine",
+    "outcome_in",
+    "refusal_in",
+    "restore_after",
+    "show_tensorhub_logs",
+    "tied_optional",
+    "versions_to_release",
+]

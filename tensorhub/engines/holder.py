@@ -28,8 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
-from tensorhub.core.data_types import GetManifest
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.fleet import FleetView
 from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
 from tensorhub.parted import PartedReplica
 
@@ -237,11 +237,7 @@ class CheckpointHolder:
         applied another way (SGLang's native path); None if the coordinator no longer has
         it."""
         try:
-            session = self.replica.session
-            first = session.call(GetManifest(model=self.replica.model, version=version))
-            manifests = [first.manifest] + [
-                session.call(GetManifest(model=self.replica.model, version=version,
-                                         part=k)).manifest for k in range(1, first.parts)]
+            manifests = FleetView(self.replica.session, self.replica.model).manifests(version)
         except TensorHubError as exc:
             log.info("%s: no manifest of v%d to check versions against (%s)", self.name,
                      version, exc)

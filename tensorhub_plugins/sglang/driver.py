@@ -30,13 +30,8 @@ import urllib.request
 
 import torch
 
-from tensorhub import metrics
-from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import HoldingsRequest, StatusRequest
-from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.restore import outcome_in
-from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings
-from tensorhub.engines.weights_check import refusal_in
+from tensorhub import TensorHubError, metrics
+from tensorhub.engines import RETRY_REFUSED, EngineSettings, FleetView, outcome_in, refusal_in
 from tensorhub_plugins.sglang.naming import (
     LOADER,
     native_worker_name,
@@ -78,7 +73,7 @@ class Driver:
         self.instance = instance
         # The checkpoint copies: rank 0's alone when the ranks share it (`shared_copy`).
         self.names = [worker_name(instance, r) for r in range(1 if one_copy else tp_size)]
-        self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
+        self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.following = False
         self.serving: int | None = None
         self.latest: int | None = None  # as of the last poll
@@ -123,29 +118,22 @@ class Driver:
 
     def held(self) -> tuple[int, int | None]:
         """(the model's latest version, the newest version every checkpoint copy holds)."""
-        reply = self.client.call(HoldingsRequest(model=self.settings.model, names=self.names))
-        common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        self.latest, self.held_version = reply.latest, max(common) if common else None
+        holdings = self.fleet.holdings(self.names)
+        self.latest, self.held_version = holdings.latest, holdings.common()
         return self.latest, self.held_version
 
     def native_peers(self, version: int, states: list[dict]) -> tuple[bool, bool]:
         """(whether, for every rank, a worker other than us holds `version` in that rank's
-        native layout; whether another engine could soon: one holds some version in those
-        layouts, or another SGLang engine's native workers of our ranks are registered
-        (one that is applying a version holds none for that moment))."""
+        native layout; whether another engine could soon: in each of those layouts another
+        worker holds some version, or registered as serving it (one that is applying a
+        version holds none for that moment))."""
         ours = {s.get("native_name") for s in states}
         layouts = [s.get("native_layout") for s in states]
         if None in layouts:
             return False, False
-        reply = self.client.call(StatusRequest())
-        held = {(vs.version, vs.layout_id) for m in reply.models
-                if m.model == self.settings.model for vs in m.versions
-                if any(h.name not in ours and not h.withdrawn for h in vs.holders)}
-        now = all((version, lid) in held for lid in layouts)
-        others = {str(w["name"]) for w in reply.workers} - ours
-        registered = all(any(n.endswith(f"-tp{r}-native") for n in others)
-                         for r in range(len(states)))
-        return now, registered or all(any(lid == got for _, got in held) for lid in layouts)
+        peers = [self.fleet.in_layout(lid) for lid in dict.fromkeys(layouts)]
+        return (all(p.held_by_others(version, ours) for p in peers),
+                all(p.others(ours) for p in peers))
 
     def next_update(self) -> tuple[int, str] | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""

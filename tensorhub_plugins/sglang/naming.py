@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from tensorhub.engines.settings import EngineSettings
+from tensorhub.engines import EngineSettings
 
 LOADER = "tensorhub_plugins.sglang.loader.apply"
 # Set by the main process, inherited by the schedulers: this server's base worker name

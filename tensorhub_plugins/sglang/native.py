@@ -24,9 +24,8 @@ import time
 
 import torch
 
-from tensorhub.core.data_types import StatusRequest
-from tensorhub.core.errors import CoordinatorError, LayoutError, TensorHubError
-from tensorhub.replica import Replica
+from tensorhub import CoordinatorError, LayoutError, Replica, TensorHubError
+from tensorhub.engines import FleetView, layout_labels
 
 log = logging.getLogger("tensorhub.sglang")
 
@@ -43,8 +42,10 @@ class NativeHolder:
     def __init__(self, coordinator: str, model: str, name: str,
                  params: list[tuple[str, torch.Tensor]], *, transport: str | None = None,
                  pull_timeout: float = 120.0):
+        # (registered as serving its layout: peers may wait for it while it holds nothing)
         self.replica = Replica(coordinator, model, params, name=name, transport=transport,
-                               compact_threshold=NATIVE_COMPACT_THRESHOLD)
+                               compact_threshold=NATIVE_COMPACT_THRESHOLD,
+                               labels=layout_labels(params, NATIVE_COMPACT_THRESHOLD))
         self.name = name
         self.pull_timeout = pull_timeout
         self._ptrs = [t.data_ptr() for _, t in params]
@@ -68,11 +69,8 @@ class NativeHolder:
 
     def peer_holds(self, version: int) -> bool:
         """Whether a worker other than us holds `version` in this layout."""
-        reply = self.replica.session.call(StatusRequest())
-        return any(
-            vs.version == version and vs.layout_id == self.layout_id
-            and any(h.name != self.name and not h.withdrawn for h in vs.holders)
-            for m in reply.models if m.model == self.replica.model for vs in m.versions)
+        peers = FleetView(self.replica.session, self.replica.model).in_layout(self.layout_id)
+        return peers.held_by_others(version, [self.name])
 
     def pull(self, version: int) -> list[str]:
         """Read `version` from a same-layout peer straight into the live parameters; return

@@ -71,12 +71,12 @@ def _cpu_process_groups(original, *args, **kwargs):
 def _start_main() -> None:
     """Main process: instance name and status directory for the schedulers (before SGLang
     spawns them), the route, and the driver when following."""
-    from tensorhub.engines.settings import load_settings
+    from tensorhub.engines import load_settings
 
     settings = load_settings(None)
     driver = None
     if settings is not None:
-        from tensorhub.engines.shared_copy import one_copy_per_engine
+        from tensorhub.engines import one_copy_per_engine
         from tensorhub_plugins.sglang.driver import Driver
         from tensorhub_plugins.sglang.naming import start_instance
 
@@ -102,7 +102,7 @@ def _start_main() -> None:
 
 def register() -> None:
     try:
-        from tensorhub.engines.logs import show_tensorhub_logs
+        from tensorhub.engines import show_tensorhub_logs
 
         show_tensorhub_logs("sglang")
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType

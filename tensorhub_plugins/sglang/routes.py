@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # At module level: FastAPI resolves the handler's (string) annotations in these globals.
 from fastapi import HTTPException, Request
 
-from tensorhub.engines.auth import REFUSED, authorized
+from tensorhub.engines import REFUSED, authorized
 
 if TYPE_CHECKING:
     from tensorhub_plugins.sglang.driver import Driver

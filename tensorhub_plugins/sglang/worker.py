@@ -35,18 +35,24 @@ from typing import NoReturn
 
 import torch
 
-from tensorhub.core.data_types import GetManifest
-from tensorhub.core.errors import CoordinatorError, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone
-from tensorhub.engines.restore import outcome_in, restore_after
-from tensorhub.engines.settings import EngineSettings, load_settings
-from tensorhub.engines.shared_copy import (
+from tensorhub import TensorHubError
+from tensorhub.engines import (
+    CheckpointHolder,
+    EngineSettings,
+    FleetView,
+    RankVote,
     SharedCopyReader,
+    TornLoad,
+    alone,
     apply_shared,
+    checkpoint_tensors,
+    from_checkpoint,
+    load_settings,
     one_copy_per_engine,
+    outcome_in,
+    restore_after,
+    tied_optional,
 )
-from tensorhub.engines.votes import RankVote
-from tensorhub.engines.weights_check import checkpoint_tensors, from_checkpoint, tied_optional
 from tensorhub_plugins.sglang.naming import (
     instance_name,
     native_worker_name,
@@ -385,14 +391,8 @@ def after_load_model(result, runner):
         if settings.checkpoint_copy == "always" and (_rank == 0 or not _one_copy):
             _copy()
         record()
-        try:
-            latest = _native.replica.session.client.call(
-                GetManifest(model=settings.model)).version
-        except CoordinatorError as exc:
-            if exc.code not in ("unknown_model", "unknown_version"):
-                raise
-            latest = None
-        if latest is None:
+        latest = FleetView(_native.replica.session, settings.model).latest()
+        if not latest:
             if dummy:
                 raise RuntimeError(f"started with --load-format dummy but model "
                                    f"{settings.model!r} has no published version")

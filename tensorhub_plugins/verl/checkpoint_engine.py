@@ -41,8 +41,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from tensorhub import Publisher, Replica
-from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import HoldingsRequest
+from tensorhub.engines import FleetView
 
 log = logging.getLogger("tensorhub.verl")
 PULL_TIMEOUT = 600.0  # seconds a rollout worker waits for the sync's version, and pulls it
@@ -63,11 +62,11 @@ def default_model() -> str:
 
 def latest_version(coordinator: str, token: str | None, model: str) -> int:
     """The model's newest version on the coordinator (0: none yet)."""
-    client = CoordinatorClient(coordinator, token=token)
+    fleet = FleetView.connect(coordinator, model, token=token)
     try:
-        return client.call(HoldingsRequest(model=model, names=[])).latest
+        return fleet.latest()
     finally:
-        client.close()
+        fleet.close()
 
 
 @CheckpointEngineRegistry.register("tensorhub")

@@ -3,7 +3,7 @@ decided alike by the front end (whose workers hold versions) and by every worker
 
 from __future__ import annotations
 
-from tensorhub.engines.shared_copy import one_copy_per_engine as _one_copy
+from tensorhub.engines import one_copy_per_engine as _one_copy
 
 
 def one_copy_per_engine(parallel_config) -> bool:

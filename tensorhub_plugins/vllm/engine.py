@@ -26,12 +26,19 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, TornLoad
-from tensorhub.engines.restore import outcome_in, restore_after
-from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
-from tensorhub.engines.votes import RankVote
-from tensorhub.engines.weights_check import checkpoint_tensors, from_checkpoint, tied_optional
+from tensorhub import TensorHubError
+from tensorhub.engines import (
+    CheckpointHolder,
+    RankVote,
+    SharedCopyReader,
+    TornLoad,
+    apply_shared,
+    checkpoint_tensors,
+    from_checkpoint,
+    outcome_in,
+    restore_after,
+    tied_optional,
+)
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")

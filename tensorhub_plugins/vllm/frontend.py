@@ -22,15 +22,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from tensorhub import metrics
-from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import HoldingsRequest
-from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.auth import REFUSED, authorized
-from tensorhub.engines.holder import versions_to_release
-from tensorhub.engines.restore import outcome_in
-from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
-from tensorhub.engines.weights_check import refusal_in
+from tensorhub import TensorHubError, metrics
+from tensorhub.engines import (
+    REFUSED,
+    RETRY_REFUSED,
+    EngineSettings,
+    FleetView,
+    authorized,
+    load_settings,
+    outcome_in,
+    refusal_in,
+    versions_to_release,
+)
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -52,7 +55,7 @@ class Frontend:
                                                        for r in range(world_size)]
         if one_copy:
             self.workers = self.workers[:1]  # rank 0 holds the engine's one copy
-        self.client = CoordinatorClient(settings.coordinator, timeout=5.0)
+        self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.serving: int | None = None
         self.last_update: dict | None = None
         self.updates = 0
@@ -69,12 +72,10 @@ class Frontend:
     # ------------------------------------------------------------------ coordinator
     async def holdings(self) -> tuple[int, int | None]:
         """(latest version known to the coordinator, newest version every rank holds)."""
-        reply = await asyncio.to_thread(
-            self.client.call, HoldingsRequest(model=self.settings.model, names=self.workers))
-        common = set.intersection(*(set(v) for v in reply.holdings.values()))
-        self._held_by_rank = reply.holdings
-        self._worker_pulls.count(reply.pulls)
-        return reply.latest, max(common) if common else None
+        holdings = await asyncio.to_thread(self.fleet.holdings, self.workers)
+        self._held_by_rank = holdings.held
+        self._worker_pulls.count(holdings.pulls)
+        return holdings.latest, holdings.common()
 
     async def _release_stale(self) -> None:
         """Let go of versions a rank holds unapplied while another rank holds a newer one:

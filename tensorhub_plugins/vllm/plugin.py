@@ -14,7 +14,7 @@ def register() -> None:
     """`vllm.general_plugins` hook: runs in every vLLM process, possibly more than once."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from tensorhub.engines.logs import show_tensorhub_logs
+    from tensorhub.engines import show_tensorhub_logs
 
     show_tensorhub_logs("vllm")
     if BACKEND not in WeightTransferEngineFactory._registry:
