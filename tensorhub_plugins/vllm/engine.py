@@ -39,26 +39,14 @@ from tensorhub.engines import (
     restore_after,
     tied_optional,
 )
+from tensorhub_plugins.vllm.commands import Check, Init, Prefetch, Release, parse
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
 
 
-@dataclass
 class TensorHubInitInfo(WeightTransferInitInfo):
-    """`op="init"` creates the holder; `op="prefetch"` pulls `version` in the background;
-    `op="release"` lets `version` go on a rank that holds it unapplied (another rank holds a
-    newer one, so the engine will never apply it); `op="check"` raises if the copy holds
-    `version` and the model cannot load it (before generation is paused for it)."""
-
-    op: str = "init"
-    coordinator: str = ""
-    model: str = "policy"
-    name: str = "vllm"
-    transport: str | None = None
-    follow: bool = True
-    pull_timeout: float = 120.0
-    version: int = 0  # prefetch: 0 = latest
+    """(vLLM's type for init info; ours is a command, `commands.parse`.)"""
 
 
 @dataclass
@@ -76,7 +64,7 @@ VOTE_MARGIN_S = 60.0
 
 
 class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
-    init_info_cls = TensorHubInitInfo
+    init_info_cls = TensorHubInitInfo  # (unused: `parse_init_info` makes a command)
     update_info_cls = TensorHubUpdateInfo
     supports_draft_weight_update = False
 
@@ -121,8 +109,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         ranks or on none (a rank that does not answer in time counts as a no)."""
         return ok if self._group() is None else self._rank_votes()(ok)
 
-    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
-        if init_info.op == "init":
+    def parse_init_info(self, init_dict: dict) -> Init | Prefetch | Release | Check:
+        return parse(init_dict)
+
+    def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check) -> None:
+        if isinstance(init_info, Init):
             self._vote_timeout = init_info.pull_timeout + VOTE_MARGIN_S
             if self.holder is not None:
                 self.holder.close()
@@ -137,17 +128,14 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             self.holder.loadable = self._loadable()
             log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
                      init_info.follow)
-        elif init_info.op == "release":
+        elif isinstance(init_info, Release):
             if self.holder is not None:
                 self.holder.release(init_info.version)
-        elif init_info.op == "check":
+        elif isinstance(init_info, Check):
             if self.holder is not None:
                 self.holder.check(init_info.version)
-        elif init_info.op == "prefetch":
-            if self._shared is None:
-                self._holder().prefetch(init_info.version or "latest")
-        else:
-            raise ValueError(f"unknown TensorHub init op {init_info.op!r}")
+        elif self._shared is None:  # Prefetch
+            self._holder().prefetch(init_info.version or "latest")
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it

@@ -34,6 +34,7 @@ from tensorhub.engines import (
     refusal_in,
     versions_to_release,
 )
+from tensorhub_plugins.vllm.commands import Check, Command, Init, Prefetch, Release
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -81,21 +82,23 @@ class Frontend:
         """Let go of versions a rank holds unapplied while another rank holds a newer one:
         that rank would wait for them forever (`versions_to_release`)."""
         for version in sorted(versions_to_release(self._held_by_rank, self.serving)):
-            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
-                init_info={"op": "release", "version": version}))
+            await self._tell_workers(Release(version=version))
+
+    async def _tell_workers(self, command: Command) -> None:
+        """Send `command` to every worker's `TensorHubEngine` (`commands`)."""
+        await self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=command.info()))
 
     async def _init_workers(self) -> None:
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
-            "op": "init", "coordinator": self.settings.coordinator,
-            "model": self.settings.model, "name": self.name,
-            "transport": self.settings.transport, "follow": self.settings.mode == "follow",
-            "pull_timeout": self.settings.update_timeout}))
+        await self._tell_workers(Init(
+            coordinator=self.settings.coordinator, model=self.settings.model, name=self.name,
+            transport=self.settings.transport, follow=self.settings.mode == "follow",
+            pull_timeout=self.settings.update_timeout))
 
     async def _wait_held(self, version: int, timeout: float) -> None:
         """Wait until every rank holds `version`, asking them to pull it if need be."""
         deadline = time.monotonic() + timeout
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(
-            init_info={"op": "prefetch", "version": version}))
+        await self._tell_workers(Prefetch(version=version))
         while True:
             _, held = await self.holdings()
             if held is not None and held >= version:
@@ -198,9 +201,8 @@ class Frontend:
         """Refuse `version` before generation pauses if the model cannot load it (its
         tensors' names, shapes or dtypes are unlike the model's): it is never tried again."""
         try:
-            await self._bounded(self.engine.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info={"op": "check", "version": version})),
-                f"checking v{version}")
+            await self._bounded(self._tell_workers(Check(version=version)),
+                                f"checking v{version}")
         except Exception as exc:
             reason = refusal_in(str(exc))
             if reason is None:
