@@ -4,10 +4,11 @@ engine imports here. Plugins import from this package (the names below) and from
 
 from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
+from tensorhub.engines.follow import FollowLoop, Update
 from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone, versions_to_release
 from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.restore import outcome_in, restore_after
-from tensorhub.engines.settings import RETRY_REFUSED, EngineSettings, load_settings
+from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared, one_copy_per_engine
 from tensorhub.engines.votes import RankVote
 from tensorhub.engines.weights_check import (
@@ -19,15 +20,16 @@ from tensorhub.engines.weights_check import (
 
 __all__ = [
     "REFUSED",
-    "RETRY_REFUSED",
     "CheckpointHolder",
     "EngineSettings",
     "FleetView",
+    "FollowLoop",
     "Holdings",
     "LayoutHolders",
     "RankVote",
     "SharedCopyReader",
     "TornLoad",
+    "Update",
     "alone",
     "apply_shared",
     "authorized",

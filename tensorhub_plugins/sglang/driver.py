@@ -19,6 +19,7 @@ What the driver knows (`status`) is served on the server's own port as
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -31,7 +32,14 @@ import urllib.request
 import torch
 
 from tensorhub import TensorHubError, metrics
-from tensorhub.engines import RETRY_REFUSED, EngineSettings, FleetView, outcome_in, refusal_in
+from tensorhub.engines import (
+    EngineSettings,
+    FleetView,
+    FollowLoop,
+    Update,
+    outcome_in,
+    refusal_in,
+)
 from tensorhub_plugins.sglang.naming import (
     LOADER,
     native_worker_name,
@@ -83,9 +91,8 @@ class Driver:
         self.last_error: str | None = None
         self.unloadable: dict | None = None  # the last version refused: {version, reason}
         self.torn: dict | None = None  # {version, reason}: generation paused until repaired
-        self._repair_at = 0.0  # torn weights: the next try to load the served version again
         self._first_seen: dict[int, float] = {}
-        self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
+        self.follow = FollowLoop(self, settings.poll_interval)
         self._stop = threading.Event()
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
@@ -135,7 +142,7 @@ class Driver:
         return (all(p.held_by_others(version, ours) for p in peers),
                 all(p.others(ours) for p in peers))
 
-    def next_update(self) -> tuple[int, str] | None:
+    def next_update(self) -> Update | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
         latest, copied = self.held()
         if not latest or (self.serving is not None and latest <= self.serving):
@@ -203,7 +210,7 @@ class Driver:
         states = self.applied()
         outcomes = {outcome_in(s.get("error") or "") for s in states} - {None}
         if outcomes:
-            self._retry_at[version] = float("inf")  # its load failed half-way: a bug
+            self.follow.never_again(version)  # its load failed half-way: a bug
         if "restored_checkpoint" in outcomes:
             self.serving = None  # the weights it started with, loaded again
         if torn:
@@ -223,7 +230,7 @@ class Driver:
                     log.error("TensorHub: refusing %s; still serving v%s", reasons[0],
                               self.serving)
                 self.unloadable = {"version": version, "reason": reasons[0]}
-                self._retry_at[version] = float("inf")
+                self.follow.never_again(version)
                 raise TensorHubError(reasons[0], code="unloadable")
             raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
         self.serving = version
@@ -304,27 +311,19 @@ class Driver:
                 log.warning("could not set SGLang's weight_version: %s", exc)
         log.info("TensorHub driver following %s for %s (serving v%s)", self.settings.model,
                  ", ".join(self.names), self.serving)
-        while not self._stop.wait(self.settings.poll_interval):
-            try:
-                if self.torn is not None and self.serving is not None and \
-                        time.monotonic() >= self._repair_at:
-                    # Load the version served before again, from peers if need be.
-                    self._repair_at = time.monotonic() + RETRY_REFUSED
-                    self.swap(self.serving, "checkpoint")
-                update = self.next_update()
-                if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0):
-                    try:
-                        self.swap(*update)
-                    except Exception:
-                        metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-                        self._retry_at = {update[0]: max(self._retry_at.get(update[0], 0.0),
-                                                         time.monotonic() + RETRY_REFUSED)}
-                        raise
-                self.last_error = None
-            except Exception as exc:  # log once, keep serving the old version
-                if str(exc) != self.last_error:
-                    log.warning("TensorHub follow: %s (still serving v%s)", exc, self.serving)
-                self.last_error = str(exc)
+        # (this thread's own event loop: the steps below block it, and nothing else runs on it)
+        asyncio.run(self.follow.run(self._stop.is_set))
+
+    def swap_to(self, update: Update) -> None:
+        try:
+            self.swap(*update)
+        except Exception:
+            metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
+            raise
+
+    def repair(self) -> None:
+        """Load the version served before again, from peers if need be."""
+        self.swap(self.serving, "checkpoint")
 
     def start(self) -> Driver:
         """Follow new versions in a thread of SGLang's main process."""

@@ -25,9 +25,10 @@ from vllm.distributed.weight_transfer.base import (
 from tensorhub import TensorHubError, metrics
 from tensorhub.engines import (
     REFUSED,
-    RETRY_REFUSED,
     EngineSettings,
     FleetView,
+    FollowLoop,
+    Update,
     authorized,
     load_settings,
     outcome_in,
@@ -65,8 +66,7 @@ class Frontend:
         self.torn: dict | None = None  # {version, reason}: generation paused until repaired
         self._swap = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._retry_at: dict[int, float] = {}  # a version that failed to swap: not before
-        self._repair_at = 0.0  # torn weights: the next try to load the served version again
+        self.follow = FollowLoop(self, settings.poll_interval)  # run in follow mode
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -184,7 +184,7 @@ class Frontend:
         # A load that did not finish in time may have stopped half-way: as torn.
         outcome = "torn" if getattr(exc, "code", None) == "timeout" else outcome_in(str(exc))
         if outcome is not None:
-            self._retry_at[version] = float("inf")
+            self.follow.never_again(version)
         if outcome == "restored_checkpoint":
             self.serving = None  # the weights it started with, loaded again
         if outcome == "torn":
@@ -211,7 +211,7 @@ class Frontend:
                 metrics.refused_unloadable(self.settings.model)
                 log.error("TensorHub: refusing %s; still serving v%s", reason, self.serving)
             self.unloadable = {"version": version, "reason": reason}
-            self._retry_at[version] = float("inf")
+            self.follow.never_again(version)
             raise TensorHubError(reason, code="unloadable") from None
 
     async def update(self, version: int | None, timeout: float) -> dict:
@@ -227,35 +227,21 @@ class Frontend:
         await self._wait_held(target, timeout)
         return await self.swap(target)
 
-    async def follow(self) -> None:
-        """Follow mode: swap to each version as soon as every rank holds it."""
-        while True:
-            try:
-                _, held = await self.holdings()
-                await self._release_stale()
-                if self.torn is not None and self.serving is not None and \
-                        time.monotonic() >= self._repair_at:
-                    # Load the version served before again, from peers if need be.
-                    self._repair_at = time.monotonic() + RETRY_REFUSED
-                    await self.swap(self.serving, fetch=True)
-                if held is not None and (self.serving is None or held > self.serving) \
-                        and time.monotonic() >= self._retry_at.get(held, 0.0):
-                    try:
-                        await self.swap(held)
-                    except Exception:
-                        # Each try pauses generation: a refused version waits a while (one
-                        # the model cannot load, for ever).
-                        self._retry_at = {held: max(self._retry_at.get(held, 0.0),
-                                                    time.monotonic() + RETRY_REFUSED)}
-                        raise
-                self.last_error = None
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # log and keep serving the old version
-                if str(exc) != self.last_error:
-                    log.warning("TensorHub follow: %s (still serving v%s)", exc, self.serving)
-                self.last_error = str(exc)
-            await asyncio.sleep(self.settings.poll_interval)
+    # ------------------------------------------------------------------ follow mode
+    async def next_update(self) -> Update | None:
+        """The newest version every rank holds, if newer than the one served."""
+        _, held = await self.holdings()
+        await self._release_stale()
+        if held is not None and (self.serving is None or held > self.serving):
+            return held, "checkpoint"
+        return None
+
+    async def swap_to(self, update: Update) -> None:
+        await self.swap(update[0])
+
+    async def repair(self) -> None:
+        """Load the version served before again, from peers if need be."""
+        await self.swap(self.serving, fetch=True)
 
     async def join(self, dummy_weights: bool) -> None:
         """Elastic start-up: serve the newest version from peers before taking requests."""
@@ -318,7 +304,7 @@ async def start_frontend(engine_client, args) -> Frontend | None:
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
     if settings.mode == "follow":
-        frontend._task = asyncio.get_running_loop().create_task(frontend.follow())
+        frontend._task = asyncio.get_running_loop().create_task(frontend.follow.run())
     log.info("TensorHub front end %s: model %s, coordinator %s, mode %s", frontend.name,
              settings.model, settings.coordinator, settings.mode)
     return frontend

@@ -1,0 +1,93 @@
+"""Follow mode, the same for every engine: watch for a version to swap to, swap, and back
+off after a version that failed.
+
+Each try pauses generation, so a version whose swap failed is tried again only after
+`RETRY_REFUSED` seconds, and never again once the engine has said it cannot load it (its
+tensors do not fit the model, or its load failed half-way: `never_again`). Weights left
+torn are repaired first, by loading the version served before again, every
+`RETRY_REFUSED` seconds until that succeeds. A failure is logged once and the engine keeps
+serving what it has; the loop never dies.
+
+What is engine-specific is passed in (`Followed`): which version to take next and how, the
+swap itself, and the repair. Each may be a plain function (SGLang's driver thread) or a
+coroutine function (vLLM's front end, on its server's event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tensorhub.engines.settings import RETRY_REFUSED
+
+log = logging.getLogger("tensorhub.engines")
+
+Update = tuple[int, str]  # (version, the engine's path to it)
+
+
+class Followed(Protocol):
+    """An engine's front end, as follow mode sees it."""
+
+    serving: int | None  # the version it serves (None: the weights it started with)
+    torn: dict | None  # set while its weights are torn (generation paused)
+    last_error: str | None
+
+    def next_update(self) -> Any:
+        """The `Update` to take now, or None (nothing newer, or not yet)."""
+
+    def swap_to(self, update: Update) -> Any:
+        """Serve `update`'s version; raises if it could not."""
+
+    def repair(self) -> Any:
+        """Load the version served before again, whole (from peers if need be)."""
+
+
+async def _done(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+class FollowLoop:
+    def __init__(self, engine: Followed, poll_interval: float):
+        self.engine = engine
+        self.poll_interval = poll_interval
+        self._retry_at: dict[int, float] = {}  # a version whose swap failed: not before
+        self._repair_at = 0.0  # torn weights: the next try to load the served version again
+
+    def never_again(self, version: int) -> None:
+        """The engine cannot load `version`: it is never tried again."""
+        self._retry_at[version] = float("inf")
+
+    async def step(self) -> None:
+        """One look: repair torn weights, then swap to the next version if it is time."""
+        engine = self.engine
+        try:
+            if engine.torn is not None and engine.serving is not None and \
+                    time.monotonic() >= self._repair_at:
+                self._repair_at = time.monotonic() + RETRY_REFUSED
+                await _done(engine.repair())
+            update = await _done(engine.next_update())
+            if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0.0):
+                try:
+                    await _done(engine.swap_to(update))
+                except Exception:
+                    version = update[0]
+                    self._retry_at = {version: max(self._retry_at.get(version, 0.0),
+                                                   time.monotonic() + RETRY_REFUSED)}
+                    raise
+            engine.last_error = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # log once, keep serving the version it has
+            if str(exc) != engine.last_error:
+                log.warning("TensorHub follow: %s (still serving v%s)", exc, engine.serving)
+            engine.last_error = str(exc)
+
+    async def run(self, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Look every `poll_interval` seconds until `stopped()` (or cancelled)."""
+        while not stopped():
+            await self.step()
+            await asyncio.sleep(self.poll_interval)
