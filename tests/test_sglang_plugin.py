@@ -28,6 +28,8 @@ from tensorhub_plugins.sglang.naming import (
     write_json,
 )
 from tensorhub_plugins.sglang.plugin import _before_self_kill, is_server_main
+from tensorhub_plugins.sglang.status import Memory, SchedulerStatus
+from tensorhub_plugins.sglang.worker import Scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = EngineSettings(coordinator="tcp://127.0.0.1:1")
@@ -133,9 +135,8 @@ def test_the_driver_reports_its_ranks_from_the_private_dir(monkeypatch):
     try:
         assert driver.url == "http://127.0.0.1:30000"
         assert driver.names == [f"{name}-tp0", f"{name}-tp1"]
-        write_json(status_path(0), {"applied": 3, "memory": {"compact_bytes": 10}})
-        write_json(status_path(1), {"applied": 3, "memory": {"compact_bytes": 5},
-                                    "params_moved": False})
+        SchedulerStatus(applied=3, memory=Memory(compact_bytes=10)).write(0)
+        SchedulerStatus(applied=3, memory=Memory(compact_bytes=5), params_moved=False).write(1)
         status = driver.status()
         # Manual mode (no follow thread): the version every rank applied.
         assert status["serving_version"] == 3 and status["name"] == name
@@ -143,6 +144,26 @@ def test_the_driver_reports_its_ranks_from_the_private_dir(monkeypatch):
         assert status["memory"] == {"compact_bytes": 15, "checkpoint_copy_bytes": 0}
         driver.following = True  # following: only what the driver itself swapped to
         assert driver.status()["serving_version"] is None
+    finally:
+        driver.fleet.close()
+
+
+def test_a_scheduler_and_the_driver_share_one_typed_status(monkeypatch):
+    """The scheduler writes its `SchedulerStatus`; the driver reads the same model back,
+    and a file it cannot read as one counts as no status."""
+    name, _ = launch_on(monkeypatch, "node")
+    scheduler = Scheduler(SETTINGS, 1, False, name)
+    scheduler.applied, scheduler.last = 4, {"path": "checkpoint", "sources": ["peer"],
+                                            "apply_ms": 2.5}
+    scheduler.record("a reason")
+    Path(status_path(0)).write_text("{not json")
+    driver = Driver(SETTINGS, "0.0.0.0", 30000, 2, name)
+    try:
+        unread, status = driver.applied()
+        assert unread == SchedulerStatus(error="no status yet")
+        assert (status.applied, status.error, status.name, status.native_name) == (
+            4, "a reason", f"{name}-tp1", f"{name}-tp1-native")
+        assert (status.path, status.sources, status.torn) == ("checkpoint", ["peer"], False)
     finally:
         driver.fleet.close()
 
@@ -229,8 +250,7 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(state)
         peer_layout = "fedcba9876543210fedcba98"
-        write_json(status_path(0), {"applied": None, "native_name": f"{name}-tp0-native",
-                                    "native_layout": peer_layout})
+        SchedulerStatus(native_name=f"{name}-tp0-native", native_layout=peer_layout).write(0)
         try:
             assert driver.next_update() == (1, "checkpoint")
             with Replica(coordinator.address, "policy", transport="zmq",
@@ -240,9 +260,8 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
                 # may be applying a version): worth waiting for.
                 assert driver.next_update() is None
                 other.pull(timeout=10)  # holds v1 in the layout we now claim as ours
-                write_json(status_path(0), {"applied": None,
-                                            "native_name": f"{name}-tp0-native",
-                                            "native_layout": other.layout.layout_id})
+                SchedulerStatus(native_name=f"{name}-tp0-native",
+                                native_layout=other.layout.layout_id).write(0)
                 # v2 in another layout: nobody holds it in ours yet, but the other engine
                 # may soon (its own native path): wait for it
                 pub.publish({"w": torch.arange(4.0) + 1, "b": torch.zeros(2)})

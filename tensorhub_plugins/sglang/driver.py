@@ -40,12 +40,8 @@ from tensorhub.engines import (
     outcome_in,
     refusal_in,
 )
-from tensorhub_plugins.sglang.naming import (
-    LOADER,
-    native_worker_name,
-    status_path,
-    worker_name,
-)
+from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
+from tensorhub_plugins.sglang.status import SchedulerStatus
 
 # How long a new version may wait for a same-layout peer (native path) when no checkpoint
 # copy holds it yet; then the checkpoint path pulls it inside the pause.
@@ -110,18 +106,9 @@ class Driver:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
-    def applied(self) -> list[dict]:
-        out = []
-        for rank in range(self.tp_size):
-            path = status_path(rank)
-            try:
-                if path is None:
-                    raise OSError("no status directory")
-                with open(path) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                out.append({"applied": None, "error": "no status yet"})
-        return out
+    def applied(self) -> list[SchedulerStatus]:
+        """What each rank's scheduler last reported (`status.SchedulerStatus`)."""
+        return [SchedulerStatus.read(rank) for rank in range(self.tp_size)]
 
     def held(self) -> tuple[int, int | None]:
         """(the model's latest version, the newest version every checkpoint copy holds)."""
@@ -129,13 +116,13 @@ class Driver:
         self.latest, self.held_version = holdings.latest, holdings.common()
         return self.latest, self.held_version
 
-    def native_peers(self, version: int, states: list[dict]) -> tuple[bool, bool]:
+    def native_peers(self, version: int, states: list[SchedulerStatus]) -> tuple[bool, bool]:
         """(whether, for every rank, a worker other than us holds `version` in that rank's
         native layout; whether another engine could soon: in each of those layouts another
         worker holds some version, or registered as serving it (one that is applying a
         version holds none for that moment))."""
-        ours = {s.get("native_name") for s in states}
-        layouts = [s.get("native_layout") for s in states]
+        ours = {s.native_name for s in states}
+        layouts = [s.native_layout for s in states]
         if None in layouts:
             return False, False
         peers = [self.fleet.in_layout(lid) for lid in dict.fromkeys(layouts)]
@@ -150,7 +137,7 @@ class Driver:
         if copied == latest:
             return latest, "checkpoint"
         states = self.applied()
-        if all(s.get("applied") == latest for s in states):
+        if all(s.applied == latest for s in states):
             return latest, "checkpoint"  # already applied (a join): only the label is missing
         native_now, native_peer = self.native_peers(latest, states)
         if native_now:
@@ -162,12 +149,12 @@ class Driver:
             return latest, "checkpoint"
         return None
 
-    def _served_label(self, states: list[dict]) -> str:
+    def _served_label(self, states: list[SchedulerStatus]) -> str:
         """SGLang's weight_version for what the ranks hold after an update that did not
         apply: the version they all report applied, else the one served before."""
-        if any(outcome_in(s.get("error") or "") == "restored_checkpoint" for s in states):
+        if any(outcome_in(s.error or "") == "restored_checkpoint" for s in states):
             return "default"  # the weights it started with, loaded again
-        applied = {s.get("applied") for s in states}
+        applied = {s.applied for s in states}
         if len(applied) == 1 and None not in applied:
             return str(applied.pop())
         return str(self.serving or "default")
@@ -195,10 +182,10 @@ class Driver:
             # A scheduler that has not reported since the update began may have stopped
             # half-way: as torn. Torn weights are never served: stay paused, repair later.
             unknown = sent and not answered
-            torn = any(s.get("torn") or (unknown and (s.get("at") or 0) < since)
+            torn = any(s.torn or (unknown and s.at < since)
                        for s in states)
             if not torn:
-                if any(s.get("applied") != version for s in states):
+                if any(s.applied != version for s in states):
                     # SGLang labelled the weights `version` when our loader returned; the
                     # loader refused it or restored another: the label must say what is
                     # served before a request is answered under it.
@@ -208,22 +195,22 @@ class Driver:
                 self._post("/continue_generation", {}, bound)
         stall = time.perf_counter() - started
         states = self.applied()
-        outcomes = {outcome_in(s.get("error") or "") for s in states} - {None}
+        outcomes = {outcome_in(s.error or "") for s in states} - {None}
         if outcomes:
             self.follow.never_again(version)  # its load failed half-way: a bug
         if "restored_checkpoint" in outcomes:
             self.serving = None  # the weights it started with, loaded again
         if torn:
             self.torn = {"version": version, "reason": next(
-                (s["error"] for s in states if s.get("error")), "")[:500]}
+                (s.error for s in states if s.error), "")[:500]}
             raise TensorHubError(f"swap to v{version} left the weights torn; generation "
                                  f"stays paused until a whole version is loaded: {states}")
         if self.torn is not None:
             log.warning("TensorHub: a whole version is loaded; generation resumes")
         self.torn = None
-        if any(s.get("applied") != version for s in states):
+        if any(s.applied != version for s in states):
             # (the label was put back before generation resumed)
-            reasons = [r for s in states if (r := refusal_in(s.get("error") or ""))]
+            reasons = [r for s in states if (r := refusal_in(s.error or ""))]
             if reasons:  # the model cannot load it: never tried again
                 if (self.unloadable or {}).get("version") != version:
                     metrics.refused_unloadable(self.settings.model)
@@ -238,9 +225,9 @@ class Driver:
         metrics.switched(self.settings.model, version, stall)
         self.last_update = {
             "version": version, "stall_ms": round(stall * 1e3, 2), "at": time.time(),
-            "path": states[0].get("path"), "asked_path": path,
-            "sources": sorted({src for s in states for src in s.get("sources") or []}),
-            "apply_ms": max(s.get("apply_ms") or 0.0 for s in states)}
+            "path": states[0].path, "asked_path": path,
+            "sources": sorted({src for s in states for src in s.sources}),
+            "apply_ms": max(s.apply_ms or 0.0 for s in states)}
         memory = _memory(states)
         log.info("now serving %s v%d via the %s path from %s (stall %.1f ms; TensorHub "
                  "memory: compact region %d B, checkpoint copy %d B)", self.settings.model,
@@ -257,7 +244,7 @@ class Driver:
         states = self.applied()
         serving = self.serving
         if not self.following:  # manual: the trainer drives the endpoints; ask the ranks
-            applied = {s.get("applied") for s in states}
+            applied = {s.applied for s in states}
             serving = applied.pop() if len(applied) == 1 else None
         return {
             "model": self.settings.model, "coordinator": self.settings.coordinator,
@@ -269,7 +256,8 @@ class Driver:
             "updates": self.updates, "last_update": self.last_update,
             "last_error": self.last_error, "unloadable": self.unloadable, "torn": self.torn,
             "memory": _memory(states),
-            "params_moved": any(s.get("params_moved") for s in states), "ranks": states,
+            "params_moved": any(s.params_moved for s in states),
+            "ranks": [s.model_dump() for s in states],
         }
 
     def _wait_ready(self, timeout: float) -> bool:
@@ -300,7 +288,7 @@ class Driver:
                                f"--custom-weight-loader {LOADER}")
             log.error("%s", self.last_error)
             return
-        applied = {s.get("applied") for s in self.applied()}
+        applied = {s.applied for s in self.applied()}
         self.serving = applied.pop() if len(applied) == 1 else None
         if self.serving is not None:  # joined at start-up: label what is served
             metrics.SERVING_VERSION.labels(self.settings.model).set(self.serving)
@@ -332,7 +320,7 @@ class Driver:
         return self
 
 
-def _memory(states: list[dict]) -> dict[str, int]:
+def _memory(states: list[SchedulerStatus]) -> dict[str, int]:
     """Bytes TensorHub spends beside SGLang's parameters, summed over the ranks."""
-    return {key: sum((s.get("memory") or {}).get(key, 0) for s in states)
+    return {key: sum(getattr(s.memory, key) for s in states)
             for key in ("compact_bytes", "checkpoint_copy_bytes")}

@@ -30,16 +30,21 @@ class Descriptor(BaseModel):
 
 
 def apply(model, named_tensors) -> None:
+    scheduler = worker.current()
     try:
         names = [name for name, _ in named_tensors if str(name).startswith(PREFIX)]
         if len(names) != 1:
             raise ValueError(f"expected one '{PREFIX}{{...}}' descriptor, got {len(names)}")
         desc = Descriptor.model_validate(json.loads(names[0][len(PREFIX):]))
-        worker.apply(model, desc.version, desc.path)
+        if scheduler is None:
+            raise RuntimeError("TensorHub is not running in this scheduler")
+        scheduler.apply(model, desc.version, desc.path)
     except Exception as exc:
+        torn = scheduler is not None and scheduler.torn
         log.error("TensorHub update refused%s: %s",
-                  " and the weights are torn" if worker._torn else ", weights unchanged", exc)
+                  " and the weights are torn" if torn else ", weights unchanged", exc)
         try:
-            worker.refused(str(exc))
+            if scheduler is not None:
+                scheduler.refused(str(exc))
         except Exception:
             pass

@@ -1,0 +1,59 @@
+"""What a scheduler tells the driver: one typed status per TP rank, in the instance's
+private status directory (`naming.status_path`).
+
+The loader runs inside SGLang's `/update_weights_from_tensor`, whose answer it cannot
+shape, so each scheduler writes what it now serves here (whole or not at all) and the
+driver, in the main process, reads it back to confirm a swap. Both sides use this model:
+a field is named once, and a file that does not validate reads as "no status yet"."""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tensorhub_plugins.sglang.naming import status_path, write_json
+
+NO_STATUS = "no status yet"
+
+
+class Memory(BaseModel):
+    """Bytes TensorHub spends beside SGLang's own parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    compact_bytes: int = 0
+    checkpoint_copy_bytes: int = 0
+
+
+class SchedulerStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    applied: int | None = None  # the version the live parameters hold (None: from disk)
+    error: str | None = None  # why the last update was refused or failed
+    torn: bool = False  # the live parameters hold parts of two versions
+    at: float = 0.0  # when it was written (time.time())
+    name: str = ""  # the checkpoint copy's worker name
+    native_name: str | None = None  # the native holder's worker name
+    native_layout: str | None = None  # the layout id of the live parameters
+    params_moved: bool | None = None  # SGLang replaced a parameter's storage
+    memory: Memory = Field(default_factory=Memory)
+    path: str | None = None  # how the last version was applied: native or checkpoint
+    sources: list[str] = Field(default_factory=list)  # the workers it was read from
+    apply_ms: float | None = None
+
+    def write(self, rank: int) -> None:
+        """Publish it for the driver (nothing when no server main process reads it)."""
+        path = status_path(rank)
+        if path is not None:
+            write_json(path, self.model_copy(update={"at": time.time()}).model_dump())
+
+    @classmethod
+    def read(cls, rank: int) -> SchedulerStatus:
+        path = status_path(rank)
+        try:
+            if path is None:
+                raise OSError("no status directory")
+            with open(path) as f:
+                return cls.model_validate_json(f.read())
+        except (OSError, ValueError, ValidationError):
+            return cls(error=NO_STATUS)
