@@ -389,10 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
     p.set_defaults(func=_publish)
 
-    from tensorhub.testing.cluster import add_cluster_parser
-
-    add_cluster_parser(sub)
-
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",
                        description="Drive the real coordinator with simulated workers and "
                        "links; print completion time / lower bound per fleet size, beside a "

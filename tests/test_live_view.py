@@ -23,7 +23,7 @@ from tensorhub.core.data_types import (
     VersionStatus,
 )
 from tensorhub.live_view import render, watch
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 MiB = 1 << 20
 
