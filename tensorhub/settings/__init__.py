@@ -45,7 +45,7 @@ class Setting(Generic[T]):
     default: T
     why: str
     shown: str = ""  # the default as the table shows it, where it is not a plain value
-    unit: str = ""
+    unit: str = ""  # after a number's default in the table, e.g. "s"
 
     def get(self) -> T:
         """The variable's value now, parsed; the default when it is unset or empty."""
