@@ -21,8 +21,8 @@ from bench.workdir import make_scratch, remove_scratch
 from integration.engine_venvs import engine_python
 from integration.tiny_model import Versions, pick_stable_prompts, save_version
 from integration.vllm_server import VLLMServer
-from tensorhub.testing.cluster import Cluster, available
-from tensorhub.testing.fleet import Fleet
+from tensorhub_testing.cluster import Cluster, available
+from tensorhub_testing.fleet import Fleet
 
 TOKENS = 12
 PLUGIN_ARGS = ["--weight-transfer-config", '{"backend": "tensorhub"}']

@@ -1,4 +1,4 @@
-"""Across emulated hosts (`tensorhub.testing.cluster`): every process on a host of its own,
+"""Across emulated hosts (`tensorhub_testing.cluster`): every process on a host of its own,
 every host's egress shaped by tbf, default settings. Three figures, each beside its
 baseline and the physical bound measured in the same run:
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from bench.results import Report
-from tensorhub.testing.cluster import (
+from tensorhub_testing.cluster import (
     Cluster,
     HostSpec,
     available,
@@ -36,7 +36,7 @@ from tensorhub.testing.cluster import (
     parse_rate,
     tcp_transfer,
 )
-from tensorhub.testing.fleet import Fleet
+from tensorhub_testing.fleet import Fleet
 
 
 def link_goodput(cluster: Cluster, nbytes: int) -> float:

@@ -18,6 +18,7 @@ Run: python -m bench.same_node [--size-mb 1024] [--repeat 7]
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import sys
@@ -28,8 +29,9 @@ import torch
 from bench.foundation import RawReader, publishing_holder
 from bench.holder import big_tensors
 from bench.results import Report
+from tensorhub import settings
 from tensorhub.core.data_types import Endpoint, MemoryDesc, SharedRegion
-from tensorhub.core.transport import cma, parallel_copy
+from tensorhub.core.transport import cma
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.nixl import apply_ucx_defaults
 from tensorhub.core.transport.shm import ShmReader, region_of
@@ -99,7 +101,7 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
 
         def cma_read(threads: int):
             def run():
-                parallel_copy.THREADS = threads
+                os.environ[settings.COPY_THREADS.name] = str(threads)
                 reader.read(peer, ops, timeout=120)
             return run
 
@@ -116,7 +118,7 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
         for _ in range(repeat):
             for name, fn in figures.items():
                 rounds.add(name, _seconds(fn))
-        parallel_copy.THREADS = 2
+        os.environ.pop(settings.COPY_THREADS.name, None)
         reader.close()
         rounds.show()
         report.add(f"memcpy {size_mb} MiB (torch copy_, one process)", rounds.gbps("memcpy"),

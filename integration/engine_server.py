@@ -42,7 +42,7 @@ class EngineServer:
             Path(f"/tmp/{self.kind}-server-{port}.log")
         self.proc: subprocess.Popen | None = None
         self._log = None
-        self.host = None  # an emulated host (tensorhub.testing.cluster.Host) to run on
+        self.host = None  # an emulated host (tensorhub_testing.cluster.Host) to run on
 
     def on(self, host) -> EngineServer:
         """Run on an emulated host: started there, and reached through its network (so

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from integration.tiny_model import hf_greedy
-from tensorhub.testing.cluster import Cluster, available
+from tensorhub_testing.cluster import Cluster, available
 
 ray = pytest.importorskip("ray", reason="ray is in requirements/core.txt; this venv lacks it")
 pytestmark = pytest.mark.skipif(available() is not None,
@@ -29,7 +29,7 @@ def _events(driver, timeout: float) -> list[dict]:
 
 
 def test_an_rl_loop_on_two_ray_nodes_serves_every_version_as_hf_does(tmp_path, vllm_python):
-    from tensorhub.testing.ray_cluster import RayCluster
+    from tensorhub_testing.ray_cluster import RayCluster
 
     out = tmp_path / "run"
     with Cluster(2, egress="1gbit") as cluster, \

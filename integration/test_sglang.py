@@ -195,7 +195,7 @@ def test_a_version_the_model_cannot_load_is_refused_and_sglang_serves_on(fleet, 
     is touched, says which tensor in `/tensorhub/status`, keeps answering as HF does on its
     version, and takes the next good one."""
     from integration.test_vllm import _bad_versions
-    from tensorhub.testing.waits import wait_for
+    from tensorhub_testing.waits import wait_for
 
     serving = fleet.sgl.request("/tensorhub/status")["serving_version"]
     for what, state, tensor in _bad_versions(fleet.versions.state(serving)):
@@ -226,7 +226,7 @@ def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet,
     version and the first engine could take it natively from it, never loading it itself."""
     from integration.test_vllm import latest_version
     from tensorhub import Replica
-    from tensorhub.testing.waits import wait_for
+    from tensorhub_testing.waits import wait_for
 
     late_workers = set(late.tensorhub_status()["workers"])
     late.stop()

@@ -18,7 +18,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher, Replica
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import GetManifest, StatusRequest
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 MODEL = "policy"
 TOKENS = 16

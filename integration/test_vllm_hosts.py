@@ -10,8 +10,8 @@ import pytest
 
 from integration.tiny_model import Versions, pick_stable_prompts, save_version
 from integration.vllm_server import VLLMServer
-from tensorhub.testing.cluster import Cluster, available
-from tensorhub.testing.fleet import Fleet
+from tensorhub_testing.cluster import Cluster, available
+from tensorhub_testing.fleet import Fleet
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")

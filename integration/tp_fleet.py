@@ -84,7 +84,7 @@ def bad_versions_refused_then_next(fleet: SimpleNamespace,
     touches its weights, with the tensor named in `/tensorhub/status`; it keeps answering
     as HF does on the version it serves, and takes the next good one."""
     from integration.test_vllm import _bad_versions
-    from tensorhub.testing.waits import wait_for
+    from tensorhub_testing.waits import wait_for
 
     engine = fleet.engine
     served = fleet.pub.publish(fleet.versions.state(2))

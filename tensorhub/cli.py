@@ -9,7 +9,9 @@ import signal
 import sys
 import time
 
-DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"
+from tensorhub import settings
+
+DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"  # loopback: nothing is exposed unless asked
 
 
 def _positive(text: str) -> float:
@@ -45,8 +47,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     print(f"tensorhub coordinator: requests on {coordinator.address}, announcements on "
           f"{coordinator.announce_address}", flush=True)
     if coordinator.curve_public_key:
-        print(f"CURVE on: clients need {curve.SERVER_KEY_ENV}='{coordinator.curve_public_key}'",
-              flush=True)
+        print(f"CURVE on: clients need "
+              f"{settings.CURVE_SERVER_KEY.name}='{coordinator.curve_public_key}'", flush=True)
     if args.metrics_port is not None:
         coordinator.serve_metrics(args.metrics_port, args.metrics_addr)
         print(f"metrics: http://{args.metrics_addr}:{args.metrics_port}/metrics", flush=True)
@@ -66,9 +68,9 @@ def _keygen(args: argparse.Namespace) -> int:
     public = curve.read_key(public_path)
     print(f"wrote {public_path} (public) and {secret_path} (secret, mode 600)\n"
           f"coordinator: tensorhub coordinator --curve-secret-file {secret_path}\n"
-          f"   (or {curve.SECRET_FILE_ENV}={secret_path})\n"
-          f"clients:     {curve.SERVER_KEY_ENV}='{public}'\n"
-          f"   (or {curve.SERVER_KEY_FILE_ENV}={public_path})")
+          f"   (or {settings.CURVE_SECRET_FILE.name}={secret_path})\n"
+          f"clients:     {settings.CURVE_SERVER_KEY.name}='{public}'\n"
+          f"   (or {settings.CURVE_SERVER_KEY_FILE.name}={public_path})")
     return 0
 
 
@@ -388,10 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON line per event")
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
     p.set_defaults(func=_publish)
-
-    from tensorhub.testing.cluster import add_cluster_parser
-
-    add_cluster_parser(sub)
 
     p = sub.add_parser("simulate", help="simulated fan-out to N replicas, real planner",
                        description="Drive the real coordinator with simulated workers and "

@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.core.transport import default_transport
 from tensorhub.processes import ChildProcess
 from tensorhub.publisher import Publisher
 
@@ -52,7 +52,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(coordinator.next_line(timeout=30))
 
         state = synthetic_state_dict(args.size_mb)
-        transport = args.transport or default_transport()
+        transport = args.transport or settings.TRANSPORT.get()
         publisher = Publisher(address, "policy", transport=transport)
         for i in range(args.replicas):
             replicas.append(ChildProcess.tensorhub(

@@ -49,7 +49,7 @@ class ChildProcess:
     `lines`; its stderr goes to `log_path` if given, else to ``stderr``.
 
     ``popen`` starts it: `subprocess.Popen` by default; another launcher with the same
-    signature (`tensorhub.testing.cluster.Host` passes one) starts it elsewhere, e.g. on an
+    signature (`tensorhub_testing.cluster.Host` passes one) starts it elsewhere, e.g. on an
     emulated host, and the handle works the same."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# Where every actor of a job finds the coordinator actor unless told another name.
 DEFAULT_NAME = "tensorhub-coordinator"
 DEFAULT_NAMESPACE = "tensorhub"
 

@@ -16,11 +16,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
 from tensorhub.core.data_types import MemoryDesc, ReadPlan, Source
 from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.layout import plan_items
-from tensorhub.core.puller import STALL_TIMEOUT, PullStats, Verifier, read_op
+from tensorhub.core.puller import PullStats, Verifier, read_op
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of
 from tensorhub.core.transport import Peer, ReadOp
@@ -146,7 +147,7 @@ class StripedReader:
         try:
             self.session.transport.read(
                 Peer(src.worker_id, src.endpoint, src.grant), ops,
-                timeout=max(0.001, min(STALL_TIMEOUT, deadline - time.monotonic())))
+                timeout=max(0.001, min(settings.STALL_TIMEOUT.get(), deadline - time.monotonic())))
         except TransferError as exc:
             self.session.transport.forget_peer(src.worker_id)
             return exc

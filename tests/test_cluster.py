@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 
 from tensorhub.processes import ChildProcess
-from tensorhub.testing import cluster as cluster_mod
-from tensorhub.testing.cluster import (
+from tensorhub_testing.cluster import (
     Cluster,
     ClusterError,
     HostSpec,
     Traffic,
+    namespaces,
     parse_rate,
     tcp_transfer,
 )
 
-needs_cluster = pytest.mark.skipif(cluster_mod.available() is not None,
-                                   reason=str(cluster_mod.available()))
+needs_cluster = pytest.mark.skipif(namespaces.available() is not None,
+                                   reason=str(namespaces.available()))
 
 # What a program sees of the host it runs on.
 WHOAMI = """
@@ -63,13 +63,13 @@ def test_rates_parse_like_tc():
 
 
 def test_unavailable_reason_is_none_or_says_why(monkeypatch):
-    reason = cluster_mod.available()
+    reason = namespaces.available()
     assert reason is None or (isinstance(reason, str) and reason)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert "root" in cluster_mod.available.__wrapped__()
+    assert "root" in namespaces.available.__wrapped__()
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cluster_mod.shutil, "which", lambda name: None if name == "tc" else name)
-    assert "tc" in cluster_mod.available.__wrapped__()
+    monkeypatch.setattr(namespaces.shutil, "which", lambda name: None if name == "tc" else name)
+    assert "tc" in namespaces.available.__wrapped__()
 
 
 @needs_cluster
@@ -242,13 +242,13 @@ def test_close_leaves_nothing_even_after_an_exception():
         prefix, inits = c.prefix, [h.init_pid for h in c.hosts]
         program = c.hosts[0].popen(["sleep", "1000"])
         assert len(namespaces_of(prefix)) == 4  # three hosts and the switch
-        assert (cluster_mod.RECORDS / prefix).exists()
+        assert (namespaces.RECORDS / prefix).exists()
         raise RuntimeError("boom")
     assert namespaces_of(prefix) == []
     assert root_veths() == veths
     assert program.proc.poll() == -signal.SIGKILL
     assert not any(os.path.exists(f"/proc/{pid}") for pid in inits)
-    assert not (cluster_mod.RECORDS / prefix).exists()
+    assert not (namespaces.RECORDS / prefix).exists()
     c.close()  # idempotent
 
 
@@ -263,12 +263,12 @@ def test_failed_bring_up_removes_what_it_made(monkeypatch):
     with pytest.raises(ClusterError, match="halfway"):
         Cluster(2, prefix=prefix)
     assert namespaces_of(prefix) == []
-    assert not (cluster_mod.RECORDS / prefix).exists()
+    assert not (namespaces.RECORDS / prefix).exists()
 
 
 @needs_cluster
 def test_cleanup_stale_removes_a_killed_runs_cluster_and_spares_live_ones():
-    creator = ChildProcess([sys.executable, "-c", "from tensorhub.testing.cluster import "
+    creator = ChildProcess([sys.executable, "-c", "from tensorhub_testing.cluster import "
                             "Cluster; import time; c = Cluster(2); print(c.prefix, flush=True); "
                             "time.sleep(1000)"],
                            env={"PYTHONPATH": os.getcwd()}, name="creator")
@@ -276,14 +276,14 @@ def test_cleanup_stale_removes_a_killed_runs_cluster_and_spares_live_ones():
         prefix = creator.next_line(timeout=30)
         assert len(namespaces_of(prefix)) == 3
         with Cluster(1) as live:
-            assert cluster_mod.cleanup_stale(prefix) == []  # its creator still runs
+            assert namespaces.cleanup_stale(prefix) == []  # its creator still runs
             # SIGKILL to the creator alone: no teardown, its hosts' inits live on (a kill of
             # its whole process group would take them too)
             os.kill(creator.pid, signal.SIGKILL)
             creator.wait(timeout=10)
             assert len(namespaces_of(prefix)) == 3
-            assert cluster_mod.clusters()[prefix] is False
-            assert cluster_mod.cleanup_stale() == [prefix]  # the live one is spared
+            assert namespaces.clusters()[prefix] is False
+            assert namespaces.cleanup_stale() == [prefix]  # the live one is spared
             assert namespaces_of(prefix) == []
             assert len(namespaces_of(live.prefix)) == 2
             assert live.hosts[0].run(["true"]).returncode == 0
@@ -293,7 +293,7 @@ def test_cleanup_stale_removes_a_killed_runs_cluster_and_spares_live_ones():
 
 @needs_cluster
 def test_cli_brings_a_cluster_up_and_down_on_sigterm():
-    proc = ChildProcess([sys.executable, "-m", "tensorhub.testing.cluster", "up", "--hosts",
+    proc = ChildProcess([sys.executable, "-m", "tensorhub_testing.cluster", "up", "--hosts",
                          "2", "--dcs", "2", "--egress", "800mbit", "--wan", "80mbit"],
                         env={"PYTHONPATH": os.getcwd()}, name="cluster up")
     try:
@@ -313,9 +313,21 @@ def test_cli_brings_a_cluster_up_and_down_on_sigterm():
 
 
 def test_cli_help_describes_up_and_down():
-    out = subprocess.run([sys.executable, "-m", "tensorhub.testing.cluster", "up", "--help"],
+    out = subprocess.run([sys.executable, "-m", "tensorhub_testing.cluster", "up", "--help"],
                          capture_output=True, text=True, env={**os.environ,
                                                               "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0
     for option in ("--hosts", "--dcs", "--egress", "--ingress", "--wan", "--subnet"):
         assert option in out.stdout
+
+
+def test_the_product_imports_no_test_harness():
+    """`tensorhub_testing` is not shipped: the package and its CLI must run without it."""
+    probe = ("import sys, tensorhub, tensorhub.cli, tensorhub.demo, tensorhub.chaos; "
+             "print(sorted(m for m in sys.modules if m.startswith('tensorhub_testing')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+    commands = subprocess.run([sys.executable, "-m", "tensorhub.cli", "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert "cluster" not in commands

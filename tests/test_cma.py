@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import Endpoint, MemoryDesc
 from tensorhub.core.errors import TransferError
 from tensorhub.core.transport import parallel_copy
@@ -65,7 +66,7 @@ def test_a_reader_copies_another_process_memory_bit_exact(holder, reader):
 
 def test_many_small_ops_span_several_iovec_batches(holder, reader, monkeypatch):
     _, peer, info = holder
-    monkeypatch.setattr(parallel_copy, "CALL_BYTES", 1 << 20)  # several calls, two threads
+    monkeypatch.setattr(settings, "COPY_CALL_BYTES", 1 << 20)  # several calls, two threads
     dest = torch.zeros(info["nbytes"], dtype=torch.uint8)
     piece = 1024  # 4096 ops: more than IOV_MAX per call
     ops = [ReadOp(dest[o:o + piece], MemoryDesc(addr=info["addr"] + o, nbytes=piece))
@@ -131,8 +132,8 @@ def test_a_dead_holder_is_named_in_the_error(holder, reader):
 
 def test_a_dead_holder_mid_read_is_named_in_the_error(holder, reader, monkeypatch):
     proc, peer, info = holder
-    monkeypatch.setattr(parallel_copy, "THREADS", 1)
-    monkeypatch.setattr(parallel_copy, "CALL_BYTES", 1 << 20)
+    monkeypatch.setenv("TENSORHUB_COPY_THREADS", "1")
+    monkeypatch.setattr(settings, "COPY_CALL_BYTES", 1 << 20)
     real = reader._libc.process_vm_readv
     calls = []
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub import CoordinatorError, Publisher, Replica, settings
 from tensorhub.cli import main
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core import curve
@@ -35,7 +35,8 @@ def keys(tmp_path):
 @pytest.fixture
 def secured(keys, monkeypatch):
     """A coordinator with CURVE and a token; the environment of a well-configured client."""
-    for var in (curve.SERVER_KEY_ENV, curve.SERVER_KEY_FILE_ENV, "TENSORHUB_TOKEN_FILE"):
+    for var in (settings.CURVE_SERVER_KEY.name, settings.CURVE_SERVER_KEY_FILE.name,
+                "TENSORHUB_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TENSORHUB_TOKEN", TOKEN)
     c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", token=TOKEN,
@@ -53,7 +54,7 @@ def test_keygen_writes_a_private_secret_and_its_public_key(tmp_path, capsys):
     assert stat.S_IMODE(os.stat(tmp_path / "coord.key_secret").st_mode) == 0o600
     out = capsys.readouterr().out
     assert "--curve-secret-file" in out
-    assert f"{curve.SERVER_KEY_ENV}='{public}'" in out  # quoted: Z85 has shell characters
+    assert f"{settings.CURVE_SERVER_KEY.name}='{public}'" in out  # quoted: Z85 has shell characters
     assert main(["keygen", "--out", str(tmp_path), "--name", "coord"]) == 2  # no overwrite
     assert curve.read_key(tmp_path / "coord.key_secret") == secret
     assert main(["keygen", "--out", str(tmp_path), "--name", "coord", "--force"]) == 0
@@ -63,15 +64,15 @@ def test_keygen_writes_a_private_secret_and_its_public_key(tmp_path, capsys):
 def test_a_malformed_key_is_refused_with_a_reason(tmp_path, monkeypatch):
     with pytest.raises(curve.CurveKeyError, match="not a CURVE key"):
         curve.check_key("too-short")
-    monkeypatch.setenv(curve.SERVER_KEY_ENV, "x" * 39 + "~")
-    with pytest.raises(curve.CurveKeyError, match=curve.SERVER_KEY_ENV):
+    monkeypatch.setenv(settings.CURVE_SERVER_KEY.name, "x" * 39 + "~")
+    with pytest.raises(curve.CurveKeyError, match=settings.CURVE_SERVER_KEY.name):
         curve.server_key_from_env()
     with pytest.raises(curve.CurveKeyError, match="cannot read"):
         curve.read_key(tmp_path / "missing.key")
 
 
 def test_with_the_server_key_publish_pull_and_announcements_work(secured, keys, monkeypatch):
-    monkeypatch.setenv(curve.SERVER_KEY_ENV, keys[0])
+    monkeypatch.setenv(settings.CURVE_SERVER_KEY.name, keys[0])
     assert secured.curve_public_key == keys[0]
     with Publisher(secured.address, "policy", transport="zmq") as pub, \
             Replica(secured.address, "policy", transport="zmq", name="eng") as rep:
@@ -96,7 +97,7 @@ def test_with_the_server_key_publish_pull_and_announcements_work(secured, keys, 
 def test_with_the_token_but_not_the_server_key_a_client_is_told_what_to_set(secured):
     client = CoordinatorClient(secured.address, timeout=1.0)
     assert client.token == TOKEN and client.curve_server_key != secured.curve_public_key
-    with pytest.raises(CoordinatorError, match=curve.SERVER_KEY_ENV) as err:
+    with pytest.raises(CoordinatorError, match=settings.CURVE_SERVER_KEY.name) as err:
         client.call(StatusRequest())
     assert err.value.code == "unauthorized"
     client.close()

@@ -17,8 +17,8 @@ from tensorhub.engines.holder import (
     TornLoad,
     versions_to_release,
 )
-from tensorhub.testing.ranks import on_every_rank
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.ranks import on_every_rank
+from tensorhub_testing.waits import wait_for
 
 
 class Vote:

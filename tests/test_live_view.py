@@ -10,8 +10,8 @@ import threading
 import torch
 from rich.console import Console
 
-from tensorhub import Publisher, Replica
-from tensorhub.core import puller, session
+from tensorhub import Publisher, Replica, settings
+from tensorhub.core import puller
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     HolderStatus,
@@ -23,7 +23,7 @@ from tensorhub.core.data_types import (
     VersionStatus,
 )
 from tensorhub.live_view import render, watch
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 MiB = 1 << 20
 
@@ -76,7 +76,7 @@ def test_a_pull_in_flight_shows_in_status_with_the_bytes_landed(coordinator, mon
 
 def test_a_long_pull_logs_its_progress(coordinator, monkeypatch, caplog):
     monkeypatch.setattr(puller, "BATCH_BYTES", MiB)
-    monkeypatch.setattr(session, "PROGRESS_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(settings, "PROGRESS_LOG_SECONDS", 0.0)
     caplog.set_level(logging.INFO, logger="tensorhub.session")
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
             Replica(coordinator.address, "policy", transport="zmq", name="slow-reader",

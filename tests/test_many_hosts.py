@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tensorhub.testing.cluster import Cluster, HostSpec, available
-from tensorhub.testing.fleet import Fleet
+from tensorhub_testing.cluster import Cluster, HostSpec, available
+from tensorhub_testing.fleet import Fleet
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")

@@ -15,7 +15,7 @@ from tensorhub.core.checksum import checksum
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
 from tensorhub.demo import synthetic_state_dict
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.processes import ChildProcess
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 
 def rank_state(rank: int, version: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from tensorhub import Publisher, TensorHubError
 from tensorhub.engines.holder import CheckpointHolder, TornLoad
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
-from tensorhub.testing.ranks import on_every_rank
+from tensorhub_testing.ranks import on_every_rank
 
 
 class Group:

@@ -13,7 +13,7 @@ from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.demo import synthetic_state_dict
 from tensorhub.engines.holder import CheckpointHolder
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 from tests.test_warm_pulls import _buffers, _pull_all, counting_plans, replica_fleet, sums
 
 

@@ -133,7 +133,7 @@ def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
     from tensorhub.core.client import CoordinatorClient
     from tensorhub.core.data_types import Hold, StatusRequest
-    from tensorhub.testing.waits import wait_for
+    from tensorhub_testing.waits import wait_for
 
     skew = [0.0]
     coordinator = Coordinator(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from tensorhub.engines.votes import RankVote
-from tensorhub.testing.ranks import on_every_rank
+from tensorhub_testing.ranks import on_every_rank
 
 
 def votes_of(store, ranks: int = 2, timeout: float = 1.0) -> list[RankVote]:

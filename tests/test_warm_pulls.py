@@ -17,7 +17,7 @@ from tensorhub.core.errors import TransferError
 from tensorhub.core.stripes import Replan
 from tensorhub.core.wire import encode
 from tensorhub.demo import synthetic_state_dict
-from tensorhub.testing.waits import wait_for
+from tensorhub_testing.waits import wait_for
 
 
 def sums(tensors) -> dict[str, str]:

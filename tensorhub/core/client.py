@@ -7,7 +7,6 @@ The socket is shared by a worker's threads (pulls, heartbeats) behind one lock.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -16,16 +15,15 @@ import uuid
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tensorhub import settings
 from tensorhub.core import curve
 from tensorhub.core.data_types import Envelope, ErrorReply, Registered
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.wire import WireError, decode_reply, encode, foreign
 
-DEFAULT_TIMEOUT = 10.0
 # A busy reply's retry_after is scaled by 1 +- this (uniform): readers refused together
 # (every reader asks at once when a version is announced) ask again out of step, so a
-# holder whose slot frees is taken at once, not at the next common tick (the simulated
-# fleet, worst / lower bound: 1.245 -> 1.22 at N = 1024, 1.28 -> 1.26 at N = 4096).
+# holder whose slot frees is taken at once, not at the next common tick.
 BUSY_RETRY_JITTER = 0.5
 # Handshakes failed in a row that mean "refused": one may be a coordinator killed mid-way.
 REFUSALS = 3
@@ -41,11 +39,10 @@ def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
 
 def token_from_env() -> str | None:
     """The shared control-plane token: TENSORHUB_TOKEN, or the file TENSORHUB_TOKEN_FILE."""
-    token = os.environ.get("TENSORHUB_TOKEN")
-    path = os.environ.get("TENSORHUB_TOKEN_FILE")
+    token = settings.TOKEN.get()
+    path = settings.TOKEN_FILE.get()
     if not token and path:
-        with open(path) as f:
-            token = f.read().strip()
+        token = path.read_text().strip()
     return token or None
 
 
@@ -73,7 +70,7 @@ class Credentials:
 
 class CoordinatorClient:
     def __init__(self, address: str, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, curve_server_key: str | None = None,
+                 timeout: float = settings.REQUEST_TIMEOUT, curve_server_key: str | None = None,
                  credentials: Credentials | None = None):
         """`curve_server_key`: the coordinator's CURVE public key, when it was given one
         (`tensorhub keygen`; default: from the environment, see `core/curve.py`). With a
@@ -120,8 +117,8 @@ class CoordinatorClient:
             f"({self._handshake.failed} times): wrong or missing token (a coordinator "
             f"started without one refuses a client that has one); set "
             f"TENSORHUB_TOKEN (or TENSORHUB_TOKEN_FILE) as the coordinator has it, and, if "
-            f"it was given a keypair by `tensorhub keygen`, {curve.SERVER_KEY_ENV} to its "
-            f"public key",
+            f"it was given a keypair by `tensorhub keygen`, "
+            f"{settings.CURVE_SERVER_KEY.name} to its public key",
             code="unauthorized")
 
     def call(self, request, timeout: float | None = None):
@@ -149,7 +146,8 @@ class CoordinatorClient:
                         raise refused
                     hint = ("" if self.curve_server_key is not None else
                             " (if it uses a token, set TENSORHUB_TOKEN as it has it; if it "
-                            f"uses a CURVE key, set {curve.SERVER_KEY_ENV} to its public key)")
+                            f"uses a CURVE key, set {settings.CURVE_SERVER_KEY.name} to its "
+                            f"public key)")
                     raise CoordinatorUnavailable(
                         f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
                         f"to {request.type!r}; is `tensorhub coordinator` running there?{hint}"

@@ -29,12 +29,10 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
+from tensorhub import settings
 from tensorhub.core.errors import TensorHubError
 
-SECRET_FILE_ENV = "TENSORHUB_CURVE_SECRET_FILE"  # coordinator: turns CURVE on
-SERVER_KEY_ENV = "TENSORHUB_CURVE_SERVER_KEY"  # clients: the coordinator's public key
-SERVER_KEY_FILE_ENV = "TENSORHUB_CURVE_SERVER_KEY_FILE"  # ... or a file holding it
-KEY_CHARS = 40
+KEY_CHARS = 40  # a 32-byte key in Z85, as libzmq reads and prints it
 
 
 class CurveKeyError(TensorHubError):
@@ -110,17 +108,17 @@ def write_keypair(directory: str | os.PathLike, name: str = "coordinator",
 
 def server_secret_from_env() -> str | None:
     """The coordinator's secret key from the file named by TENSORHUB_CURVE_SECRET_FILE."""
-    path = os.environ.get(SECRET_FILE_ENV)
+    path = settings.CURVE_SECRET_FILE.get()
     return read_key(path, "CURVE secret key file") if path else None
 
 
 def server_key_from_env() -> str | None:
     """The coordinator's public key for clients: TENSORHUB_CURVE_SERVER_KEY, or the file
     TENSORHUB_CURVE_SERVER_KEY_FILE. None: plain (unencrypted) connections."""
-    key = os.environ.get(SERVER_KEY_ENV)
+    key = settings.CURVE_SERVER_KEY.get()
     if key:
-        return check_key(key, SERVER_KEY_ENV)
-    path = os.environ.get(SERVER_KEY_FILE_ENV)
+        return check_key(key, settings.CURVE_SERVER_KEY.name)
+    path = settings.CURVE_SERVER_KEY_FILE.get()
     return read_key(path, "CURVE server key file") if path else None
 
 

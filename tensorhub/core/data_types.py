@@ -12,10 +12,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Limits checked at the edge: a hostile or broken peer cannot make us allocate without bound.
-MAX_NAME = 512
-MAX_TENSORS = 200_000
-MAX_DIMS = 8
-MAX_METADATA = 16 * 1024 * 1024
+MAX_NAME = 512  # characters of a name (model, worker, tensor): longer than any real one
+MAX_TENSORS = 200_000  # tensors in one manifest: many times a large model's
+MAX_DIMS = 8  # dimensions of one tensor
+MAX_METADATA = 16 * 1024 * 1024  # bytes of a peer's opaque transport metadata (NIXL's blob)
 # The wire protocol's version: peers of releases that speak another one are refused with
 # a clear error (`wire.foreign`), not a failed validation.
 PROTOCOL = 3
@@ -23,6 +23,7 @@ MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.part
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Version = Annotated[int, Field(ge=1, lt=2**62)]
+# The dtypes a manifest may name: those every transport copies as raw bytes.
 DTYPES = (
     "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
     "int8", "uint8", "int16", "int32", "int64", "bool",

@@ -11,20 +11,22 @@ holders describe, what checksums cover and what read plans address.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
 import torch
 
+from tensorhub import settings
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Item, Manifest, MemoryDesc, TensorSpec
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.memory import as_bytes, describe, dtype_name, torch_dtype
 from tensorhub.core.shared_memory import shared_empty
 
-ALIGN = 64
-DEFAULT_COMPACT_THRESHOLD = 1 << 20  # 1 MiB
+ALIGN = 64  # bytes: where each tensor of a compact region starts (any dtype, a cache line)
+# Tensors under this many bytes share one compact region, read in one READ, not one each. It
+# is part of the layout (its id), so a trainer and its readers must agree on it.
+DEFAULT_COMPACT_THRESHOLD = 1 << 20
 
 
 def manifest_of(
@@ -107,16 +109,13 @@ def plan_items(manifest: Manifest) -> list[Item]:
     return items
 
 
-MAX_VERSION_GB_ENV = "TENSORHUB_MAX_VERSION_GB"
-
-
 def allocatable_bytes(device: torch.device) -> int:
     """The most a version's buffers may take here: TENSORHUB_MAX_VERSION_GB if set, else
     the memory the device has free now (a manifest is another party's word: one that
     declares more must not get this process killed for memory)."""
-    configured = os.environ.get(MAX_VERSION_GB_ENV)
-    if configured:
-        return int(float(configured) * 2**30)
+    configured = settings.MAX_VERSION_GB.get()
+    if configured is not None:
+        return int(configured * 2**30)
     if device.type == "cuda":  # free, plus what PyTorch's cache holds unused
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
             - torch.cuda.memory_allocated(device)
@@ -148,7 +147,7 @@ def check_allocatable(nbytes: int, device: torch.device) -> None:
         raise LayoutError(
             f"a version of {nbytes / 2**30:.1f} GiB does not fit: at most "
             f"{limit / 2**30:.1f} GiB may be allocated on {device} (its free memory, or "
-            f"{MAX_VERSION_GB_ENV}); refused before allocating anything")
+            f"{settings.MAX_VERSION_GB.name}); refused before allocating anything")
 
 
 class BoundLayout:

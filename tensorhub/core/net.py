@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import socket
 from pathlib import Path
 
+from tensorhub import settings
+
 log = logging.getLogger("tensorhub.net")
 
-HOST_ADDRESS_ENV = "TENSORHUB_HOST_ADDRESS"
-WILDCARDS = ("0.0.0.0", "*", "::")
+WILDCARDS = ("0.0.0.0", "*", "::")  # hosts a socket binds to mean "every interface"
 
 
 def split_tcp(address: str) -> tuple[str, int] | None:
@@ -58,7 +58,7 @@ def local_address_towards(coordinator: str) -> str:
     Loopback when the coordinator is on loopback (a single-host fleet). No packet is sent:
     connecting a UDP socket only asks the kernel which source address it would use.
     """
-    override = os.environ.get(HOST_ADDRESS_ENV)
+    override = settings.HOST_ADDRESS.get()
     if override:
         return override
     hostport = split_tcp(coordinator)
@@ -73,7 +73,7 @@ def local_address_towards(coordinator: str) -> str:
             return s.getsockname()[0]
     except OSError as exc:
         log.warning("cannot tell this host's address towards %s (%s); advertising 127.0.0.1 "
-                    "(set %s)", coordinator, exc, HOST_ADDRESS_ENV)
+                    "(set %s)", coordinator, exc, settings.HOST_ADDRESS.name)
         return "127.0.0.1"
 
 

@@ -6,7 +6,6 @@ run the very same code path to pull a version.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import MemoryDesc, ReadPlan, ReadRange
 from tensorhub.core.errors import IntegrityError, TransferError
@@ -39,10 +39,6 @@ class PullStats:
 
 
 BATCH_BYTES = 64 << 20  # progress is tracked per batch: a failure loses at most this much
-# A batch that makes no progress for this long means a stalled holder (SIGSTOP, a hung
-# engine, a dead link with no reset): it is reported like a dead one and the rest of the
-# pull is re-planned elsewhere. 64 MiB in 30 s is ~2 MB/s, far below any working link.
-STALL_TIMEOUT = float(os.environ.get("TENSORHUB_STALL_TIMEOUT", "30"))
 
 
 def split(plan: ReadPlan, batch_bytes: int | None = None) -> list[ReadRange]:
@@ -100,7 +96,9 @@ def read_plan(transport: Transport, plan: ReadPlan, dest: list[torch.Tensor],
     if stats is None:
         stats = PullStats(plan.model, plan.version, [], 0, 0.0)
     deadline = time.monotonic() + timeout
-    stall_timeout = STALL_TIMEOUT if stall_timeout is None else stall_timeout
+    # A batch with no progress this long means a stalled holder (SIGSTOP, a hung engine, a
+    # dead link with no reset): it is reported like a dead one and the pull re-planned.
+    stall_timeout = settings.STALL_TIMEOUT.get() if stall_timeout is None else stall_timeout
     for sid, ranges in batches:
         src = sources[sid]
         ops = [read_op(dest, src.memory, r.item, r.offset, r.nbytes) for r in ranges]

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     Dropped,
@@ -39,7 +40,6 @@ from tensorhub.core.transport import Transport, make_transport
 T = TypeVar("T")
 log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
-PROGRESS_LOG_SECONDS = 10.0  # a pull (or join) running longer logs its progress this often
 
 
 
@@ -205,8 +205,8 @@ class WorkerSession:
         except Exception as exc:  # never at the cost of the heartbeat itself
             log.debug("%s: the pull's progress: %s", self.name, exc)
             return None
-        if pull.seconds >= PROGRESS_LOG_SECONDS \
-                and time.monotonic() - self._progress_logged >= PROGRESS_LOG_SECONDS:
+        if pull.seconds >= settings.PROGRESS_LOG_SECONDS \
+                and time.monotonic() - self._progress_logged >= settings.PROGRESS_LOG_SECONDS:
             self._progress_logged = time.monotonic()
             log.info("%s: pulling %s v%d: %.0f%% (%.1f of %.1f MiB) in %.0f s, %.2f GB/s",
                      self.name, pull.model, pull.version,

@@ -30,16 +30,19 @@ import weakref
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import SharedRegion
 
 log = logging.getLogger("tensorhub.shared_memory")
 
+# A holder's memfd is sealed at its size: it can never shrink under a reader's mapping (a
+# read past its end would fault) nor grow.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 def enabled() -> bool:
     """Shared memory for our own host buffers: on unless TENSORHUB_SHARED_MEMORY=0."""
-    return (os.environ.get("TENSORHUB_SHARED_MEMORY", "1") != "0"
+    return (settings.SHARED_MEMORY.get()
             and hasattr(os, "memfd_create") and SEALS != 0)
 
 

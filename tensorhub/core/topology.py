@@ -8,10 +8,9 @@ for every worker of the process; labels passed in code override both.
 
 from __future__ import annotations
 
-import os
 import socket
 
-LABELS_ENV = "TENSORHUB_LABELS"
+from tensorhub import settings
 
 
 def parse_labels(text: str) -> dict[str, str]:
@@ -20,13 +19,14 @@ def parse_labels(text: str) -> dict[str, str]:
     for entry in filter(None, (e.strip() for e in text.split(","))):
         key, sep, value = entry.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"{LABELS_ENV}: {entry!r} is not key=value (e.g. dc=us-east)")
+            raise ValueError(f"{settings.LABELS.name}: {entry!r} is not key=value "
+                             f"(e.g. dc=us-east)")
         labels[key.strip()] = value.strip()
     return labels
 
 
 def default_labels() -> dict[str, str]:
-    return {"node": socket.gethostname(), **parse_labels(os.environ.get(LABELS_ENV, ""))}
+    return {"node": socket.gethostname(), **parse_labels(settings.LABELS.get())}
 
 
 def worker_labels(labels: dict[str, str] | None = None) -> dict[str, str]:

@@ -13,10 +13,10 @@ from pydantic import BaseModel, RootModel, TypeAdapter, ValidationError
 
 from tensorhub.core.data_types import MAX_TENSORS, PROTOCOL, Announcement, Envelope, Reply
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a larger frame is refused before it is decoded
 # No list or map in any message may be longer than this; msgpack refuses longer ones before
-# building them (a 23 MB list of a million small maps otherwise costs the coordinator's
-# single thread ~4 s to build and validate, only to be refused by the schema).
+# building them (a list of a million small maps would otherwise hold the coordinator's single
+# thread for seconds, only to be refused by the schema).
 MAX_CONTAINER_LEN = MAX_TENSORS
 
 _envelope = TypeAdapter(Envelope)

@@ -9,25 +9,21 @@
 from __future__ import annotations
 
 import logging
-import os
+import typing
 
+from tensorhub import settings
 from tensorhub.core.transport.base import Peer, ReadOp, Transport
 
 log = logging.getLogger("tensorhub.transport")
-TRANSPORTS = ("nixl", "zmq", "cma", "auto")
-
-
-def default_transport() -> str:
-    """$TENSORHUB_TRANSPORT, else `auto`: a NIXL endpoint that any NIXL worker can read, and
-    same-host reads at cross-memory-attach speed (~2x NIXL over loopback, bench/same_node)."""
-    return os.environ.get("TENSORHUB_TRANSPORT", "auto")
+TRANSPORTS: tuple[str, ...] = typing.get_args(settings.TRANSPORT.kind)
 
 
 def make_transport(name: str | None = None, worker_name: str | None = None,
                    host: str = "127.0.0.1") -> Transport:
-    """`host`: the address this worker advertises to peers (the zmq fallback binds it; see
-    `net.local_address_towards`)."""
-    name = name or default_transport()
+    """`name`: default `TENSORHUB_TRANSPORT`, else `auto` (a NIXL endpoint that any NIXL
+    worker can read, and same-host reads by shared memory or cma). `host`: the address this
+    worker advertises to peers (the zmq fallback binds it; see `net.local_address_towards`)."""
+    name = name or settings.TRANSPORT.get()
     if name == "nixl":
         from tensorhub.core.transport.nixl import NixlTransport
 
@@ -52,4 +48,4 @@ def make_transport(name: str | None = None, worker_name: str | None = None,
     raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
 
 
-__all__ = ["TRANSPORTS", "Peer", "ReadOp", "Transport", "default_transport", "make_transport"]
+__all__ = ["TRANSPORTS", "Peer", "ReadOp", "Transport", "make_transport"]

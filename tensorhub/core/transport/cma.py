@@ -29,6 +29,8 @@ from tensorhub.core.errors import TransferError
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 from tensorhub.core.transport.parallel_copy import CopyPool, Segment
 
+# prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) (linux/prctl.h): under Yama ptrace_scope 1 a
+# holder lets any process of its user read its memory, not only its ancestors.
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 

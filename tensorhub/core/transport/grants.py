@@ -18,7 +18,7 @@ import hmac
 import secrets
 
 ANY_READER = "*"  # a grant in an announcement: for every token holder
-KEY_HEX = 64
+KEY_HEX = 64  # a grant's key: 32 random bytes as hex
 
 
 def new_key() -> str:

@@ -18,31 +18,13 @@ import uuid
 import numpy as np
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import Endpoint
 from tensorhub.core.errors import TransferError
 from tensorhub.core.memory import describe
 from tensorhub.core.net import ucx_defaults
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
-# GPU switch (untested here: no GPU): same-host VRAM reads by CUDA IPC (UCX `cuda_ipc`).
-CUDA_IPC = os.environ.get("TENSORHUB_CUDA_IPC", "0") == "1"
-# How often `ProgressLoop` advances the agent's UCX worker (it serves the reads other workers
-# make of us over `tcp`, where UCX emulates READ with active messages, and completes ours).
-PROGRESS_PERIOD_S = 1e-3
-# A read's completion is checked this many times back to back, then after pauses that
-# double from WAIT_FIRST_S up to WAIT_MAX_S, or up to WAIT_SHARE of the time it has taken
-# so far where that is longer (see `NixlTransport._wait`).
-WAIT_SPINS = 200
-WAIT_FIRST_S = 50e-6
-WAIT_MAX_S = 1e-3
-WAIT_SHARE = 0.05
-WAIT_LONGEST_S = 0.02
-# A peer whose read was given up (no progress within the stall timeout) is not read from
-# again for this long: every other read of it waiting or in flight fails at once, so a
-# stopped source costs one stall timeout, not one per stripe (it has been re-planned away
-# by then; a peer that comes back is read again afterwards).
-GIVE_UP_S = 30.0
-LOCK_CHECK_S = 0.05  # how often a read waiting for its turn looks whether the peer was given up
 _creation_lock = threading.RLock()  # agent creation: UCX's environment, NIXL's wrapper
 log = logging.getLogger("tensorhub.transport.nixl")
 
@@ -53,9 +35,10 @@ def apply_ucx_defaults(host: str = "127.0.0.1") -> dict[str, str]:
     variables the user left unset.
     They go into the environment because that is how UCX is configured; a variable the user
     set is never touched, and TENSORHUB_UCX_DEFAULTS=0 turns this off."""
-    if os.environ.get("TENSORHUB_UCX_DEFAULTS", "1") == "0":
+    if not settings.UCX_DEFAULTS.get():
         return {}
-    applied = {k: v for k, v in ucx_defaults(CUDA_IPC, host).items() if k not in os.environ}
+    defaults = ucx_defaults(settings.CUDA_IPC.get(), host)
+    applied = {k: v for k, v in defaults.items() if k not in os.environ}
     os.environ.update(applied)
     if applied:
         log.debug("UCX defaults for this host: %s", applied)
@@ -153,22 +136,23 @@ class NixlTransport(Transport):
 
     def _give_up(self, state: _PeerState, worker_id: str, reason: str) -> TransferError:
         if not state.given_up():
-            state.given_up_until = time.monotonic() + GIVE_UP_S
+            state.given_up_until = time.monotonic() + settings.NIXL_GIVE_UP_S
             state.reason = reason
-            log.warning("giving up %s for %.0f s: %s", worker_id, GIVE_UP_S, reason)
+            log.warning("giving up %s for %.0f s: %s", worker_id, settings.NIXL_GIVE_UP_S,
+                        reason)
         return TransferError(reason, worker_id)
 
     def read(self, peer: Peer, ops: list[ReadOp], timeout: float) -> None:
         """Reads from one peer run one at a time (its connection state is theirs); reads
         from different peers overlap: each agent call is made under `_agent_lock`, but a
         read's wait for completion is not. A read that makes no progress within `timeout`
-        gives the peer up (`GIVE_UP_S`): every other read of it, waiting or in flight,
-        fails at once instead of waiting out a timeout of its own."""
+        gives the peer up (`settings.NIXL_GIVE_UP_S`): every other read of it, waiting or in
+        flight, fails at once instead of waiting out a timeout of its own."""
         if not ops:
             return
         check_ops(ops)
         state = self._peer(peer.worker_id)
-        self._take_turn(state, peer.worker_id, max(timeout, GIVE_UP_S))
+        self._take_turn(state, peer.worker_id, max(timeout, settings.NIXL_GIVE_UP_S))
         deadline = time.monotonic() + timeout  # (the read's own clock starts now)
         try:
             with self._lock, self._agent_lock:
@@ -222,7 +206,7 @@ class NixlTransport(Transport):
         while True:
             if state.given_up():
                 raise TransferError(f"{worker_id} was given up: {state.reason}", worker_id)
-            if state.lock.acquire(timeout=LOCK_CHECK_S):
+            if state.lock.acquire(timeout=settings.NIXL_LOCK_CHECK_S):
                 if not state.given_up():
                     return
                 state.lock.release()
@@ -233,13 +217,14 @@ class NixlTransport(Transport):
     def _wait(self, handles: list, peer: Peer, state: _PeerState, deadline: float,
               timeout: float) -> None:
         """Until every handle is done. A short read is over within the first checks; a long
-        one is checked ever less often: every `WAIT_MAX_S`, and once it has taken a while
-        every `WAIT_SHARE` of that time (at most `WAIT_LONGEST_S`), so a read that waits on
+        one is checked ever less often: every `NIXL_WAIT_MAX_S`, and once it has taken a
+        while every `NIXL_WAIT_SHARE` of that time (at most `NIXL_WAIT_LONGEST_S`; all in
+        `tensorhub.settings`), so a read that waits on
         a silent peer costs next to no CPU and one that ends is seen at most 5 % late.
         (The pause carries over from one handle to the next: they were posted together.)"""
         pending = list(handles)
         started = time.monotonic()
-        spins, pause = 0, WAIT_FIRST_S
+        spins, pause = 0, settings.NIXL_WAIT_FIRST_S
         while pending:
             with self._agent_lock:
                 status = self._agent.check_xfer_state(pending[0])
@@ -255,10 +240,10 @@ class NixlTransport(Transport):
                 raise self._give_up(state, peer.worker_id, f"NIXL READ from {peer.worker_id} "
                                     f"made no progress within {timeout:.1f}s")
             spins += 1
-            if spins > WAIT_SPINS:
+            if spins > settings.NIXL_WAIT_SPINS:
                 time.sleep(pause)
-                longest = min(WAIT_LONGEST_S,
-                              max(WAIT_MAX_S, WAIT_SHARE * (time.monotonic() - started)))
+                share = settings.NIXL_WAIT_SHARE * (time.monotonic() - started)
+                longest = min(settings.NIXL_WAIT_LONGEST_S, max(settings.NIXL_WAIT_MAX_S, share))
                 pause = min(2 * pause, longest)
 
     def forget_peer(self, worker_id: str) -> None:
@@ -293,7 +278,8 @@ class NixlTransport(Transport):
 
 
 class ProgressLoop:
-    """Advances a NIXL agent's UCX worker every `PROGRESS_PERIOD_S`, on a thread of its own.
+    """Advances a NIXL agent's UCX worker every `settings.NIXL_PROGRESS_PERIOD_S`, on a
+    thread of its own.
 
     NIXL's own progress thread polls the worker's event descriptor and progresses it again
     whenever that is ready. A UCX `tcp` endpoint that waits for a silent peer (stopped,
@@ -309,7 +295,7 @@ class ProgressLoop:
     after the read was given up."""
 
     def __init__(self, agent, lock: threading.Lock, name: str,
-                 period: float = PROGRESS_PERIOD_S):
+                 period: float = settings.NIXL_PROGRESS_PERIOD_S):
         self._agent, self._lock, self._period = agent, lock, period
         self._abandoned: list = []
         self.late = 0

@@ -4,28 +4,21 @@ Both same-host paths copy with one C call per piece of memory (`process_vm_readv
 `memmove` out of a mapping for shm), and both release the GIL there. One thread copies
 ~4.7 GB/s here, two ~9 GB/s; a torch copy per tensor instead wakes its worker threads once
 per tensor, which costs more than the copy for tensors of a few MiB on a busy machine. So a
-read is cut into calls of at most CALL_BYTES (deadlines are checked between calls) and at
-least THREADS calls, which THREADS threads share.
+read is cut into calls of at most `settings.COPY_CALL_BYTES` (deadlines are checked between
+calls) and at least one call per thread of `TENSORHUB_COPY_THREADS`, which share them.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from tensorhub import settings
+
 Segment = tuple[int, int, int]  # (local address, remote address, nbytes)
 
 IOV_MAX = 1024  # segments per call (Linux UIO_MAXIOV, the limit of process_vm_readv)
-# Bytes per call at most. Larger calls cost less per byte (measured on 1 GiB, 2 threads:
-# 9.1 GB/s with 64 MiB calls, 8.1 with 4 MiB).
-CALL_BYTES = 64 << 20
-MIN_CALL_BYTES = 1 << 20
-# Calls run in this many threads at once. Measured on this 2-core machine with both cores
-# free: one thread copies ~4.7 GB/s, two ~9.1 GB/s.
-THREADS = max(1, int(os.environ.get("TENSORHUB_COPY_THREADS",
-                                    os.environ.get("TENSORHUB_CMA_THREADS", "2"))))
 
 
 def split_calls(segments: list[Segment], call_bytes: int) -> list[list[Segment]]:
@@ -46,8 +39,8 @@ def split_calls(segments: list[Segment], call_bytes: int) -> list[list[Segment]]
 
 
 class CopyPool:
-    """Runs the calls of one read on THREADS threads and returns when all have ended (so no
-    copy still runs into our memory after a failure is raised)."""
+    """Runs the calls of one read on `TENSORHUB_COPY_THREADS` threads and returns when all
+    have ended (so no copy still runs into our memory after a failure is raised)."""
 
     def __init__(self, name: str):
         self._name = name
@@ -57,15 +50,17 @@ class CopyPool:
     def run(self, segments: list[Segment], copy: Callable[[list[Segment]], None]) -> None:
         """`copy(call)` for every call of `segments`; raises the first call's error."""
         total = sum(n for *_, n in segments)
-        call_bytes = min(CALL_BYTES, max(MIN_CALL_BYTES, -(-total // THREADS)))
+        threads = settings.COPY_THREADS.get()
+        call_bytes = min(settings.COPY_CALL_BYTES,
+                         max(settings.COPY_MIN_CALL_BYTES, -(-total // threads)))
         calls = split_calls(segments, call_bytes)
-        if THREADS == 1 or len(calls) <= 1:
+        if threads == 1 or len(calls) <= 1:
             for call in calls:
                 copy(call)
             return
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix=self._name)
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix=self._name)
             pool = self._pool
         futures = [pool.submit(copy, call) for call in calls]
         for f in futures:  # wait for all first

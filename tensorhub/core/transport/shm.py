@@ -24,14 +24,13 @@ import time
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import SharedRegion
 from tensorhub.core.errors import TransferError
 from tensorhub.core.shared_memory import MapError, map_region
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.cma import exited
 from tensorhub.core.transport.parallel_copy import CopyPool, Segment
-
-PRUNE_EVERY = 1.0  # seconds between checks for mappings of holders that have exited
 
 
 class ShmNotPermitted(TransferError):
@@ -102,7 +101,7 @@ class ShmReader:
             cached = self._maps.get(peer.worker_id, {})
             kept = {k: v for k, v in cached.items() if k in wanted}
             self._maps[peer.worker_id] = kept
-            if now - self._pruned > PRUNE_EVERY:
+            if now - self._pruned > settings.SHM_PRUNE_SECONDS:
                 # A mapping keeps a holder's memory alive: let go of holders that exited.
                 self._pruned = now
                 for worker_id, maps in list(self._maps.items()):

@@ -26,14 +26,14 @@ import torch
 import zmq
 from pydantic import BaseModel, ConfigDict, Field
 
+from tensorhub import settings
 from tensorhub.core.data_types import MAX_NAME, Endpoint
 from tensorhub.core.errors import TransferError
 from tensorhub.core.transport import grants
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
-FRAME = 1 << 20  # bytes per zmq frame
-CHUNK = 16 << 20  # bytes per request
-WINDOW = 4  # requests in flight per read
+FRAME = 1 << 20  # bytes per zmq frame: a reply is sent as frames of this size, zero-copy
+CHUNK = 16 << 20  # bytes per request at most: a server refuses a larger one (`_ChunkRequest`)
 
 
 class _ChunkRequest(BaseModel):
@@ -181,7 +181,7 @@ class ZmqTransport(Transport):
         deadline = time.monotonic() + timeout
         sent = done = 0
         while done < len(chunks):
-            while sent < len(chunks) and sent - done < WINDOW:
+            while sent < len(chunks) and sent - done < settings.ZMQ_WINDOW:
                 addr, dest = chunks[sent]
                 sock.send(msgpack.packb({"seq": sent, "addr": addr, "nbytes": dest.size,
                                          "grant": peer.grant}))

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from tensorhub.processes import ChildProcess
-from tensorhub.testing.cluster import Cluster, Host
+from tensorhub_testing.cluster import Cluster, Host
 
 COORDINATOR_PORT = 5555
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tensorhub.processes import ChildProcess
-from tensorhub.testing.cluster import Cluster, Host
+from tensorhub_testing.cluster import Cluster, Host
 
 RAY_PORT = 6380
 
@@ -42,7 +42,7 @@ class RayCluster:
         self.address = f"{self.hosts[0].address}:{RAY_PORT}"
         ray_bin = Path(sys.executable).parent / "ray"
         self._ray = str(ray_bin) if ray_bin.exists() else "ray"
-        repo = str(Path(__file__).resolve().parents[2])
+        repo = str(Path(__file__).resolve().parents[1])
         self.env = {
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
             "RAY_USAGE_STATS_ENABLED": "0",

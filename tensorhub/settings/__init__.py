@@ -1,0 +1,247 @@
+"""Every setting TensorHub reads from the environment, declared once: name, type, default,
+and why it exists; then the tuning constants an operator may want to change.
+
+A variable is read where it is used (`Setting.get`), never at import, so a test, a launch
+script or a parent process can set it for whatever runs next. An empty variable counts as
+unset; a value that does not parse fails with a `SettingError` naming the variable.
+
+`python -m tensorhub.settings` prints the table README.md's Settings section carries;
+`python -m tensorhub.settings --write README.md` puts it there (`tests/test_settings.py`
+fails while the two differ). This module imports nothing else of TensorHub, so every layer
+may read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+T = TypeVar("T")
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class SettingError(ValueError):
+    """An environment variable holds a value its setting cannot take."""
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter:
+    return TypeAdapter(kind)
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: `kind` is the type its text is validated as."""
+
+    name: str
+    kind: Any
+    default: T
+    why: str
+    shown: str = ""  # the default as the table shows it, where it is not a plain value
+    unit: str = ""  # after a number's default in the table, e.g. "s"
+
+    def get(self) -> T:
+        """The variable's value now, parsed; the default when it is unset or empty."""
+        text = os.environ.get(self.name, "")
+        if not text:
+            return self.default
+        try:
+            return _adapter(self.kind).validate_python(text)
+        except ValidationError as exc:
+            reason = "; ".join(e["msg"] for e in exc.errors())
+            raise SettingError(f"{self.name}={text!r} is not a valid value: {reason}") from None
+
+    def row(self) -> str:
+        return f"| `{self.name}` | {_type_text(self.kind)} | {self._default_text()} | {self.why} |"
+
+    def _default_text(self) -> str:
+        if self.shown:
+            return self.shown
+        if self.default is None:
+            return "none"
+        if isinstance(self.default, bool):
+            return f"`{int(self.default)}`"
+        if isinstance(self.default, float):
+            return f"{self.default:g} {self.unit}".strip()
+        return f"`{self.default}`" if self.default != "" else "none"
+
+
+def _type_text(kind: Any) -> str:
+    """How the table names a type: `bool` is written 0 / 1, optional ones as their value's."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    origin = typing.get_origin(kind)
+    if origin is Annotated or (args and origin not in (Literal, None)):  # Annotated, X | None
+        return _type_text(args[0])
+    if origin is Literal:
+        return " / ".join(f"`{a}`" for a in args)
+    return {bool: "0 / 1", int: "number", float: "number", Path: "path"}.get(kind, "text")
+
+
+SETTINGS: list[Setting] = []
+
+
+def _setting(name: str, kind: Any, default: T, why: str, shown: str = "",
+             unit: str = "") -> Setting[T]:
+    setting = Setting(name, kind, default, why, shown, unit)
+    SETTINGS.append(setting)
+    return setting
+
+
+# --- engines (the engine plugins read these through `engines/settings.py`) -----------------
+
+COORDINATOR = _setting(
+    "TENSORHUB_COORDINATOR", str | None, None,
+    "coordinator address for engines and verl; without it an engine plugin stays inert")
+MODEL = _setting("TENSORHUB_MODEL", str, "policy", "model name an engine follows")
+MODE = _setting(
+    "TENSORHUB_MODE", Literal["follow", "manual"], "follow",
+    "engines: `follow` takes every version, `manual` only `POST /tensorhub/update`")
+PAUSE = _setting(
+    "TENSORHUB_PAUSE", Literal["wait", "abort", "keep"], "wait",
+    "engines: how generation pauses for a swap (in-flight requests finish, are aborted, "
+    "or freeze and resume)")
+NAME = _setting("TENSORHUB_NAME", str, "",
+                "an engine's worker name (a random suffix is added)",
+                shown="`vllm-HOST:PORT` / `sglang-HOST:PORT`")
+JOIN_TIMEOUT = _setting("TENSORHUB_JOIN_TIMEOUT", Seconds, 300.0,
+                        "engines: longest wait for the newest version at start-up", unit="s")
+UPDATE_TIMEOUT = _setting("TENSORHUB_UPDATE_TIMEOUT", Seconds, 120.0,
+                          "engines: longest pull", unit="s")
+SWAP_TIMEOUT = _setting("TENSORHUB_SWAP_TIMEOUT", Seconds, 300.0,
+                        "engines: longest step of a swap (pause, load, resume)", unit="s")
+POLL_INTERVAL = _setting("TENSORHUB_POLL_INTERVAL", Seconds, 0.2,
+                         "engines: how often the front end looks for versions", unit="s")
+CHECKPOINT_COPY = _setting(
+    "TENSORHUB_CHECKPOINT_COPY", Literal["auto", "always", "never"], "auto",
+    "SGLang: keep the checkpoint copy always, never, or only while the checkpoint path is used")
+LOG_LEVEL = _setting("TENSORHUB_LOG_LEVEL", str, "INFO",
+                     "level of TensorHub's log inside an engine")
+COPY_PER_RANK = _setting("TENSORHUB_COPY_PER_RANK", bool, False,
+                         "`1`: a checkpoint copy per TP rank instead of one shared per engine")
+
+# --- every worker -----------------------------------------------------------------------------
+
+TRANSPORT = _setting(
+    "TENSORHUB_TRANSPORT", Literal["auto", "nixl", "cma", "zmq"], "auto",
+    "how a worker reads peers: `auto` is NIXL across hosts and shared memory or cma on this "
+    "host; `zmq` where there is no NIXL")
+HOST_ADDRESS = _setting("TENSORHUB_HOST_ADDRESS", str | None, None,
+                        "the address a worker advertises to peers",
+                        shown="local address of the route to the coordinator")
+LABELS = _setting("TENSORHUB_LABELS", str, "",
+                  "topology labels added or overridden, e.g. `dc=us-east,rack=r12`",
+                  shown="`node=<hostname>`")
+UCX_DEFAULTS = _setting("TENSORHUB_UCX_DEFAULTS", bool, True,
+                        "`0`: do not set UCX defaults for unset `UCX_*` variables")
+SHARED_MEMORY = _setting(
+    "TENSORHUB_SHARED_MEMORY", bool, True,
+    "`0`: TensorHub's own buffers are ordinary memory, not a shared memfd")
+COPY_THREADS = _setting("TENSORHUB_COPY_THREADS", Annotated[int, Field(ge=1)], 2,
+                        "threads for same-host copies (shared memory, cma)")
+STALL_TIMEOUT = _setting(
+    "TENSORHUB_STALL_TIMEOUT", Seconds, 30.0,
+    "a read batch with no progress this long gives its source up (a stopped holder)",
+    unit="s")
+MAX_VERSION_GB = _setting(
+    "TENSORHUB_MAX_VERSION_GB", Annotated[float, Field(gt=0)] | None, None,
+    "the most a version's buffers may take; larger versions are refused",
+    shown="free memory now")
+CUDA_IPC = _setting("TENSORHUB_CUDA_IPC", bool, False,
+                    "`1`: CUDA IPC for same-host GPU reads (never run)")
+
+# --- security -------------------------------------------------------------------------------
+
+TOKEN = _setting(
+    "TENSORHUB_TOKEN", str | None, None,
+    "token shared by coordinator and workers: CURVE on the coordinator's sockets; engine "
+    "routes require it")
+TOKEN_FILE = _setting("TENSORHUB_TOKEN_FILE", Path | None, None,
+                      "file holding the token, when `TENSORHUB_TOKEN` is unset")
+HTTP_TOKEN = _setting("TENSORHUB_HTTP_TOKEN", str | None, None,
+                      "token for engine routes only, when neither of the above is set")
+CURVE_SECRET_FILE = _setting("TENSORHUB_CURVE_SECRET_FILE", Path | None, None,
+                             "coordinator: CURVE secret key from `tensorhub keygen`")
+CURVE_SERVER_KEY = _setting("TENSORHUB_CURVE_SERVER_KEY", str | None, None,
+                            "clients: the coordinator's public key to pin")
+CURVE_SERVER_KEY_FILE = _setting("TENSORHUB_CURVE_SERVER_KEY_FILE", Path | None, None,
+                                 "clients: a file holding the coordinator's public key")
+
+# --- set by TensorHub itself ------------------------------------------------------------------
+
+SGLANG_INSTANCE = _setting(
+    "TENSORHUB_SGLANG_INSTANCE", str | None, None,
+    "internal: SGLang's main process passes its name to its schedulers", shown="set by the plugin")
+SGLANG_STATUS_DIR = _setting(
+    "TENSORHUB_SGLANG_STATUS_DIR", str | None, None,
+    "internal: SGLang's main process passes its status directory to its schedulers",
+    shown="set by the plugin")
+
+
+# --- tuning constants (not read from the environment) ---------------------------------------
+
+# How long a coordinator request waits for its reply unless its caller says otherwise.
+REQUEST_TIMEOUT: float = 10.0
+# A pull (or join) running longer than this logs its progress this often.
+PROGRESS_LOG_SECONDS: float = 10.0
+# Same-host copies (`core/transport/parallel_copy.py`) are cut into calls of at most
+# COPY_CALL_BYTES: larger calls cost less per byte, and deadlines are checked between calls.
+# A read is cut into at least one call per copy thread, but none under COPY_MIN_CALL_BYTES.
+COPY_CALL_BYTES: int = 64 << 20
+COPY_MIN_CALL_BYTES: int = 1 << 20
+# How often shared-memory readers look for mappings of holders that have exited (seconds).
+SHM_PRUNE_SECONDS: float = 1.0
+# Requests the zmq fallback transport keeps in flight per read.
+ZMQ_WINDOW: int = 4
+# NIXL (`core/transport/nixl.py`). The progress thread advances the agent's UCX worker this
+# often: it serves the reads others make of us over `tcp` (UCX emulates READ with active
+# messages there) and completes ours.
+NIXL_PROGRESS_PERIOD_S: float = 1e-3
+# A read's completion is checked NIXL_WAIT_SPINS times back to back, then after pauses that
+# double from NIXL_WAIT_FIRST_S up to NIXL_WAIT_MAX_S, or up to NIXL_WAIT_SHARE of the time
+# it has taken so far where that is longer, never over NIXL_WAIT_LONGEST_S: a long read
+# costs little CPU while it waits, a short one is seen done at once.
+NIXL_WAIT_SPINS: int = 200
+NIXL_WAIT_FIRST_S: float = 50e-6
+NIXL_WAIT_MAX_S: float = 1e-3
+NIXL_WAIT_SHARE: float = 0.05
+NIXL_WAIT_LONGEST_S: float = 0.02
+# A peer whose read was given up (no progress within the stall timeout) is not read from
+# again for this long: every other read of it waiting or in flight fails at once, so a
+# stopped source costs one stall timeout, not one per stripe (it has been re-planned away by
+# then; a peer that comes back is read again afterwards).
+NIXL_GIVE_UP_S: float = 30.0
+# How often a read waiting for its turn at a peer looks whether the peer was given up.
+NIXL_LOCK_CHECK_S: float = 0.05
+
+
+# --- the README's table -------------------------------------------------------------------
+
+BEGIN = "<!-- settings table: generated by `python -m tensorhub.settings`; do not edit -->"
+END = "<!-- end of settings table -->"
+
+
+def markdown_table() -> str:
+    """Every setting, one row each, in declaration order."""
+    return "\n".join(["| variable | type | default | what it does |", "|---|---|---|---|",
+                      *(s.row() for s in SETTINGS)])
+
+
+def table_in(text: str) -> str | None:
+    """The generated table between the markers in `text` (a README); None without them."""
+    match = re.search(re.escape(BEGIN) + r"\n(.*?)\n?" + re.escape(END), text, re.S)
+    return match.group(1).strip() if match else None
+
+
+def with_table(text: str) -> str:
+    """`text` with the current table between its markers."""
+    if table_in(text) is None:
+        raise SettingError(f"no settings table markers ({BEGIN} ... {END})")
+    return re.sub(re.escape(BEGIN) + r".*?" + re.escape(END),
+                  lambda _: f"{BEGIN}\n{markdown_table()}\n{END}", text, flags=re.S)
