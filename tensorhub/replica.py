@@ -10,13 +10,13 @@ failed pull leaves it holding nothing (`version is None`). With `staging=True` i
 into a shadow copy while it keeps serving the old version, and a failed pull leaves it
 exactly on its previous version; the price is a second copy of the weights in memory.
 
-Striped (default, `chunked=True`): the coordinator names one parent per stripe of the
+Striped (default): the coordinator names one parent per stripe of the
 version once (`coordinator/forest.py`); the replica reads each chunk from its parent as
 soon as the parent has it (it polls the parent's progress bytes one-sided), marks it in its
 own progress bytes, and so serves it to its own children while it pulls the next ones
 (pipelined replication: a fleet pulls a version in about the time one reader does, and
 the coordinator hears from each reader a few times a version, not once a chunk; see
-`striped.py`). `chunked=False` asks for one whole-item plan per pull instead.
+`striped.py`). `whole_items=True` asks for one whole-item plan per pull instead.
 """
 
 from __future__ import annotations
@@ -99,13 +99,13 @@ class Replica:
         timeout: float = 10.0,
         labels: dict[str, str] | None = None,
         device: str = "cpu",
-        chunked: bool = True,
+        whole_items: bool = False,
         part: int = 0,
         coordinator_wait: float = 0.0,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
-        joining with no weights of its own). `chunked=False`: whole-item plans, no
+        joining with no weights of its own). `whole_items`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
         pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
         how long to keep trying to register with a coordinator that does not answer."""
@@ -113,7 +113,7 @@ class Replica:
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
         self.staging = staging
         self.verify = verify
-        self.chunked = chunked
+        self.whole_items = whole_items
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
         self._device = device
@@ -201,7 +201,7 @@ class Replica:
                 plan = self.session.call(PlanRequest(
                     worker_id=self.session.worker_id, model=self.model, version=version,
                     layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked, done=done, known_manifest=known is not None,
+                    done=done, known_manifest=known is not None,
                     **striped))
                 if plan.manifest is None or plan.checksums is None:
                     if known is None or plan.layout_id != known.layout_id:
@@ -270,7 +270,7 @@ class Replica:
 
     def _first_request(self, dest: list[torch.Tensor]) -> dict:
         """A striped pull's first plan request: our memory, when we serve what we pull."""
-        if not self.chunked:
+        if self.whole_items:
             return {}
         self._registrations = self.session.registrations
         relay = not self.staging
@@ -302,7 +302,7 @@ class Replica:
         late_before = self._late_reads()  # a late read landing from here on: verify again
         warm = self._warm_plan(version)
         self.last_pull_planned = warm is None
-        if self.layout is None and (self.chunked or self.part.part):
+        if self.layout is None and (not self.whole_items or self.part.part):
             # A striped pull's first request carries our buffers (and a part's plan names
             # its layout): allocate them first, from the announcement if it says the
             # manifest (no coordinator call), else from the coordinator.
@@ -320,7 +320,7 @@ class Replica:
             self.part = Part(part=self.part.part, parts=parts)
             self._bind(BoundLayout.allocate(manifest, self._device))
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
-        if self.chunked and not self.staging:
+        if not self.whole_items and not self.staging:
             self.session.progress.zero_()  # no byte of an older pull may pass for this one
         if warm is not None:
             log.info("%s: pulling %s v%d from the parents of %s (no plan to wait for)",
@@ -352,7 +352,7 @@ class Replica:
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             verifier = Verifier(plan, dest) if self.verify else None
             try:
-                if self.chunked:
+                if not self.whole_items:
                     reader = StripedReader(
                         self.session, plan, dest, not self.staging, verifier,
                         lambda action: self._ask_again(reader.plan, dest, action, deadline),
@@ -370,10 +370,10 @@ class Replica:
                 stats.verify_seconds = verifier.finish()
         except BaseException as exc:
             self.session.pulling = None
-            if self.chunked and not self.staging:
+            if not self.whole_items and not self.staging:
                 self.session.progress.zero_()  # our children stop reading from us
             self._end_leases(plan, reader, str(exc))
-            if self.chunked and not self.staging:
+            if not self.whole_items and not self.staging:
                 self._stop_serving_partial(plan.version, deadline)
             raise
         try:
@@ -556,7 +556,7 @@ class Replica:
         confirmation). A coordinator that cannot place us is no error: the pull then asks
         for a plan as usual."""
         self._standby_at = time.monotonic() + STANDBY_RETRY
-        if not self.chunked or self.staging or self.layout is None or self.part != Part():
+        if self.whole_items or self.staging or self.layout is None or self.part != Part():
             self._standby_at = float("inf")
             return False
         if self._watcher is None:  # (a pull by a placement starts from its announcement)

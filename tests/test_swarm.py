@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tensorhub.sim.fleet import SimConfig
+from tensorhub.sim.config import SimConfig
 from tensorhub.sim.swarm import simulate_swarm
 
 SMALL = SimConfig(workers=32, model_bytes=1 << 30, tensor_bytes=64 << 20, chunk_bytes=32 << 20)

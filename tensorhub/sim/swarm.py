@@ -50,8 +50,8 @@ from tensorhub.core.stripes import (
     progress_tag,
     warm_lease_id,
 )
+from tensorhub.sim.config import GB, Completions, SimConfig, synthetic_manifest
 from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
-from tensorhub.sim.fleet import GB, Completions, SimConfig, synthetic_manifest
 from tensorhub.sim.links import EventLoop, Network, Nic
 
 EXPIRY_PERIOD = 0.1
