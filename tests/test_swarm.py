@@ -1,5 +1,5 @@
-"""The striped simulator: real coordinator handlers in a queue, the reader state machine
-`Replica` runs, simulated links. Structural checks only (its figures are in bench/)."""
+"""The striped simulator: real coordinator handlers in a queue, the reader session `Replica`
+runs, simulated links. Structural checks only (its figures are in bench/)."""
 
 from __future__ import annotations
 
