@@ -254,6 +254,7 @@ class Replica:
                            now=time.monotonic(), deadline=deadline, warm=warm,
                            held=self.version, max_replans=max_replans, stall=BEHIND_AFTER,
                            poll_max=POLL_MAX)
+        registrations = self.session.registrations
         if warm is None:
             self._plan(pull, pull.first_request())
         plan = pull.plan
@@ -283,7 +284,7 @@ class Replica:
                     self._read_whole(pull, dest, verifier)
                 else:
                     StripedReader(self.session, pull, dest, verifier, self.session.call,
-                                  lambda done: self._end([done])).run()
+                                  lambda done: self._end([done]), registrations).run()
             except BaseException:
                 if verifier is not None:
                     verifier.close()

@@ -39,14 +39,15 @@ POLL_TIMEOUT = 2.0
 class StripedReader:
     def __init__(self, session: WorkerSession, pull: PullSession, dest: list[torch.Tensor],
                  verifier: Verifier | None, ask: Callable[[PlanRequest], ReadPlan],
-                 end: Callable[[ReadDone], None]):
+                 end: Callable[[ReadDone], None], registrations: int):
         """`ask`: the coordinator round trip for a plan request (raises
         `CoordinatorError`); `end`: sends a `ReadDone` (of a lease a re-ask brought after
-        the pull ended)."""
+        the pull ended); `registrations`: the session's when the pull began (another
+        number: the coordinator forgot us since)."""
         self.session, self.pull, self.dest, self.verifier = session, pull, dest, verifier
         self.ask, self.end = ask, end
         self.relay = pull.reader.relay
-        self._registrations = session.registrations  # the coordinator's that planned us
+        self._registrations = registrations
         self._asking: dict[Future, Ask] = {}
 
     def run(self) -> None:

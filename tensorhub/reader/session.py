@@ -137,6 +137,9 @@ Action = Read | Poll | Ask
 
 
 class PullSession:
+    """One reader's pull of one version: its requests, what it makes of the answers, and
+    (striped) what to read, poll or ask next."""
+
     def __init__(self, reader: Reader, worker_id: str, version: int | str, *, now: float,
                  deadline: float, warm: ReadPlan | None = None, held: int | None = None,
                  max_replans: int = 3, stall: float = 5.0, poll_min: float = 0.001,
@@ -156,7 +159,6 @@ class PullSession:
         # the coordinator may not know our memory: after a warm start (it may not have
         # carried us over) or once it forgot us (`forgotten`), every re-ask carries it
         self._memory_owed = self.warm
-        self.first: ReadPlan | None = None  # the first plan of this pull
         self.plan: ReadPlan | None = None  # the latest
         self.stats: PullStats | None = None
         self.by_source: dict[str, int] = {}  # worker id -> bytes
@@ -194,7 +196,7 @@ class PullSession:
     def _ask(self, replan: Replan) -> Ask:
         """A striped re-ask: parents for `replan.stripes` (our memory again only if the
         coordinator may not know it)."""
-        request = self._striped(self.plan.version, self._memory_owed, known=True,
+        request = self._striped(self.plan.version, self._memory_owed, known_manifest=True,
                                 stripes=list(replan.stripes), failed=list(replan.failed),
                                 behind=list(replan.behind))
         return Ask(request, replan)
@@ -205,8 +207,7 @@ class PullSession:
         return PlanRequest(worker_id=self.worker_id, model=r.model, version=version,
                            layout_id=r.layout_id, striped=True, relay=r.relay,
                            memory=r.memory if memory else None,
-                           endpoint=r.endpoint if memory else None,
-                           known_manifest=fields.pop("known", False), **fields)
+                           endpoint=r.endpoint if memory else None, **fields)
 
     def _read_done(self, lease_id: str, ok: bool, error: str | None = None,
                    failed: list[str] | None = None, stats: bool = False) -> ReadDone:
@@ -324,7 +325,6 @@ class PullSession:
         self.plan = plan
         self._lease(plan.lease_id)
         if first:
-            self.first = plan
             self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         if plan.stripes is None or not first:
             return
