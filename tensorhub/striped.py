@@ -70,8 +70,6 @@ class StripedReader:
                     else:
                         run = self._read if isinstance(action, Read) else self._poll
                         running[pool.submit(run, action)] = action
-                if pull.done:
-                    break
                 wake = pull.wake_at(time.monotonic())
                 wait_for = min(1.0, pull.deadline - time.monotonic()) if wake is None \
                     else max(0.0, wake - time.monotonic())
