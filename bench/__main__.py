@@ -25,7 +25,7 @@ CORE = {
     "same_node": ([], ["--size-mb", "256", "--repeat", "3"]),
     "fanout": ([], ["--size-mb", "256", "--versions", "2"]),
     "plan_latency": ([], ["--workers", "512", "--rates", "250", "--seconds", "3"]),
-    "simulate": ([], ["--max", "256", "--per-chunk-max", "32", "--tib-readers", "8"]),
+    "simulate": ([], ["--max", "256", "--tib-readers", "8"]),
     "hosts": ([], ["--quick"]),  # emulated hosts: needs root and iproute2
     "stalled_source": ([], ["--size-mb", "64", "--stall-timeout", "8", "--window", "5"]),
 }

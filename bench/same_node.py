@@ -138,12 +138,12 @@ def bench_raw(report: Report, size_mb: int, repeat: int) -> None:
 
 def bench_pull(report: Report, size_mb: int, repeat: int, transports: list[str]) -> None:
     """Replica.pull per transport, each pull right after a memcpy of the same size.
-    "auto/whole" is `auto` with whole-item plans (`chunked=False`: one plan, no Progress)."""
+    "auto/whole" is `auto` with whole-item plans (`whole_items=True`: one plan)."""
     rounds = Rounds(size_mb * 2**20)
     memcpy = _memcpy(size_mb)
     for transport in transports:
         kind, _, whole = transport.partition("/")
-        with publishing_holder(size_mb, kind, chunked=not whole) as (holder, rep):
+        with publishing_holder(size_mb, kind, whole_items=whole) as (holder, rep):
             for _ in range(repeat):
                 for verify in (False, True):
                     rep.verify = verify

@@ -1,9 +1,9 @@
 """Simulated fan-out to 8 ... 4096 replicas by the striped protocol (a fleet's first version,
 cold and with readers on standby, and the next one pulled from the same parents), with the
 coordinator modelled as a queue (its real handlers, timed here, one message at a time),
-beside a star, a ring, the binomial-pipeline optimum and the per-chunk design it replaced;
-also 1 TiB. Writes bench/results/simulate.{jsonl,md} and simulate.png.
-`python -m bench.simulate [--max N] [--per-chunk-max N] [--tib-readers N]`; `--tib-only`
+beside a star, a ring and the binomial-pipeline optimum; also 1 TiB. Writes
+bench/results/simulate.{jsonl,md} and simulate.png.
+`python -m bench.simulate [--max N] [--tib-readers N]`; `--tib-only`
 runs the 1 TiB fan-out alone (bench/results/simulate_tib.{jsonl,md}: 1024 readers take
 about half an hour here)."""
 
@@ -13,8 +13,8 @@ import argparse
 from dataclasses import replace
 
 from bench.results import RESULTS, Report
+from tensorhub.sim.config import SimConfig
 from tensorhub.sim.coordinator_queue import measure_socket_cost
-from tensorhub.sim.fleet import SimConfig
 from tensorhub.sim.sweep import plot, run_sweep
 
 
@@ -27,15 +27,7 @@ def _report(report: Report, rows, label: str = "") -> None:
                    r.ring / lb, higher_is_better=False)
         report.add(f"{n} worst / lower bound (vs optimum)", r.tensorhub / lb, "x", "optimum",
                    r.optimum / lb, higher_is_better=False)
-        if r.per_chunk:
-            report.add(f"{n} worst / lower bound (vs per-chunk plans)", r.tensorhub / lb, "x",
-                       "per-chunk plans, coordinator modelled", r.per_chunk / lb,
-                       higher_is_better=False)
-            report.add(f"{n} coordinator messages per reader (vs per-chunk plans)",
-                       r.messages_per_reader, "msgs", "per-chunk plans",
-                       r.per_chunk_messages, higher_is_better=False)
-        else:
-            report.add(f"{n} coordinator messages per reader", r.messages_per_reader, "msgs")
+        report.add(f"{n} coordinator messages per reader", r.messages_per_reader, "msgs")
         report.add(f"{n} median / lower bound", r.tensorhub_median / lb, "x")
         if r.steady:
             report.add(f"{n} next version, same parents: worst / lower bound (vs optimum)",
@@ -67,9 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max", type=int, default=4096, help="largest fleet (power of two)")
     parser.add_argument("--model-gib", type=float, default=8.0)
-    parser.add_argument("--per-chunk-max", type=int, default=256,
-                        help="run the per-chunk design up to this fleet size (it is slow to "
-                             "simulate: its messages grow with readers x chunks)")
     parser.add_argument("--tib-readers", type=int, default=64,
                         help="readers of the 1 TiB fan-out (0: skip it)")
     parser.add_argument("--tib-only", action="store_true",
@@ -84,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                socket_cost * 1e6, "us", "half a round trip less the handler",
                measured.half_round_trip * 1e6, higher_is_better=False)
     report.add("coordinator heartbeat handler (measured)", measured.handler * 1e6, "us")
-    rows = [] if args.tib_only else run_sweep(base, sizes, per_chunk_max=args.per_chunk_max,
-                                              socket_cost=socket_cost)
+    rows = [] if args.tib_only else run_sweep(base, sizes, socket_cost=socket_cost)
     _report(report, rows)
     if args.tib_readers:
         tib = replace(base, model_bytes=1 << 40, tensor_bytes=8 << 30, time_limit=3600.0)

@@ -126,7 +126,7 @@ def _replica(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
-                      chunked=not args.whole_items, coordinator_wait=min(120.0, args.timeout))
+                      whole_items=args.whole_items, coordinator_wait=min(120.0, args.timeout))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pulled = 0
@@ -256,12 +256,12 @@ def _simulate(args: argparse.Namespace) -> int:
     """Fleet sizes through the real coordinator on a simulated clock and network."""
     from pathlib import Path
 
-    from tensorhub.sim.fleet import SimConfig
+    from tensorhub.sim.config import SimConfig
     from tensorhub.sim.sweep import plot, run_sweep
 
     base = SimConfig(model_bytes=int(args.model_gib * 2**30),
                      chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
-                     dcs=args.dcs, streams=args.streams)
+                     dcs=args.dcs)
     rows = run_sweep(base, args.sizes)
     if args.plot:
         print(f"plot: {plot(rows, Path(args.plot))}")
@@ -400,7 +400,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mib", type=float, default=64.0)
     p.add_argument("--nic-gbps", type=float, default=100.0)
     p.add_argument("--dcs", type=int, default=1, help="datacenters (workers round robin)")
-    p.add_argument("--streams", type=int, default=2, help="chunks a reader reads at once")
     p.add_argument("--plot", default=None, help="write a PNG here")
     p.set_defaults(func=_simulate)
 

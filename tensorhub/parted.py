@@ -33,12 +33,12 @@ class PartedReplica:
     def __init__(self, coordinator: str, model: str, *, name: str = "replica",
                  transport: str | None = None, token: str | None = None,
                  timeout: float = 10.0, labels: dict[str, str] | None = None,
-                 chunked: bool = True):
+                 whole_items: bool = False):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`."""
         self.coordinator, self.model, self.name = coordinator, model, name
         self._kw = {"transport": transport, "token": token, "timeout": timeout,
-                    "labels": labels, "chunked": chunked}
+                    "labels": labels, "whole_items": whole_items}
         self.replicas: list[Replica] = [self._replica(0)]
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)

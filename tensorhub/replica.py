@@ -10,43 +10,36 @@ failed pull leaves it holding nothing (`version is None`). With `staging=True` i
 into a shadow copy while it keeps serving the old version, and a failed pull leaves it
 exactly on its previous version; the price is a second copy of the weights in memory.
 
-Striped (default, `chunked=True`): the coordinator names one parent per stripe of the
-version once (`coordinator/forest.py`); the replica reads each chunk from its parent as
-soon as the parent has it (it polls the parent's progress bytes one-sided), marks it in its
-own progress bytes, and so serves it to its own children while it pulls the next ones
+Striped (default): the coordinator names one parent per stripe of the version once
+(`coordinator/forest.py`); the replica reads each chunk from its parent as soon as the
+parent has it (it polls the parent's progress bytes one-sided), marks it in its own
+progress bytes, and so serves it to its own children while it pulls the next ones
 (pipelined replication: a fleet pulls a version in about the time one reader does, and
 the coordinator hears from each reader a few times a version, not once a chunk; see
-`striped.py`). `chunked=False` asks for one whole-item plan per pull instead.
+`striped.py`). `whole_items=True` asks for one whole-item plan per pull instead.
+
+What a pull sends and does with the answers is `reader/session.py` (the simulator runs the
+same); this module gives it real I/O: the coordinator client, buffers, transports.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from tensorhub import metrics
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
-    PUBLISHER,
     Announcement,
-    ByteRange,
     GetManifest,
     Manifest,
     Part,
     Placement,
     PlanRequest,
-    PullProgress,
     ReadDone,
     ReadPlan,
-    Source,
-    StandBy,
 )
 from tensorhub.core.errors import (
     CoordinatorError,
@@ -56,30 +49,16 @@ from tensorhub.core.errors import (
     TransferError,
 )
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
-from tensorhub.core.memory import describe, regions_digest
+from tensorhub.core.memory import describe
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession
-from tensorhub.core.stripes import Replan, warm_lease_id
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
-from tensorhub.striped import StripedReader
+from tensorhub.reader.session import Parents, PullSession, Reader
+from tensorhub.striped import BEHIND_AFTER, POLL_MAX, StripedReader
 
 log = logging.getLogger("tensorhub.replica")
 
-
-@dataclass(frozen=True)
-class _Parents:
-    """The parents a striped pull ended with, or a standby placement named (`PUBLISHER`
-    for the coming version's publisher): the next version of the same layout is pulled
-    from them, with no plan request, if its announcement allows."""
-
-    layout_id: str
-    stripes: tuple[str, ...]
-    sources: dict[str, Source]
-    chunk_bytes: int
-    worker_id: str  # ours when we had them (the coordinator's leases name it)
-
-NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
 STANDBY_RETRY = 5.0  # seconds before standing by again after the coordinator could not place us
 
 
@@ -99,13 +78,13 @@ class Replica:
         timeout: float = 10.0,
         labels: dict[str, str] | None = None,
         device: str = "cpu",
-        chunked: bool = True,
+        whole_items: bool = False,
         part: int = 0,
         coordinator_wait: float = 0.0,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
-        joining with no weights of its own). `chunked=False`: whole-item plans, no
+        joining with no weights of its own). `whole_items`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
         pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
         how long to keep trying to register with a coordinator that does not answer."""
@@ -113,7 +92,7 @@ class Replica:
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
         self.staging = staging
         self.verify = verify
-        self.chunked = chunked
+        self.whole_items = whole_items
         self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
         self._device = device
@@ -133,8 +112,7 @@ class Replica:
         self.last_pull: PullStats | None = None
         self.last_pull_planned = True  # False: the last pull needed no plan request
         self._watcher: VersionWatcher | None = None
-        self._parents: _Parents | None = None
-        self._registrations = 0  # the session's, at our last first request (0: none yet)
+        self._parents: Parents | None = None
         self._standby_at = 0.0  # when `wait_for_newer` may stand by (again)
 
     def _bind(self, layout: BoundLayout) -> None:
@@ -187,107 +165,52 @@ class Replica:
         self._late_seen = late
 
     # ------------------------------------------------------------------ pulling
-    def _plan(self, version, deadline: float, missing: list[ByteRange] | None = None,
-              done: ReadDone | None = None, known: ReadPlan | None = None,
-              **striped) -> ReadPlan:
-        """Ask for a plan (carrying the previous plan's lease's end, `done`; with `known`,
-        an earlier plan of this pull, the manifest and checksums are not sent again; with
-        `striped`, the striped request's fields); wait while holders are busy, and briefly
-        (a few heartbeats, in case holders are re-registering with a restarted
-        coordinator) while none is left."""
-        no_holder_until = time.monotonic() + NO_HOLDER_GRACE
+    def _reader(self, dest: list[torch.Tensor]) -> Reader:
+        relay = not self.whole_items and not self.staging
+        return Reader(self.model, self.layout.layout_id if self.layout else None,
+                      [describe(b) for b in dest] if relay else None,
+                      self.session.transport.endpoint(), relay, self.whole_items)
+
+    def _plan(self, pull: PullSession, request: PlanRequest) -> None:
+        """Ask for a plan, and again while the session says to wait (busy holders, none
+        left for a moment)."""
         while True:
             try:
-                plan = self.session.call(PlanRequest(
-                    worker_id=self.session.worker_id, model=self.model, version=version,
-                    layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked, done=done, known_manifest=known is not None,
-                    **striped))
-                if plan.manifest is None or plan.checksums is None:
-                    if known is None or plan.layout_id != known.layout_id:
-                        raise CoordinatorError(f"a plan for {self.model} v{plan.version} came "
-                                               f"without its manifest", code="bad_reply")
-                    plan = plan.model_copy(update={"manifest": known.manifest,
-                                                   "checksums": known.checksums})
-                return plan
+                pull.planned(self.session.call(request), time.monotonic())
+                return
             except CoordinatorError as exc:
-                retry = exc.retry_after if exc.code in ("busy", "no_holder") else None
-                if known is not None and exc.code in ("unknown_model", "unknown_version"):
-                    retry = 0.2  # mid-pull: a restarted coordinator, holders re-registering
-                if retry is not None and exc.code == "busy":
-                    retry = busy_wait(retry)
-                limit = deadline if exc.code == "busy" else min(deadline, no_holder_until)
-                if retry is None or time.monotonic() + retry > limit:
+                wait = pull.refused(exc.code, exc.retry_after, time.monotonic())
+                if wait is None:
                     raise
-                time.sleep(retry)
+                time.sleep(wait)
 
-    def _read_done(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
-                   error: str | None = None, failed: list[str] | None = None,
-                   by_source: dict[str, int] | None = None) -> ReadDone:
-        return ReadDone(worker_id=self.session.worker_id, lease_id=plan.lease_id, ok=ok,
-                        nbytes=stats.nbytes if stats else 0,
-                        seconds=stats.seconds if stats else 0.0, error=error,
-                        failed_holders=failed or [], by_source=by_source or {})
+    def _end(self, dones: list[ReadDone]) -> None:
+        for done in dones:
+            try:
+                self.session.call(done)
+            except TensorHubError as exc:  # the lease expires on its own
+                log.warning("could not end read lease %s: %s", done.lease_id, exc)
 
-    def _end_lease(self, plan: ReadPlan, ok: bool, stats: PullStats | None = None,
-                   error: str | None = None, failed: list[str] | None = None,
-                   by_source: dict[str, int] | None = None) -> None:
-        try:
-            self.session.call(self._read_done(plan, ok, stats, error, failed, by_source))
-        except TensorHubError as exc:  # the lease expires on its own
-            log.warning("could not end read lease %s: %s", plan.lease_id, exc)
-
-    def _read(self, plan: ReadPlan, dest: list[torch.Tensor], deadline: float,
-              max_replans: int, verifier: Verifier | None, total: PullStats,
-              ) -> tuple[ReadPlan, PullStats]:
-        """Read a whole-item plan into `total`'s count; a failed source is reported and the
-        bytes not yet read are planned again elsewhere, up to `max_replans` failures. The
-        last plan's lease is left to the caller, to end after `Hold`."""
+    def _read_whole(self, pull: PullSession, dest: list[torch.Tensor],
+                    verifier: Verifier | None) -> None:
+        """Read a whole-item plan; a failed source is reported and the bytes not yet read
+        are planned again elsewhere, up to `max_replans` failures."""
         done: set[tuple[int, int, int]] = set()
-        failures = 0
         while True:
             try:
-                read_plan(self.session.transport, plan, dest,
-                          timeout=max(0.001, deadline - time.monotonic()), done=done,
-                          stats=total, verifier=verifier)
-                return plan, total
+                read_plan(self.session.transport, pull.plan, dest,
+                          timeout=max(0.001, pull.deadline - time.monotonic()), done=done,
+                          stats=pull.stats, verifier=verifier)
+                return
             except TransferError as exc:
-                self._end_lease(plan, ok=False, error=str(exc),
-                                failed=[exc.source] if exc.source else None)
-                failures += 1
-                if failures > max_replans or time.monotonic() > deadline:
+                self._end([pull.source_failed(str(exc), exc.source)])
+                if pull.failures > pull.max_replans or time.monotonic() > pull.deadline:
                     raise
-                unread = [r for r in split(plan) if r.key() not in done]
+                unread = [r for r in split(pull.plan) if r.key() not in done]
                 log.warning("%s: reading %s v%d failed (%s); planning the missing %.1f MiB "
-                            "again", self.session.name, self.model, plan.version, exc,
+                            "again", self.session.name, self.model, pull.plan.version, exc,
                             sum(r.nbytes for r in unread) / 2**20)
-                plan = self._plan(plan.version, deadline,
-                                  [ByteRange(item=r.item, offset=r.offset, nbytes=r.nbytes)
-                                   for r in unread], known=plan)
-            except BaseException as exc:
-                self._end_lease(plan, ok=False, error=str(exc))
-                raise
-
-    def _first_request(self, dest: list[torch.Tensor]) -> dict:
-        """A striped pull's first plan request: our memory, when we serve what we pull."""
-        if not self.chunked:
-            return {}
-        self._registrations = self.session.registrations
-        relay = not self.staging
-        return {"striped": True, "relay": relay,
-                "memory": [describe(b) for b in dest] if relay else None,
-                "endpoint": self.session.transport.endpoint() if relay else None}
-
-    def _ask_again(self, plan: ReadPlan, dest: list[torch.Tensor], action: Replan,
-                   deadline: float) -> ReadPlan:
-        """A striped pull's later plan request: parents for `action.stripes` (our memory
-        again only if the coordinator restarted since and does not know it)."""
-        again = self.session.registrations != self._registrations \
-            or not self.last_pull_planned  # (the coordinator may not expect us)
-        first = self._first_request(dest) if again else {"striped": True,
-                                                         "relay": not self.staging}
-        return self._plan(plan.version, deadline, known=plan, stripes=list(action.stripes),
-                          failed=list(action.failed), behind=list(action.behind), **first)
+                self._plan(pull, pull.missing_request(unread))
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
              max_replans: int = 3) -> int:
@@ -302,7 +225,7 @@ class Replica:
         late_before = self._late_reads()  # a late read landing from here on: verify again
         warm = self._warm_plan(version)
         self.last_pull_planned = warm is None
-        if self.layout is None and (self.chunked or self.part.part):
+        if self.layout is None and (not self.whole_items or self.part.part):
             # A striped pull's first request carries our buffers (and a part's plan names
             # its layout): allocate them first, from the announcement if it says the
             # manifest (no coordinator call), else from the coordinator.
@@ -320,60 +243,60 @@ class Replica:
             self.part = Part(part=self.part.part, parts=parts)
             self._bind(BoundLayout.allocate(manifest, self._device))
         dest = self._staged if self.staging else self.layout.item_bytes if self.layout else []
-        if self.chunked and not self.staging:
+        relay = not self.whole_items and not self.staging
+        if relay:
             self.session.progress.zero_()  # no byte of an older pull may pass for this one
         if warm is not None:
             log.info("%s: pulling %s v%d from the parents of %s (no plan to wait for)",
                      self.session.name, self.model, warm.version,
                      "its standby" if self.version is None else f"v{self.version}")
-        plan = warm or self._plan(version, deadline, **self._first_request(dest))
-        if plan.version == self.version:
-            self._end_lease(plan, ok=True)
+        pull = PullSession(self._reader(dest), self.session.worker_id, version,
+                           now=time.monotonic(), deadline=deadline, warm=warm,
+                           held=self.version, max_replans=max_replans, stall=BEHIND_AFTER,
+                           poll_max=POLL_MAX)
+        registrations = self.session.registrations
+        if warm is None:
+            self._plan(pull, pull.first_request())
+        plan = pull.plan
+        if pull.held_already:
+            self._end(pull.end(ok=True))
             return plan.version
         if self.layout is None:
             try:
                 self._bind(BoundLayout.allocate(plan.manifest, self._device))
             except BaseException as exc:
-                self._end_lease(plan, ok=False, error=str(exc))
+                self._end(pull.end(ok=False, error=str(exc)))
                 raise
         if plan.layout_id != self.layout.layout_id:
-            self._end_lease(plan, ok=False, error="layout mismatch")
+            self._end(pull.end(ok=False, error="layout mismatch"))
             raise LayoutError(f"{self.model} v{plan.version} has layout {plan.layout_id}, "
                               f"this replica {self.layout.layout_id}")
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
-        by_source: dict[str, int] | None = None
-        reader: StripedReader | None = None
-        stats = PullStats(self.model, plan.version, [], 0, 0.0)
-        self.session.pulling = self._progress(plan.version, dest, stats, lambda: reader)
+        self.session.pulling = lambda: pull.progress(time.monotonic())
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             verifier = Verifier(plan, dest) if self.verify else None
             try:
-                if self.chunked:
-                    reader = StripedReader(
-                        self.session, plan, dest, not self.staging, verifier,
-                        lambda action: self._ask_again(reader.plan, dest, action, deadline),
-                        confirm=self._confirm(plan, dest, deadline) if warm else None)
-                    plan = reader.run(deadline, max_replans)
-                    stats, by_source = reader.stats, reader.by_source
+                if self.whole_items:
+                    self._read_whole(pull, dest, verifier)
                 else:
-                    plan, stats = self._read(plan, dest, deadline, max_replans, verifier,
-                                             stats)
+                    StripedReader(self.session, pull, dest, verifier, self.session.call,
+                                  lambda done: self._end([done]), registrations).run()
             except BaseException:
                 if verifier is not None:
                     verifier.close()
                 raise
             if verifier is not None:
-                stats.verify_seconds = verifier.finish()
+                pull.stats.verify_seconds = verifier.finish()
         except BaseException as exc:
             self.session.pulling = None
-            if self.chunked and not self.staging:
+            if relay:
                 self.session.progress.zero_()  # our children stop reading from us
-            self._end_leases(plan, reader, str(exc))
-            if self.chunked and not self.staging:
+            self._end(pull.end(ok=False, error=str(exc)))
+            if relay:
                 self._stop_serving_partial(plan.version, deadline)
             raise
         try:
@@ -387,84 +310,24 @@ class Replica:
             self.layout.scatter()
             # Hold before ending the lease: a reader planned in between then finds us as a
             # holder, rather than a momentarily idle trainer (trees, not stars).
-            self.session.hold(self.model, plan.version, self.layout, plan.checksums, self.part)
+            self.session.offer(pull.hold(self.layout.memory(), self.layout.manifest,
+                                         self.part), self.layout)
             self.version = plan.version
             self._checksums, self._late_seen = plan.checksums, late_before
-            if reader is not None and not self.staging:
-                self._remember_parents(reader)
+            if relay:
+                self._parents = pull.parents()
+                if self._parents is not None and self._watcher is None:
+                    self._watcher = VersionWatcher(self.session, self.model)
         finally:
             self.session.pulling = None
-            self._end_lease(plan, ok=self.version == plan.version, stats=stats,
-                            by_source=by_source)
+            self._end(pull.end(ok=self.version == plan.version))
+        stats: PullStats = pull.stats
         self.last_pull = stats
         metrics.pulled(self.model, plan.version, stats.nbytes, stats.seconds)
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
-
-    def _end_leases(self, plan: ReadPlan, reader: StripedReader | None, error: str) -> None:
-        """End every lease a failed pull may hold: its first plan's, its last plan's (a
-        re-plan or a confirmation may have brought another), and that of a confirmation
-        still under way once it is answered (else each would count against its sources,
-        as a read in flight, until it expires: a trainer withdrawing waits for them)."""
-        last = reader.plan if reader is not None else plan
-        self._end_lease(last, ok=False, error=error)
-        if plan.lease_id != last.lease_id:
-            self._end_lease(plan, ok=False, error=error)
-        pending = reader.confirm if reader is not None else None
-        if pending is not None:
-            def end(future: Future) -> None:
-                if future.exception() is None and future.result().lease_id not in (
-                        plan.lease_id, last.lease_id):
-                    self._end_lease(future.result(), ok=False, error=error)
-            pending.add_done_callback(end)
-
-    def _progress(self, version: int, dest: list[torch.Tensor], stats: PullStats,
-                  striped: Callable[[], StripedReader | None]) -> Callable[[], PullProgress]:
-        """How far this pull is, for the session's heartbeats (a striped pull counts in its
-        reader's stats, a whole-item pull in `stats`)."""
-        total = sum(t.numel() * t.element_size() for t in dest)
-        started = time.monotonic()
-
-        def progress() -> PullProgress:
-            reader = striped()
-            done = (reader.stats if reader is not None else stats).nbytes
-            return PullProgress(model=self.model, version=version, done=min(done, total),
-                                total=total, seconds=time.monotonic() - started)
-        return progress
-
-    def _remember_parents(self, reader: StripedReader) -> None:
-        """Keep the parents this pull ended with, for the next version (`_warm_plan`), and
-        listen for announcements from now on."""
-        stripes = reader.plan.stripes
-        if not stripes or None in stripes or self.layout is None:
-            self._parents = None
-            return
-        self._parents = _Parents(self.layout.layout_id, tuple(stripes),
-                                 {sid: reader.sources[sid] for sid in set(stripes)},
-                                 reader.plan.chunk_bytes or 0, self.session.worker_id)
-        if self._watcher is None:
-            self._watcher = VersionWatcher(self.session, self.model)
-
-    def _confirm(self, warm: ReadPlan, dest: list[torch.Tensor],
-                 deadline: float) -> Future:
-        """Tell the coordinator, while we already read, that we read by the carried
-        parents: it makes our lease hold those parents' bytes for us (and takes us in as a
-        new reader if it did not carry us). Its answer is the plan we would have had: the
-        pull takes it, and does not complete without it (a version withdrawn meanwhile by
-        every holder fails by name, `no_holder`)."""
-        future: Future = Future()
-
-        def send() -> None:
-            try:
-                future.set_result(self._ask_again(warm, dest, Replan(()), deadline))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        threading.Thread(target=send, daemon=True,
-                         name=f"tensorhub-confirm-{self.session.name}").start()
-        return future
 
     def announcement(self, version: int | str = "latest") -> Announcement | None:
         """The announcement of `version` (or of the newest), if we listen for them (since
@@ -480,34 +343,16 @@ class Replica:
         return a if a is not None and a.manifest is not None and a.parts == 1 else None
 
     def _warm_plan(self, version: int | str) -> ReadPlan | None:
-        """A plan for `version` made here, with no coordinator call: the parents of our
-        last striped pull, if its announcement says the layout, the chunking and (where a
-        parent is the publisher) the publisher's memory are as they were. The coordinator
-        carried the same parents over and holds a lease for us by a known id."""
+        """A plan for `version` made here, with no coordinator call, from the parents of
+        our last striped pull (or of our standby placement), if its announcement allows
+        (`Parents.warm_plan`)."""
         p = self._parents
         if p is None or self._watcher is None or self.layout is None or self.staging \
-                or p.worker_id != self.session.worker_id or p.layout_id != self.layout.layout_id:
+                or p.layout_id != self.layout.layout_id:
             return None
         a = self._watcher.announcement(version)
-        if a is None or a.version == self.version or a.layout_id != p.layout_id \
-                or not a.checksums or a.chunk_bytes != p.chunk_bytes:
-            return None
-        for sid, src in p.sources.items():
-            if src.role == "trainer" and (sid != a.publisher
-                                          or regions_digest(src.memory) != a.memory_digest):
-                return None
-        sources, stripes = dict(p.sources), list(p.stripes)
-        if PUBLISHER in stripes:  # placed on standby under whoever would publish
-            if a.source is None or a.source.worker_id != a.publisher or a.parts != 1:
-                return None
-            sources[a.publisher] = a.source
-            stripes = [a.publisher if s == PUBLISHER else s for s in stripes]
-        return ReadPlan(model=self.model, version=a.version, layout_id=a.layout_id,
-                        manifest=self.layout.manifest, checksums=a.checksums,
-                        lease_id=warm_lease_id(self.session.worker_id, self.model, a.version),
-                        lease_ttl=0.0, sources=list(sources.values()), ranges=[],
-                        chunk_bytes=p.chunk_bytes, stripes=stripes,
-                        holding=[sid for sid in sources if sid == a.publisher])
+        return None if a is None else p.warm_plan(a, self.layout.manifest,
+                                                  self.session.worker_id, self.version)
 
     def _stop_serving_partial(self, version: int, deadline: float) -> None:
         """After a failed pull: others may be reading the chunks we reported; stop offering
@@ -541,8 +386,7 @@ class Replica:
     def _standing_by_due(self) -> bool:
         """No version yet, none announced, and not (fully) placed ahead of the first."""
         p = self._parents
-        placed = p is not None and p.worker_id == self.session.worker_id \
-            and None not in p.stripes
+        placed = p is not None and p.worker_id == self.session.worker_id and p.complete
         return not placed and time.monotonic() >= self._standby_at \
             and self.version is None and self._watcher.latest() is None
 
@@ -556,25 +400,20 @@ class Replica:
         confirmation). A coordinator that cannot place us is no error: the pull then asks
         for a plan as usual."""
         self._standby_at = time.monotonic() + STANDBY_RETRY
-        if not self.chunked or self.staging or self.layout is None or self.part != Part():
+        if self.whole_items or self.staging or self.layout is None or self.part != Part():
             self._standby_at = float("inf")
             return False
         if self._watcher is None:  # (a pull by a placement starts from its announcement)
             self._watcher = VersionWatcher(self.session, self.model)
         try:
-            placed: Placement = self.session.call(StandBy(
-                worker_id=self.session.worker_id, model=self.model,
-                layout_id=self.layout.layout_id,
-                memory=[describe(b) for b in self.layout.item_bytes],
-                endpoint=self.session.transport.endpoint()))
+            placed: Placement = self.session.call(
+                self._reader(self.layout.item_bytes).stand_by(self.session.worker_id))
         except TensorHubError as exc:
             log.info("%s: not on standby for %s (%s); its first pull will ask for a plan",
                      self.session.name, self.model, exc)
             return False
-        self._parents = _Parents(placed.layout_id, tuple(placed.stripes),
-                                 {s.worker_id: s for s in placed.sources}, placed.chunk_bytes,
-                                 self.session.worker_id)
-        if None in placed.stripes:
+        self._parents = Parents.placed(placed, self.session.worker_id)
+        if not self._parents.complete:
             self._standby_at = time.monotonic() + (placed.retry_after or 0.5)
             return False
         log.info("%s: on standby for %s's first version, under %s", self.session.name,

@@ -1,47 +1,42 @@
-"""A chunked reader's bookkeeping: every byte is asked for until it lands, whatever part of
-a request each plan covers."""
+"""Chunks: a layout's items laid end to end and cut at fixed sizes, the same for everyone."""
 
 from __future__ import annotations
 
-from tensorhub.core.chunks import ChunkTracker, chunks_of, subtract
+import pytest
+
+from tensorhub.core.chunks import chunks_of, merge
 from tensorhub.core.data_types import ByteRange, Item
 
 MIB = 1 << 20
 
 
-def _tracker() -> ChunkTracker:
-    items = [Item(kind="tensor", nbytes=4 * MIB, tensors=[i], offsets=[0]) for i in range(3)]
-    return ChunkTracker(chunks_of(items, chunk_bytes=4 * MIB))  # a chunk per item
+def _items(*sizes: int) -> list[Item]:
+    return [Item(kind="tensor", nbytes=n, tensors=[i], offsets=[0])
+            for i, n in enumerate(sizes)]
 
 
 def _r(item: int, offset: int, nbytes: int) -> ByteRange:
     return ByteRange(item=item, offset=offset, nbytes=nbytes)
 
 
-def test_subtract_keeps_only_the_uncovered_parts():
-    assert subtract([_r(0, 0, 100), _r(1, 0, 10)], [_r(0, 20, 30), _r(0, 90, 50)]) == \
-        [_r(0, 0, 20), _r(0, 50, 40), _r(1, 0, 10)]
+def test_items_are_cut_end_to_end_so_a_chunk_may_span_two_items():
+    chunks = chunks_of(_items(3 * MIB, 0, 2 * MIB), chunk_bytes=2 * MIB)
+    assert [c.segments for c in chunks] == [
+        (_r(0, 0, 2 * MIB),),
+        (_r(0, 2 * MIB, MIB), _r(2, 0, MIB)),  # (the empty item belongs to no chunk)
+        (_r(2, MIB, MIB),),
+    ]
+    assert [c.index for c in chunks] == [0, 1, 2]
+    assert sum(c.nbytes for c in chunks) == 5 * MIB
 
 
-def test_unread_bytes_a_later_plan_leaves_out_are_asked_for_again():
-    tracker = _tracker()
-    tracker.planned([_r(0, 0, 4 * MIB), _r(2, 0, 4 * MIB)])  # chunks 0 and 2
-    tracker.landed([_r(0, 0, 4 * MIB)])  # then the source died: chunk 2 never came
-    assert tracker.missing([_r(2, 0, 4 * MIB)]) == [_r(1, 0, 4 * MIB), _r(2, 0, 4 * MIB)]
-    tracker.planned([_r(1, 0, 4 * MIB)])  # the next plan covers only chunk 1
-    tracker.landed([_r(1, 0, 4 * MIB)])
-    assert tracker.missing([]) == [_r(2, 0, 4 * MIB)]  # chunk 2 is still owed
-    tracker.planned([_r(2, 0, 4 * MIB)])
-    assert tracker.missing([]) == []
-    tracker.landed([_r(2, 0, 4 * MIB)])
-    assert tracker.complete
+def test_the_last_chunk_is_smaller_and_a_size_must_be_positive():
+    chunks = chunks_of(_items(5 * MIB), chunk_bytes=2 * MIB)
+    assert [c.nbytes for c in chunks] == [2 * MIB, 2 * MIB, MIB]
+    with pytest.raises(ValueError):
+        chunks_of(_items(MIB), chunk_bytes=0)
 
 
-def test_what_a_failed_plan_left_unread_is_asked_for_as_plain_byte_ranges():
-    from tensorhub.core.data_types import ReadRange
-
-    tracker = _tracker()
-    tracker.planned([_r(k, 0, 4 * MIB) for k in range(3)])
-    lone = ReadRange(item=1, offset=MIB, nbytes=MIB, source="dead")  # not next to another
-    missing = tracker.missing([lone])
-    assert missing == [_r(1, MIB, MIB)] and type(missing[0]) is ByteRange
+def test_adjacent_ranges_of_an_item_merge_into_one():
+    assert merge([_r(0, MIB, MIB), _r(1, 0, 4), _r(0, 0, MIB)]) == [_r(0, 0, 2 * MIB),
+                                                                  _r(1, 0, 4)]

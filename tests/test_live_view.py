@@ -57,7 +57,7 @@ def test_a_pull_in_flight_shows_in_status_with_the_bytes_landed(coordinator, mon
     monkeypatch.setattr(puller, "BATCH_BYTES", MiB)  # a 4 MiB pull in four reads
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
             Replica(coordinator.address, "policy", transport="zmq", name="slow-reader",
-                    chunked=False) as replica:
+                    whole_items=True) as replica:
         pub.publish({"w": torch.arange(MiB, dtype=torch.float32)})
         thread, release = _gated_pull(replica, block_at_read=3)
         try:  # (a beat before the gate reports less: wait for the one after it)
@@ -80,7 +80,7 @@ def test_a_long_pull_logs_its_progress(coordinator, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="tensorhub.session")
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
             Replica(coordinator.address, "policy", transport="zmq", name="slow-reader",
-                    chunked=False) as replica:
+                    whole_items=True) as replica:
         pub.publish({"w": torch.arange(MiB, dtype=torch.float32)})
         thread, release = _gated_pull(replica, block_at_read=2)
         try:

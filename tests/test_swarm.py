@@ -1,9 +1,9 @@
-"""The striped simulator: real coordinator handlers in a queue, the reader state machine
-`Replica` runs, simulated links. Structural checks only (its figures are in bench/)."""
+"""The striped simulator: real coordinator handlers in a queue, the reader session `Replica`
+runs, simulated links. Structural checks only (its figures are in bench/)."""
 
 from __future__ import annotations
 
-from tensorhub.sim.fleet import SimConfig
+from tensorhub.sim.config import SimConfig
 from tensorhub.sim.swarm import simulate_swarm
 
 SMALL = SimConfig(workers=32, model_bytes=1 << 30, tensor_bytes=64 << 20, chunk_bytes=32 << 20)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from tensorhub import Publisher, Replica, TensorHubError
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Envelope, LatestRequest, PlanRequest
 from tensorhub.core.errors import TransferError
-from tensorhub.core.stripes import Replan
 from tensorhub.core.wire import encode
 from tensorhub.demo import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
@@ -201,23 +199,22 @@ def test_a_warm_pull_that_fails_after_a_coordinator_restart_leaves_no_read_behin
         assert r.wait_for_newer(5) == 2
         old_id = r.session.worker_id
 
-        def confirm_after_restart(warm, dest, deadline) -> Future:
-            coordinator.start_over()  # (a restart, sockets kept)
-            wait_for(lambda: r.session.worker_id != old_id and pub.session.registrations == 2,
-                     timeout=10, what="both registered again")
-            wait_for(lambda: "policy" in coordinator.table.models, timeout=10,
-                     what="the trainer's v2 held again")
-            future: Future = Future()
-            try:
-                future.set_result(r._ask_again(warm, dest, Replan(()), deadline))
-            except BaseException as exc:
-                future.set_exception(exc)
-            return future
+        real_call = r.session.call
+
+        def confirm_after_restart(request, timeout=None):
+            if isinstance(request, PlanRequest) and request.stripes == []:
+                coordinator.start_over()  # (a restart, sockets kept)
+                wait_for(lambda: r.session.worker_id != old_id
+                         and pub.session.registrations == 2,
+                         timeout=10, what="both registered again")
+                wait_for(lambda: "policy" in coordinator.table.models, timeout=10,
+                         what="the trainer's v2 held again")
+            return real_call(request, timeout)
 
         def failing_read(peer, ops, timeout):
             raise TransferError(f"no bytes from {peer.worker_id}", peer.worker_id)
 
-        r._confirm = confirm_after_restart
+        r.session.call = confirm_after_restart
         r.session.transport.read = failing_read
         with pytest.raises(TensorHubError):
             r.pull(timeout=10)

@@ -3,8 +3,8 @@
 A layout's items (compact region first, then each large tensor) are laid end to end and cut
 every `CHUNK_BYTES`: chunk i is a few (item, offset, nbytes) segments. The cut depends only
 on the items and the chunk size, so the coordinator and every reader agree on chunk numbers
-without sending them. A reader that has finished chunk i reports it (`Progress`) and serves
-it to others while it pulls chunk i+1.
+without sending them. A striped reader that has chunk i marks it in its progress bytes
+(`core/stripes.py`) and serves it to its children while it pulls chunk i+1.
 """
 
 from __future__ import annotations
@@ -92,70 +92,3 @@ def merge(ranges: Iterable[ByteRange]) -> list[ByteRange]:
         else:
             runs.append([r.item, r.offset, r.nbytes])
     return [ByteRange(item=i, offset=o, nbytes=n) for i, o, n in runs]
-
-
-def subtract(ranges: Iterable[ByteRange], covered: Iterable[ByteRange]) -> list[ByteRange]:
-    """The parts of `ranges` that no range of `covered` overlaps."""
-    cuts: dict[int, list[tuple[int, int]]] = {}
-    for c in covered:
-        cuts.setdefault(c.item, []).append((c.offset, c.offset + c.nbytes))
-    out = []
-    for r in ranges:
-        pieces = [(r.offset, r.offset + r.nbytes)]
-        for lo, hi in cuts.get(r.item, []):
-            pieces = [p for a, b in pieces
-                      for p in ((a, min(b, lo)), (max(a, hi), b)) if p[0] < p[1]]
-        out.extend(ByteRange(item=r.item, offset=a, nbytes=b - a) for a, b in pieces)
-    return out
-
-
-class ChunkTracker:
-    """A chunked reader's bookkeeping: which chunks are complete (to report and serve), and
-    which bytes are still missing (to ask for), whatever the size of the reads that land.
-
-    `landed` counts each byte once (the puller never reads a range twice), so a chunk is
-    complete exactly when all its bytes have landed, in any number of pieces and plans."""
-
-    def __init__(self, chunks: Sequence[Chunk]):
-        self.chunks = list(chunks)
-        self._by_item = segments_by_item(self.chunks)
-        self._left = {c.index: c.nbytes for c in self.chunks}
-        self._planned: set[int] = set()
-        # Bytes a failed plan did not read that no later plan has covered yet (a plan may
-        # cover only part of what we ask for): asked for again until a plan covers them.
-        self._owed: list[ByteRange] = []
-
-    @property
-    def complete(self) -> bool:
-        return not self._left
-
-    def planned(self, ranges: Iterable[ByteRange]) -> None:
-        """A plan now covers these ranges."""
-        ranges = list(ranges)
-        self._planned.update(index for index, _ in chunks_in(self.chunks, ranges,
-                                                             self._by_item))
-        if self._owed:
-            self._owed = subtract(self._owed, ranges)
-
-    def landed(self, ranges: Iterable[ByteRange]) -> list[int]:
-        """These ranges have landed; return the chunks that are now complete."""
-        finished = []
-        for index, piece in chunks_in(self.chunks, ranges, self._by_item):
-            left = self._left.get(index)
-            if left is None:
-                continue
-            left -= piece.nbytes
-            if left <= 0:
-                del self._left[index]
-                finished.append(index)
-            else:
-                self._left[index] = left
-        return finished
-
-    def missing(self, unread: Iterable[ByteRange]) -> list[ByteRange]:
-        """What to ask for next: the open plan's `unread` ranges (after a failure) and those
-        of earlier failures that no plan has covered since, plus every chunk no plan has
-        covered yet."""
-        self._owed = merge([*self._owed, *unread])
-        rest = [s for c in self.chunks if c.index not in self._planned for s in c.segments]
-        return merge([*self._owed, *rest])

@@ -239,11 +239,16 @@ class WorkerSession:
              part: Part | None = None) -> None:
         """Tell the coordinator we hold `version` (its `part`, of a sharded one) completely
         and serve reads of it."""
-        hold = Hold(worker_id=self.worker_id, model=model, version=version,
-                    layout_id=layout.layout_id, memory=layout.memory(),
-                    endpoint=self.transport.endpoint(), manifest=layout.manifest,
-                    checksums=checksums, part=part.part if part else 0,
-                    parts=part.parts if part else 1)
+        self.offer(Hold(worker_id=self.worker_id, model=model, version=version,
+                        layout_id=layout.layout_id, memory=layout.memory(),
+                        endpoint=self.transport.endpoint(), manifest=layout.manifest,
+                        checksums=checksums, part=part.part if part else 0,
+                        parts=part.parts if part else 1), layout)
+
+    def offer(self, hold: Hold, layout: BoundLayout) -> None:
+        """`hold` (of the bytes of `layout`) told to the coordinator, and kept: offered
+        again after a re-registration, or later when it is unreachable now."""
+        model, version = hold.model, hold.version
         with self._lock:
             self._holds[(model, version)] = (layout, hold)
             try:

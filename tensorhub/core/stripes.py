@@ -8,8 +8,9 @@ has it. The coordinator hears from the reader again only when a parent fails (`f
 falls behind (no new chunk for `stall` seconds while this reader waits on it) or was not
 named yet (`pending`).
 
-`Replica` drives it with real reads (`replica.py`) and the simulator with simulated ones
-(`sim/swarm.py`): both run this logic, so the simulator's figures are this reader's.
+A pull's session (`reader/session.py`) runs it, driven with real reads by `Replica`
+(`striped.py`) and with simulated ones by the simulator (`sim/swarm.py`): both run this
+logic, so the simulator's figures are this reader's.
 """
 
 from __future__ import annotations

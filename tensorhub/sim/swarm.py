@@ -2,13 +2,15 @@
 
 What runs for real: the coordinator (every handler, through `CoordinatorQueue`: one server
 whose time per message is what the real handler takes here, so a busy coordinator shows
-in the figures) and each reader's logic (`core/stripes.py`, the state machine `Replica`
-drives). What is simulated: the network (`links.py`, fluid NICs) and the reads themselves.
-A poll of a parent's progress bytes costs a round trip of the link latency and sees what
-the parent had landed when it arrived.
+in the figures) and each reader's protocol (`reader/session.py`, what `Replica` runs:
+the same messages, the same retries, the same state machine over the stripes). What is
+simulated: the network (`links.py`, fluid NICs) and the reads themselves. A poll of a
+parent's progress bytes costs a round trip of the link latency and sees what the parent
+had landed when it arrived.
 
-Every worker heartbeats once a `heartbeat_interval` (random phase) and the coordinator
-sweeps for expiry every 0.1 s, in the same queue as the plans.
+Every worker heartbeats once a `heartbeat_interval` (random phase; a reader's carries its
+pull's progress) and the coordinator sweeps for expiry every `EXPIRY_PERIOD`, in the same
+queue as the plans.
 
 With `SimConfig.standby` the readers stand by before the first version exists
 (`coordinator/standby.py`): each is placed through the same queue, the version is
@@ -25,36 +27,27 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tensorhub.coordinator.planner import PlannerConfig
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+from tensorhub.coordinator.server import EXPIRY_PERIOD, Coordinator, CoordinatorConfig
 from tensorhub.core.chunks import chunks_of
 from tensorhub.core.data_types import (
-    PUBLISHER,
+    Announcement,
     Endpoint,
     ErrorReply,
     Heartbeat,
-    Hold,
+    LatestRequest,
     MemoryDesc,
-    PlanRequest,
     Publish,
-    ReadDone,
+    PullProgress,
+    ReadPlan,
     Register,
-    StandBy,
 )
+from tensorhub.core.errors import TransferError
 from tensorhub.core.layout import layout_id, plan_items
-from tensorhub.core.stripes import (
-    Poll,
-    Read,
-    Replan,
-    StripedPull,
-    holding_of,
-    progress_tag,
-    warm_lease_id,
-)
+from tensorhub.core.stripes import Poll, Read, progress_tag
+from tensorhub.reader.session import Ask, Parents, PullSession, Reader
+from tensorhub.sim.config import GB, Completions, SimConfig, synthetic_manifest
 from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
-from tensorhub.sim.fleet import GB, Completions, SimConfig, synthetic_manifest
 from tensorhub.sim.links import EventLoop, Network, Nic
-
-EXPIRY_PERIOD = 0.1
 
 
 @dataclass
@@ -87,116 +80,105 @@ class SwarmResult(Completions):
 
 
 class _Reader:
+    """A simulated reader: a `PullSession` (what `Replica` runs) driven on the simulated
+    clock, links and coordinator queue."""
+
     def __init__(self, sim: SwarmSim, name: str, labels: dict[str, str]):
         self.sim, self.name = sim, name
         reply = sim.queue.call_now(Register(name=name, role="replica", endpoint=sim.endpoint,
                                             labels=labels, progress=sim.progress))
         self.id = reply.worker_id
+        self.reader = Reader("m", sim.layout_id, sim.memory)
         self.alive = True
-        self.pull: StripedPull | None = None
+        self.pull: PullSession | None = None
         self.finished: float | None = None
-        self.lease_id = ""
+        self.failed: str | None = None
         self.version = 1
-        self.parents: list[str] | None = None  # the parents its last pull ended with
-        self.warm = False  # this pull started from the last one's parents
+        self.held: int | None = None
+        self.parents: Parents | None = None  # of its last pull, or its standby placement
         self._wake: float | None = None
 
     def send(self, request, on_reply=None) -> None:
         self.sim.reader_messages[request.type] += 1
         self.sim.queue.send(request, on_reply)
 
-    def start(self) -> None:
-        """A cold pull, as `Replica.pull` makes it: the announcement carried the manifest,
-        so its buffers are allocated at once and its first plan request carries them."""
-        self.warm = False
-        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                              chunked=True, striped=True, memory=self.sim.memory), self._plan)
+    def _new_pull(self, warm: ReadPlan | None = None) -> PullSession:
+        sim = self.sim
+        return PullSession(self.reader, self.id, self.version, now=sim.loop.now,
+                           deadline=sim.config.time_limit, warm=warm, held=self.held,
+                           stall=sim.stall, poll_min=sim.poll_min, poll_max=sim.poll_max,
+                           chunks=sim.chunks, rng=sim.rng)
 
-    def _plan(self, reply) -> None:
+    def start(self) -> None:
+        """A cold pull: the announcement carried the manifest, so its buffers are allocated
+        at once and its first plan request carries them."""
+        self.finished, self._wake = None, None
+        self.pull = self._new_pull()
+        self._ask_plan()
+
+    def _ask_plan(self) -> None:
+        if self.alive:
+            self.send(self.pull.first_request(), self._planned)
+
+    def _planned(self, reply) -> None:
         if not self.alive:
             return
         now = self.sim.loop.now
         if isinstance(reply, ErrorReply):
-            if self.pull is None:
-                self.sim.loop.at(now + (reply.retry_after or 0.05), self.start)
+            wait = self.pull.refused(reply.code, reply.retry_after, now)
+            if wait is None:
+                self._fail(reply.message)
             else:
-                self.pull.asked_failed(now, reply.retry_after or 0.05)
-                self.step()
+                self.sim.loop.at(now + wait, self._ask_plan)
             return
-        if self.pull is None:
-            self.pull = self._new_pull(len(reply.stripes))
-        self.lease_id = reply.lease_id
-        self.pull.assign(list(reply.stripes), holding_of(reply), now, reply.retry_after)
+        self.pull.planned(reply, now)
         self.step()
-
-    def _new_pull(self, stripes: int, confirming: bool = False) -> StripedPull:
-        return StripedPull(len(self.sim.chunks), stripes, self.version, stall=self.sim.stall,
-                           poll_min=self.sim.poll_min, poll_max=self.sim.poll_max,
-                           confirming=confirming)
 
     def stand_by(self) -> None:
         """Ask to be placed ahead in the first version's forest (`Replica.stand_by`)."""
-        self.send(StandBy(worker_id=self.id, model="m", layout_id=self.sim.layout_id,
-                          memory=self.sim.memory), self._placed)
+        self.send(self.reader.stand_by(self.id), self._placed)
 
     def _placed(self, reply) -> None:
         if isinstance(reply, ErrorReply) or None in reply.stripes:
             self.sim.loop.at(self.sim.loop.now + (reply.retry_after or 0.5), self.stand_by)
             return
-        self.parents = list(reply.stripes)
+        self.parents = Parents.placed(reply, self.id)
         self.sim.placed_one()
 
-    def start_warm(self, version: int) -> None:
+    def start_warm(self, version: int, announcement: Announcement) -> None:
         """The announcement of `version` arrived: pull it from the same parents (or those
-        it was placed under on standby, the publisher's from the announcement), asking the
-        coordinator nothing, as `Replica` does when the announcement allows. The
-        confirmation goes out as it starts reading; the pull ends once it is answered."""
-        if not self.alive or self.parents is None:
-            return
-        self.version, self.finished, self._wake = version, None, None
-        self.warm = True
-        self.lease_id = warm_lease_id(self.id, "m", version)
-        self.pull = self._new_pull(len(self.parents), confirming=True)
-        parents = [self.sim.trainer if p == PUBLISHER else p for p in self.parents]
-        self.pull.assign(parents, {self.sim.trainer}, self.sim.loop.now)
-        self._confirm()
-        self.step()
-
-    def _confirm(self) -> None:
-        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                              chunked=True, striped=True, known_manifest=True, stripes=[],
-                              memory=self.sim.memory), self._confirmed)
-
-    def _confirmed(self, reply) -> None:
+        it was placed under on standby) if the announcement allows, asking the coordinator
+        nothing but the confirmation, sent as it starts reading; else a cold pull."""
         if not self.alive:
             return
-        now = self.sim.loop.now
-        if isinstance(reply, ErrorReply):  # (busy: as `Replica._plan`, ask again)
-            self.sim.loop.at(now + (reply.retry_after or 0.05), self._confirm)
+        self.version = version
+        warm = None if self.parents is None else self.parents.warm_plan(
+            announcement, self.sim.manifest, self.id, self.held)
+        if warm is None:
+            self.start()
             return
-        self.lease_id = reply.lease_id
-        self.pull.confirmed(list(reply.stripes), holding_of(reply), now, reply.retry_after)
-        self._maybe_finish()
+        self.finished, self._wake = None, None
+        self.pull = self._new_pull(warm)
+        self.step()
 
     def step(self) -> None:
-        if not self.alive or self.pull is None or self.finished is not None:
+        if not self.alive or self.pull is None or self.finished is not None or self.failed:
             return
-        sim, now = self.sim, self.sim.loop.now
-        for action in self.pull.actions(now):
-            if isinstance(action, Replan):
-                sim.replans += 1
-                # (our memory again only after a warm start: `Replica._ask_again`)
-                self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                                      chunked=True, striped=True, known_manifest=True,
-                                      memory=self.sim.memory if self.warm else None,
-                                      stripes=list(action.stripes),
-                                      failed=list(action.failed), behind=list(action.behind)),
-                          self._plan)
+        sim, pull, now = self.sim, self.pull, self.sim.loop.now
+        try:
+            actions = pull.actions(now)
+        except TransferError as exc:
+            self._fail(str(exc))
+            return
+        for action in actions:
+            if isinstance(action, Ask):
+                sim.replans += not action.confirmation
+                self.send(action.request, lambda reply, a=action: self._answered(pull, a, reply))
             elif isinstance(action, Read):
                 sim.read(self, action)
             elif isinstance(action, Poll):
                 sim.poll(self, action)
-        wake = self.pull.wake_at(now)
+        wake = pull.wake_at(now)
         if wake is not None and (self._wake is None or wake < self._wake or self._wake <= now):
             self._wake = wake
             sim.loop.at(wake, self._woken)
@@ -206,10 +188,26 @@ class _Reader:
             self._wake = None
         self.step()
 
-    def read_done(self, action: Read, ok: bool) -> None:
+    def _answered(self, pull: PullSession, ask: Ask, reply) -> None:
         if not self.alive:
             return
-        self.pull.read_done(action, ok, self.sim.loop.now)
+        now = self.sim.loop.now
+        if isinstance(reply, ErrorReply):
+            if not pull.ended and pull.refused(reply.code, reply.retry_after, now,
+                                               ask) is None:
+                self._fail(reply.message)
+            self.step()
+            return
+        done = pull.answered(ask, reply, now)
+        if done is not None:
+            self.send(done)
+        if pull is self.pull:
+            self._maybe_finish()
+
+    def read_done(self, action: Read, ok: bool) -> None:
+        if not self.alive or self.failed:
+            return
+        self.pull.landed(action, ok, self.sim.loop.now)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -217,17 +215,35 @@ class _Reader:
             self.step()
             return
         self.finished = self.sim.loop.now
-        self.parents = [st.source for st in self.pull.stripes]
-        self.send(Hold(worker_id=self.id, model="m", version=self.version,
-                       layout_id=self.sim.layout_id, memory=self.sim.memory))
-        self.send(ReadDone(worker_id=self.id, lease_id=self.lease_id, ok=True))
+        self.held, self.parents = self.version, self.pull.parents()
+        self.send(self.pull.hold(self.sim.memory, self.sim.manifest))
+        for done in self.pull.end(ok=True):
+            self.send(done)
         self.sim.finished_one(self)
 
+    def _fail(self, error: str) -> None:
+        """The pull failed (a `Replica` would raise): its leases end, and it stays
+        unfinished."""
+        self.failed = error
+        for done in self.pull.end(ok=False, error=error):
+            self.send(done)
+
     def polled(self, action: Poll, progress: bytes | None) -> None:
-        if not self.alive:
+        if not self.alive or self.failed:
             return
         self.pull.polled(action, progress, self.sim.loop.now)
         self.step()
+
+    def pulling(self) -> PullProgress | None:
+        """The pull in flight, as its heartbeats carry it."""
+        if self.pull is None or self.pull.plan is None or self.finished is not None:
+            return None
+        return self.pull.progress(self.sim.loop.now)
+
+    def landed(self) -> set[int]:
+        """The chunks of its current version it has (what a poll of it sees)."""
+        stripes = self.pull.stripes if self.pull is not None else None
+        return stripes.landed if stripes is not None else set()
 
 
 class SwarmSim:
@@ -251,7 +267,7 @@ class SwarmSim:
         self.queue = CoordinatorQueue(self.loop, self.coordinator, config.rpc, socket_cost)
         self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
         self.progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
-        manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
+        self.manifest = manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
         items = plan_items(manifest)
         self.layout_id = layout_id(manifest)
         self.chunks = chunks_of(items, config.chunk_bytes)
@@ -311,8 +327,7 @@ class SwarmSim:
             if src is None:  # the trainer: it has everything of the newest version
                 seen = bytes([progress_tag(self.version)]) * (action.hi - action.lo)
             else:
-                landed = src.pull.landed if src.pull is not None else set()
-                tag = progress_tag(src.version)
+                landed, tag = src.landed(), progress_tag(src.version)
                 seen = bytes(tag if c in landed else 0 for c in range(action.lo, action.hi))
             self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, seen))
         self.loop.at(self.loop.now + one_way, look)
@@ -321,7 +336,8 @@ class SwarmSim:
     def _beat(self, worker_id: str) -> None:
         if worker_id != self.trainer and not self.by_id[worker_id].alive:
             return
-        self.queue.send(Heartbeat(worker_id=worker_id))
+        pull = None if worker_id == self.trainer else self.by_id[worker_id].pulling()
+        self.queue.send(Heartbeat(worker_id=worker_id, pull=pull))
         if self._running():
             self.loop.at(self.loop.now + 1.0, lambda: self._beat(worker_id))
 
@@ -332,7 +348,7 @@ class SwarmSim:
 
     def _running(self) -> bool:
         return self.version < self.config.version or \
-            any(r.alive and r.finished is None for r in self.readers)
+            any(r.alive and r.finished is None and not r.failed for r in self.readers)
 
     def finished_one(self, reader: _Reader) -> None:
         """Once every reader has the first version, publish the second (same layout and
@@ -365,9 +381,15 @@ class SwarmSim:
         self.reader_messages.clear()
         self.replans = self.polls = 0
         publish = self._publish.model_copy(update={"version": self.version})
-        self.queue.send(publish, lambda _: [
+        self.queue.send(publish, self._announce)
+
+    def _announce(self, _) -> None:
+        """The version's announcement, as the coordinator's PUB socket carries it to every
+        reader."""
+        announcement = self.queue.call_now(LatestRequest(model="m"))
+        for r in self.readers:
             self.loop.at(self.loop.now + self.config.rpc / 2,
-                         lambda r=r: r.start_warm(self.version)) for r in self.readers])
+                         lambda r=r: r.start_warm(self.version, announcement))
 
     def _schedule_kills(self, start: float) -> None:
         """`SimConfig.kill` at `kill_at` of the lower bound after `start` (the publish)."""

@@ -1,7 +1,7 @@
-"""Fleet sizes 8 ... 4096: the striped protocol against a star, a ring and the per-chunk
-design it replaced, per lower bound, with the coordinator modelled as a queue.
+"""Fleet sizes 8 ... 4096: the striped protocol against a star and a ring, per lower bound,
+with the coordinator modelled as a queue.
 
-Both designs run the real coordinator through `CoordinatorQueue`: every message costs what
+The swarm runs the real coordinator through `CoordinatorQueue`: every message costs what
 its handler takes on this machine plus the socket's measured cost, one at a time.
 
 The baselines are closed forms on the same links: a *star* sends every byte from the
@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tensorhub.sim.config import GB, SimConfig
 from tensorhub.sim.coordinator_queue import measure_socket_cost
-from tensorhub.sim.fleet import GB, SimConfig, simulate
 from tensorhub.sim.swarm import SwarmResult, simulate_swarm
 
 
@@ -42,8 +42,6 @@ class SweepRow:
     depth: int = 0  # the deepest a reader was in a stripe's tree
     longest_wait: float = 0.0  # the longest a message queued at the coordinator
     socket_cost: float = 0.0
-    per_chunk: float | None = None  # the per-chunk design's worst (seconds), if run
-    per_chunk_messages: float | None = None  # its messages per reader
     # the next version, pulled from the same parents (a steady fleet), if run
     steady: float | None = None
     steady_median: float | None = None
@@ -74,14 +72,12 @@ def optimum_time(c: SimConfig) -> float:
             + (math.ceil(math.log2(c.workers + 1)) - 1) * chunk + c.latency + c.rpc)
 
 
-def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int = 0,
+def run_sweep(base: SimConfig, sizes: list[int], echo=print,
               socket_cost: float | None = None, steady: bool = True,
               standby: bool = True) -> list[SweepRow]:
     """The striped protocol at each size: a fleet's first version (every reader asks for
     a plan once it is announced); with `standby`, the same first version with every reader
-    placed before it existed; with `steady`, the next one (pulled from the same parents);
-    and the per-chunk design up to `per_chunk_max` readers (its plans grow with readers x
-    chunks, so it takes long to simulate)."""
+    placed before it existed; with `steady`, the next one (pulled from the same parents)."""
     import logging
     import time
 
@@ -97,12 +93,6 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
         result: SwarmResult = simulate_swarm(config, socket_cost)
         wall = time.perf_counter() - started
         times = sorted(result.finished.values())
-        old = old_messages = None
-        if n <= per_chunk_max:
-            today = simulate(config, socket_cost)
-            old = today.worst
-            old_messages = sum(v for k, v in today.messages.items()
-                               if k not in ("heartbeat", "expiry")) / n
         warm = simulate_swarm(replace(config, version=2), socket_cost) if steady else None
         ahead = simulate_swarm(replace(config, standby=True), socket_cost) if standby else None
         row = SweepRow(n, config.lower_bound, result.worst,
@@ -111,7 +101,7 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
                        result.reader_messages.get("plan", 0), result.replans,
                        len(result.unfinished), wall, result.busy_fraction,
                        result.messages_per_reader, result.max_depth, result.longest_wait,
-                       socket_cost, old, old_messages,
+                       socket_cost,
                        warm.worst if warm else None,
                        sorted(warm.finished.values())[len(warm.finished) // 2] if warm else None,
                        warm.busy_fraction if warm else None,
@@ -125,18 +115,17 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
                        ahead.standby_busy if ahead else None)
         rows.append(row)
         lb = row.lower_bound
-        today_text = "" if old is None else \
-            f"  per-chunk design {old / lb:.2f}x ({old_messages:.0f} msgs/reader)"
+        more = ""
         if ahead is not None:
-            today_text += (f"  on standby {ahead.worst / lb:.3f}x (busy "
+            more += (f"  on standby {ahead.worst / lb:.3f}x (busy "
                            f"{ahead.busy_fraction:.2f}, placed in {ahead.standby_seconds:.2f}"
                            f" s)")
         if warm is not None:
-            today_text += (f"  steady {warm.worst / lb:.3f}x (busy {warm.busy_fraction:.2f},"
+            more += (f"  steady {warm.worst / lb:.3f}x (busy {warm.busy_fraction:.2f},"
                            f" {warm.messages_per_reader:.2f} msgs/reader)")
         echo(f"N={n:5d}  tensorhub {row.tensorhub / lb:6.3f}x "
              f"(median {row.tensorhub_median / lb:.3f}x)  star {row.star / lb:8.1f}x  "
-             f"ring {row.ring / lb:7.2f}x  optimum {row.optimum / lb:.3f}x{today_text}  "
+             f"ring {row.ring / lb:7.2f}x  optimum {row.optimum / lb:.3f}x{more}  "
              f"lower bound {lb * 1e3:.0f} ms  [coordinator busy {row.coordinator_busy:.2f}, "
              f"{row.messages_per_reader:.2f} msgs/reader, depth {row.depth}, longest queue "
              f"{row.longest_wait * 1e3:.1f} ms, {row.unfinished} unfinished, {wall:.1f}s wall]")
@@ -166,10 +155,6 @@ def plot(rows: list[SweepRow], path: Path) -> Path:
         a.plot(n, [r.optimum / r.lower_bound for r in rows], "k:",
                label="optimum (binomial pipeline, same chunks)")
         a.plot(n, [r.ring / r.lower_bound for r in rows], "s-", label="ring (chain pipeline)")
-        old = [(r.workers, r.per_chunk / r.lower_bound) for r in rows if r.per_chunk]
-        if old:
-            a.plot(*zip(*old, strict=True), "x-",
-                   label="per-chunk plans (the design before), coordinator modelled")
         a.plot(n, [r.star / r.lower_bound for r in rows], "^-", label="star (all from trainer)")
         a.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
         a.set_xscale("log", base=2)
