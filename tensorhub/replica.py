@@ -37,6 +37,7 @@ from tensorhub.core.data_types import (
     PUBLISHER,
     Announcement,
     ByteRange,
+    ConfirmParents,
     GetManifest,
     Manifest,
     Part,
@@ -45,8 +46,11 @@ from tensorhub.core.data_types import (
     PullProgress,
     ReadDone,
     ReadPlan,
+    ReplanStripes,
     Source,
     StandBy,
+    StripedPlanRequest,
+    StripedRequest,
 )
 from tensorhub.core.errors import (
     CoordinatorError,
@@ -82,6 +86,20 @@ class _Parents:
 NO_HOLDER_GRACE = 3.0  # seconds a plan waits for holders to (re-)appear before giving up
 STANDBY_RETRY = 5.0  # seconds before standing by again after the coordinator could not place us
 
+
+
+def _plan_request(ask: dict, missing: list[ByteRange] | None, done: ReadDone | None,
+                  striped: dict) -> PlanRequest | StripedRequest:
+    """The plan request of its kind: whole-item (no striped field), a striped pull's first,
+    a re-plan of the stripes named, or the confirmation of a warm start (no stripe named)."""
+    if not striped:
+        return PlanRequest(**ask, missing=missing, done=done)
+    if "stripes" not in striped:
+        return StripedPlanRequest(**ask, **striped)
+    if striped["stripes"]:
+        return ReplanStripes(**ask, **striped)
+    return ConfirmParents(**ask, **{k: v for k, v in striped.items()
+                                    if k not in ("stripes", "failed", "behind")})
 
 class Replica:
     def __init__(
@@ -198,11 +216,10 @@ class Replica:
         no_holder_until = time.monotonic() + NO_HOLDER_GRACE
         while True:
             try:
-                plan = self.session.call(PlanRequest(
-                    worker_id=self.session.worker_id, model=self.model, version=version,
-                    layout_id=self.layout.layout_id if self.layout else None, missing=missing,
-                    chunked=self.chunked, done=done, known_manifest=known is not None,
-                    **striped))
+                plan = self.session.call(_plan_request(
+                    dict(worker_id=self.session.worker_id, model=self.model, version=version,
+                         layout_id=self.layout.layout_id if self.layout else None,
+                         known_manifest=known is not None), missing, done, striped))
                 if plan.manifest is None or plan.checksums is None:
                     if known is None or plan.layout_id != known.layout_id:
                         raise CoordinatorError(f"a plan for {self.model} v{plan.version} came "
@@ -274,7 +291,7 @@ class Replica:
             return {}
         self._registrations = self.session.registrations
         relay = not self.staging
-        return {"striped": True, "relay": relay,
+        return {"relay": relay,
                 "memory": [describe(b) for b in dest] if relay else None,
                 "endpoint": self.session.transport.endpoint() if relay else None}
 
@@ -284,8 +301,7 @@ class Replica:
         again only if the coordinator restarted since and does not know it)."""
         again = self.session.registrations != self._registrations \
             or not self.last_pull_planned  # (the coordinator may not expect us)
-        first = self._first_request(dest) if again else {"striped": True,
-                                                         "relay": not self.staging}
+        first = self._first_request(dest) if again else {"relay": not self.staging}
         return self._plan(plan.version, deadline, known=plan, stripes=list(action.stripes),
                           failed=list(action.failed), behind=list(action.behind), **first)
 

@@ -41,7 +41,7 @@ def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordi
         pub.publish(v1)
         _pull_all(replicas, 1)
         # one confirmation each, sent as it started reading; no plan waited for
-        assert asked == [[]] * 4 and not any(r.last_pull_planned for r in replicas)
+        assert asked == ["confirm_parents"] * 4 and not any(r.last_pull_planned for r in replicas)
         for r in replicas:
             assert sums(r.tensors) == sums(v1)
         assert not [lease for lease in coordinator.table.leases.values()
@@ -50,7 +50,7 @@ def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordi
         v2 = {n: t + 1 for n, t in v1.items()}
         pub.publish(v2)
         _pull_all(replicas, 2)
-        assert asked[4:] == [[]] * 4
+        assert asked[4:] == ["confirm_parents"] * 4
         for r in replicas:
             assert sums(r.tensors) == sums(v2)
 
@@ -185,7 +185,7 @@ def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(coordin
             asked = counting_plans(coordinator)
             pub.publish(v1)
             wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
-            assert asked == [[]]  # the pull's confirmation, no plan waited for
+            assert asked == ["confirm_parents"]  # no plan waited for
             assert not holder.replica.replicas[0].last_pull_planned
             assert sums(holder.replica.tensors) == sums(v1)
         finally:
@@ -207,7 +207,7 @@ def test_an_engine_copy_waiting_before_the_declaration_stands_by_once_it_comes(c
             asked = counting_plans(coordinator)
             pub.publish(v1)
             wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
-            assert asked == [[]] and sums(holder.replica.tensors) == sums(v1)
+            assert asked == ["confirm_parents"] and sums(holder.replica.tensors) == sums(v1)
     finally:
         holder.close()
 

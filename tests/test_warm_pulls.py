@@ -12,7 +12,14 @@ import torch
 
 from tensorhub import Publisher, Replica, TensorHubError
 from tensorhub.core.checksum import checksum
-from tensorhub.core.data_types import Envelope, LatestRequest, PlanRequest
+from tensorhub.core.data_types import (
+    ConfirmParents,
+    Envelope,
+    LatestRequest,
+    PlanRequest,
+    ReplanStripes,
+    StripedPlanRequest,
+)
 from tensorhub.core.errors import TransferError
 from tensorhub.core.stripes import Replan
 from tensorhub.core.wire import encode
@@ -47,16 +54,11 @@ def _buffers(state) -> dict[str, torch.Tensor]:
 
 
 def counting_plans(coordinator) -> list:
-    """From now on, the `stripes` of every plan request the coordinator answers, in
-    order ([] : a confirmation)."""
+    """From now on, the kind of every plan request the coordinator answers, in order."""
     asked = []
-    real = coordinator._answers[PlanRequest]
-
-    def counted(req):
-        asked.append(req.stripes)
-        return real(req)
-
-    coordinator._answers[PlanRequest] = counted
+    for kind in (PlanRequest, StripedPlanRequest, ReplanStripes, ConfirmParents):
+        real = coordinator._answers[kind]
+        coordinator._answers[kind] = lambda req, real=real: asked.append(req.type) or real(req)
     return asked
 
 
@@ -86,7 +88,7 @@ def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, 
         pub.publish(v2)
         _pull_all(replicas, 2)
         # one confirmation each, sent as it started reading, and no plan waited for
-        assert asked == [[], [], []] and not any(r.last_pull_planned for r in replicas)
+        assert asked == ["confirm_parents"] * 3 and not any(r.last_pull_planned for r in replicas)
         for r in replicas:
             assert sums(r.tensors) == sums(v2)
         # each ended the lease the coordinator opened for it by its known id
@@ -182,7 +184,7 @@ def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
         coordinator._answers[GetManifest] = lambda req: manifests.append(req) or real(req)
         asked = counting_plans(coordinator)
         _pull_all([copy], 2)
-        assert manifests == [] and asked == [[]]  # only the warm pull's confirmation
+        assert manifests == [] and asked == ["confirm_parents"]  # only the confirmation
         assert sums(copy.tensors) == sums(v2)
 
 

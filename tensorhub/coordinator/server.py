@@ -26,13 +26,7 @@ import zmq
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.parts import Pending, PendingPart, PendingVersion, check_parts_fit
-from tensorhub.coordinator.planner import (
-    NoSource,
-    PlannerConfig,
-    distance,
-    plan_chunks,
-    plan_ranges,
-)
+from tensorhub.coordinator.planner import NoSource, PlannerConfig, distance, plan_ranges
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.coordinator.table import (
     HolderRec,
@@ -51,6 +45,7 @@ from tensorhub.core.data_types import (
     PUBLISHER,
     Ack,
     Announcement,
+    ConfirmParents,
     Declare,
     Declared,
     Dropped,
@@ -82,12 +77,15 @@ from tensorhub.core.data_types import (
     ReadRange,
     Register,
     Registered,
+    ReplanStripes,
     Retention,
     RetentionRequest,
     Source,
     StandBy,
     StatusReply,
     StatusRequest,
+    StripedPlanRequest,
+    StripedRequest,
     TransferRecord,
     Unregister,
     VersionStatus,
@@ -157,6 +155,7 @@ _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 _ACK = Ack()
 _ACK_BYTES = encode(_ACK)
 _NO_MANIFEST = (Packed(msgpack.packb(None)),) * 2
+_PLAN_REQUESTS = (PlanRequest, StripedPlanRequest, ReplanStripes, ConfirmParents)
 
 
 @dataclass(slots=True)
@@ -176,7 +175,7 @@ class _Plan:
     lease_ttl: float
     sources: list[tuple[WorkerRec, HolderRec | PartialRec]]  # with their memory regions
     ranges: list[ReadRange]
-    chunk_bytes: int | None = None  # chunked plans only
+    chunk_bytes: int | None = None  # striped plans only
     complete: bool = True
     stripes: list[str | None] | None = None  # striped plans: a parent per stripe
     retry_after: float | None = None
@@ -188,11 +187,9 @@ class _Plan:
         return self.progress.get(worker_id) if self.progress else None
 
     def reply(self) -> ReadPlan:
-        chunked = {} if self.chunk_bytes is None else {"complete": self.complete,
-                                                        "chunk_bytes": self.chunk_bytes}
-        if self.stripes is not None:
-            chunked.update(stripes=self.stripes, retry_after=self.retry_after,
-                           holding=self.holding)
+        striped = {} if self.stripes is None else {
+            "complete": self.complete, "chunk_bytes": self.chunk_bytes, "stripes": self.stripes,
+            "retry_after": self.retry_after, "holding": self.holding}
         layout = self.layout
         return ReadPlan(
             model=self.model, version=self.version, layout_id=self.layout_id,
@@ -202,7 +199,7 @@ class _Plan:
             sources=[source_of(w, load_memory(rec.memory), self._progress_of(w.worker_id),
                                self.reader)
                      for w, rec in self.sources],
-            ranges=self.ranges, **chunked)
+            ranges=self.ranges, **striped)
 
     def wire(self) -> bytes:
         manifest, checksums = self.layout.packed_manifest() if self.manifest else _NO_MANIFEST
@@ -303,7 +300,8 @@ class Coordinator:
         self._handlers = {
             Register: self._register, Heartbeat: self._heartbeat,
             Unregister: self._unregister, Publish: self._publish, Hold: self._hold,
-            Withdraw: self._withdraw, PlanRequest: self._plan, ReadDone: self._read_done,
+            Withdraw: self._withdraw, PlanRequest: self._plan, StripedPlanRequest: self._plan,
+            ReplanStripes: self._plan, ConfirmParents: self._plan, ReadDone: self._read_done,
             Progress: self._progress,
             GetManifest: self._manifest, StatusRequest: self._status,
             HoldingsRequest: self._holdings, RetentionRequest: self._retention,
@@ -314,7 +312,7 @@ class Coordinator:
         }  # fmt: skip
         # What `_answer` calls: the same, except that a plan is left to be made into a
         # model (`handle`) or into bytes (the socket) by the caller.
-        self._answers = {**self._handlers, PlanRequest: self._plan_reply}
+        self._answers = {**self._handlers, **dict.fromkeys(_PLAN_REQUESTS, self._plan_reply)}
 
     def _bind(self, config: CoordinatorConfig) -> None:
         """Make both sockets CURVE servers (with a token, or an explicit keypair), start the
@@ -455,9 +453,9 @@ class Coordinator:
         if impostor is not None:
             return impostor
         try:
-            if type(request) is PlanRequest:
+            if type(request) in _PLAN_REQUESTS:
                 started = time.perf_counter()
-                plan = self._answers[PlanRequest](request)
+                plan = self._answers[type(request)](request)
                 reply = plan.wire() if wire else plan.reply()
                 self.metrics.plan_latency.observe(time.perf_counter() - started)
                 self.metrics.plans.labels(request.model).inc()
@@ -906,17 +904,18 @@ class Coordinator:
                          f"model {model!r} has no version {v} (latest is {mrec.latest})")
         return mrec, vrec
 
-    def _plan(self, req: PlanRequest) -> ReadPlan:
+    def _plan(self, req: PlanRequest | StripedRequest) -> ReadPlan:
         return self._plan_reply(req).reply()
 
-    def _plan_reply(self, req: PlanRequest) -> _Plan:
+    def _plan_reply(self, req: PlanRequest | StripedRequest) -> _Plan:
         plan = self._make_plan(req)
         plan.reader = req.worker_id
         return plan
 
-    def _make_plan(self, req: PlanRequest) -> _Plan:
+    def _make_plan(self, req: PlanRequest | StripedRequest) -> _Plan:
         self._worker(req.worker_id)
-        self._apply_carried(req)
+        if type(req) is PlanRequest and req.done is not None:
+            self._apply_done(req)
         _, vrec = self._resolve(req.model, req.version)
         lid = req.layout_id or self._part_layout(vrec, 0, req.model)[0]
         layout = vrec.layouts.get(lid)
@@ -924,10 +923,8 @@ class Coordinator:
             raise Reject("layout_mismatch",
                          f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                          f"known layouts: {', '.join(vrec.layouts)}")
-        if req.striped:
+        if type(req) is not PlanRequest:
             return self._plan_striped(req, vrec.version, lid, layout)
-        if req.chunked:
-            return self._plan_chunked(req, vrec.version, lid, layout)
         avoid = self.trust.avoided(req.worker_id)
         try:
             ranges = plan_ranges(self.table, layout, req.worker_id, self.config.planner,
@@ -937,7 +934,7 @@ class Coordinator:
         except NoSource as exc:
             raise self._no_source(exc, req.worker_id, req.model, vrec.version, layout, avoid,
                                   "every holder is serving its maximum of readers",
-                                  chunked=False) from None
+                                  striped=False) from None
         source_ids = {r.source for r in ranges}
         lease = self.table.new_lease(req.worker_id, req.model, vrec.version, lid, source_ids,
                                      self.config.lease_ttl)
@@ -947,34 +944,25 @@ class Coordinator:
                      [(workers[sid], layout.holders[sid]) for sid in source_ids],
                      ranges)
 
-    def _apply_carried(self, req: PlanRequest) -> None:
-        """A reader's `Progress` and `ReadDone` for its previous plan, carried by its next
-        request (one round trip instead of three). They are the reader's own: another
-        worker's id is refused. A Progress the coordinator cannot use is dropped with a log
-        line, as a separate one would be ignored by the reader: it does not fail the plan."""
-        for carried in (req.progress, req.done):
-            if carried is not None and carried.worker_id != req.worker_id:
-                raise Reject("bad_request", f"a plan request of {req.worker_id} carries a "
-                                            f"{carried.type} of {carried.worker_id}")
-        if req.progress is not None:
-            try:
-                self._progress(req.progress)
-            except Reject as rej:
-                log.info("progress of %s not recorded: %s", req.worker_id, rej.reply.message)
-        if req.done is not None:
-            self._read_done(req.done)
+    def _apply_done(self, req: PlanRequest) -> None:
+        """The end of the reader's previous lease, carried by its next request (one round
+        trip instead of two). It is the reader's own: another worker's id is refused."""
+        if req.done.worker_id != req.worker_id:
+            raise Reject("bad_request", f"a plan request of {req.worker_id} carries a "
+                                        f"{req.done.type} of {req.done.worker_id}")
+        self._read_done(req.done)
 
     @staticmethod
-    def _with_manifest(req: PlanRequest) -> bool:
+    def _with_manifest(req: PlanRequest | StripedRequest) -> bool:
         """Whether a plan carries the manifest and checksums: unless the reader has them."""
         return not (req.known_manifest and req.version != "latest")
 
     def _no_source(self, exc: NoSource, reader: str, model: str, version: int,
-                   layout: LayoutRec, avoid, busy: str, chunked: bool = True) -> Reject:
+                   layout: LayoutRec, avoid, busy: str, striped: bool = True) -> Reject:
         """`unreachable` when this reader failed on every holder there is (its own fault,
         most likely: the others read them); `busy` (retry soon) when holders exist but are
         all serving; else `no_holder`."""
-        serving = [h for h in (layout.serving() if chunked else
+        serving = [h for h in (layout.serving() if striped else
                                [h.worker_id for h in layout.holders.values() if not h.withdrawn])
                    if h != reader]
         if avoid and serving and all(h in avoid for h in serving):
@@ -1002,28 +990,6 @@ class Coordinator:
         chunk_time = self.config.planner.chunk_bytes_for(layout.nbytes) / self._stream_rate
         return min(self.config.busy_retry, max(BUSY_RETRY_MIN, chunk_time / 4))
 
-    def _plan_chunked(self, req: PlanRequest, version: int, lid: str,
-                      layout: LayoutRec) -> _Plan:
-        """A plan per chunk, from complete and partial holders (see `plan_chunks`)."""
-        avoid = self.trust.avoided(req.worker_id)
-        try:
-            chunked = plan_chunks(self.table, layout, lid, req.worker_id, self.config.planner,
-                                  req.missing, avoid)
-        except ValueError as exc:
-            raise Reject("bad_request", str(exc)) from None
-        except NoSource as exc:
-            raise self._no_source(exc, req.worker_id, req.model, version, layout, avoid,
-                                  "no free holder has a chunk this reader is missing yet") from None
-        lease = self.table.new_lease(req.worker_id, req.model, version, lid,
-                                     set(chunked.sources), self.config.lease_ttl,
-                                     remote_into=chunked.remote_into, chunks=chunked.chunks)
-        workers = self.table.workers
-        return _Plan(req.model, version, lid, layout, self._with_manifest(req), lease.lease_id,
-                     float(self.config.lease_ttl),
-                     [(workers[sid], rec) for sid, rec in chunked.sources.items()],
-                     chunked.ranges, self.config.planner.chunk_bytes_for(layout.nbytes),
-                     chunked.complete)
-
     def _forest(self, layout: LayoutRec) -> Forest:
         """The layout's forest, begun at its first striped reader with the complete holders
         there are as roots."""
@@ -1039,7 +1005,7 @@ class Coordinator:
                         layout.forest.publisher = h.worker_id
         return layout.forest
 
-    def _plan_striped(self, req: PlanRequest, version: int, lid: str,
+    def _plan_striped(self, req: StripedRequest, version: int, lid: str,
                       layout: LayoutRec) -> _Plan:
         """A parent per stripe for the whole version (see `forest.py`): at a reader's first
         request, or for the `stripes` it names again (no parent yet, or a parent that
@@ -1053,10 +1019,10 @@ class Coordinator:
                                         f"pull takes at most {PROGRESS_BYTES} (--chunk-mib)")
         dc, now = reader.labels.get("dc", ""), self.clock()
         member = forest.members.get(req.worker_id)
-        # A reader that reads by its last parents confirms with no stripes named; its
-        # lease is opened under the name it already uses.
-        lease_name = warm_lease_id(req.worker_id, req.model, version) \
-            if req.stripes == [] else None
+        # A reader that reads by its last parents confirms; its lease is opened under the
+        # name it already uses.
+        confirming = type(req) is ConfirmParents
+        lease_name = warm_lease_id(req.worker_id, req.model, version) if confirming else None
         kept: list[str | None] | None = None  # its old parents, if it reads by them
         if not any(not h.withdrawn and h.worker_id != req.worker_id
                    for h in layout.holders.values()):
@@ -1066,7 +1032,7 @@ class Coordinator:
         if member is not None and member.root:
             # It holds the version already (a second pull of it): nothing to read.
             parents: list[str | None] = [None] * forest.stripes
-        elif req.stripes == [] and layout.previous_forest is not None and (
+        elif confirming and layout.previous_forest is not None and (
                 kept := forest.adopt(req.worker_id, layout.previous_forest)) is not None:
             # It pulls by the parents it had for the last version (no plan waited for):
             # taken in with them (a stripe whose old parent left gets a new one), and its
@@ -1083,19 +1049,21 @@ class Coordinator:
         else:
             # On record once, and only a parent it had: a reader asking again after a busy
             # reply names the same failed parent again, already replaced.
-            parents_now = {member.parents[s] for s in req.stripes or () if s < forest.stripes}
-            for failed in parents_now & set(req.failed):
+            stripes, failed_ids, behind = (req.stripes, req.failed, req.behind) \
+                if type(req) is ReplanStripes else ([], [], [])
+            parents_now = {member.parents[s] for s in stripes if s < forest.stripes}
+            for failed in parents_now & set(failed_ids):
                 source = self.table.workers.get(failed)
                 self.table.record(TransferRecord(
                     reader=reader.name, source=source.name if source else failed,
                     model=req.model, version=version, nbytes=0, seconds=0.0, ok=False,
                     error="a striped read failed; the stripe is planned elsewhere"))
-            for failed in req.failed:
+            for failed in failed_ids:
                 self._report_failed(reader, failed, req.model, version,
                                     "a striped read failed", protected_sources=None)
-            gone = set(req.failed) | set(req.behind)
+            gone = set(failed_ids) | set(behind)
             avoid = gone | set(self.trust.avoided(req.worker_id))
-            for s in req.stripes or ():
+            for s in stripes:
                 if s < forest.stripes and member.parents[s] in gone:
                     forest.replace(req.worker_id, s, avoid, now)
             parents = forest.fill(req.worker_id, now, self._workers_in_dc[dc], avoid)
@@ -1140,7 +1108,7 @@ class Coordinator:
                      parents, self.config.pending_retry if pending else None, progress,
                      holding)
 
-    def _take_memory(self, req: PlanRequest, reader: WorkerRec, layout: LayoutRec) -> None:
+    def _take_memory(self, req: StripedRequest, reader: WorkerRec, layout: LayoutRec) -> None:
         """A striped reader's destination regions: it serves its chunks from them."""
         if req.memory is not None:
             self._check_memory(layout, req.memory)

@@ -254,8 +254,6 @@ class Lease:
     sources: set[str]
     expires: float
     started: float = 0.0
-    remote_into: str | None = None  # the reader's dc, when a source lies outside it
-    chunks: tuple[int, ...] = ()  # chunks planned under this lease (chunked plans)
 
 
 class Leases(dict[str, Lease]):
@@ -266,26 +264,11 @@ class Leases(dict[str, Lease]):
         super().__init__()
         self.by_holder: Counter[str] = Counter()
         self.by_holder_version: Counter[tuple[str, str, int]] = Counter()
-        self.remote_into: Counter[str] = Counter()
-        self.chunk_reads: Counter[tuple[str, int]] = Counter()  # (layout id, chunk)
-        self.by_pair: Counter[tuple[str, str]] = Counter()  # (reader, source)
-        self.by_reader: Counter[str] = Counter()
 
     def _count(self, lease: Lease, step: int) -> None:
-        self.by_reader[lease.reader] += step
-        if not self.by_reader[lease.reader]:
-            del self.by_reader[lease.reader]
         for sid in lease.sources:
             self.by_holder[sid] += step
-            pair = (lease.reader, sid)
-            self.by_pair[pair] += step
-            if not self.by_pair[pair]:
-                del self.by_pair[pair]  # readers x sources would otherwise pile up
             self.by_holder_version[(sid, lease.model, lease.version)] += step
-        if lease.remote_into is not None:
-            self.remote_into[lease.remote_into] += step
-        for c in lease.chunks:
-            self.chunk_reads[(lease.layout_id, c)] += step
 
     def __setitem__(self, key: str, lease: Lease) -> None:
         old = self.get(key)
@@ -360,17 +343,13 @@ class Table:
     # reader name -> (its worker id, its last whole pull): what engines' front ends count
     last_pull: dict[str, tuple[str, TransferRecord]] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
-    plans: int = 0  # chunked plans made: rotates where the planner starts looking
-    # dc -> {reader: when}: readers refused a chunked plan while reading nothing (their NIC
-    # idles); oldest first. While a dc has some, its busy readers get no second stream.
-    starving: dict[str, dict[str, float]] = field(default_factory=dict)
+    plans: int = 0  # whole-item plans made: rotates where the planner starts looking
 
     def new_lease(self, reader: str, model: str, version: int, layout_id: str,
-                  sources: set[str], ttl: float, remote_into: str | None = None,
-                  chunks: tuple[int, ...] = (), lease_id: str | None = None) -> Lease:
+                  sources: set[str], ttl: float, lease_id: str | None = None) -> Lease:
         now = self.clock()
         lease = Lease(lease_id or uuid.uuid4().hex, reader, model, version, layout_id,
-                      sources, now + ttl, now, remote_into, chunks)
+                      sources, now + ttl, now)
         self.leases[lease.lease_id] = lease
         return lease
 

@@ -29,16 +29,18 @@ from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.chunks import chunks_of
 from tensorhub.core.data_types import (
     PUBLISHER,
+    ConfirmParents,
     Endpoint,
     ErrorReply,
     Heartbeat,
     Hold,
     MemoryDesc,
-    PlanRequest,
     Publish,
     ReadDone,
     Register,
+    ReplanStripes,
     StandBy,
+    StripedPlanRequest,
 )
 from tensorhub.core.layout import layout_id, plan_items
 from tensorhub.core.stripes import (
@@ -109,8 +111,8 @@ class _Reader:
         """A cold pull, as `Replica.pull` makes it: the announcement carried the manifest,
         so its buffers are allocated at once and its first plan request carries them."""
         self.warm = False
-        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                              chunked=True, striped=True, memory=self.sim.memory), self._plan)
+        self.send(StripedPlanRequest(worker_id=self.id, model="m", version=self.version,
+                                     memory=self.sim.memory), self._plan)
 
     def _plan(self, reply) -> None:
         if not self.alive:
@@ -163,9 +165,8 @@ class _Reader:
         self.step()
 
     def _confirm(self) -> None:
-        self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                              chunked=True, striped=True, known_manifest=True, stripes=[],
-                              memory=self.sim.memory), self._confirmed)
+        self.send(ConfirmParents(worker_id=self.id, model="m", version=self.version,
+                                 known_manifest=True, memory=self.sim.memory), self._confirmed)
 
     def _confirmed(self, reply) -> None:
         if not self.alive:
@@ -186,11 +187,11 @@ class _Reader:
             if isinstance(action, Replan):
                 sim.replans += 1
                 # (our memory again only after a warm start: `Replica._ask_again`)
-                self.send(PlanRequest(worker_id=self.id, model="m", version=self.version,
-                                      chunked=True, striped=True, known_manifest=True,
-                                      memory=self.sim.memory if self.warm else None,
-                                      stripes=list(action.stripes),
-                                      failed=list(action.failed), behind=list(action.behind)),
+                self.send(ReplanStripes(worker_id=self.id, model="m", version=self.version,
+                                        known_manifest=True,
+                                        memory=self.sim.memory if self.warm else None,
+                                        stripes=list(action.stripes),
+                                        failed=list(action.failed), behind=list(action.behind)),
                           self._plan)
             elif isinstance(action, Read):
                 sim.read(self, action)

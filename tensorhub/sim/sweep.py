@@ -108,7 +108,9 @@ def run_sweep(base: SimConfig, sizes: list[int], echo=print, per_chunk_max: int 
         row = SweepRow(n, config.lower_bound, result.worst,
                        times[len(times) // 2] if times else float("inf"),
                        star_time(config), ring_time(config), optimum_time(config),
-                       result.reader_messages.get("plan", 0), result.replans,
+                       sum(result.reader_messages.get(kind, 0) for kind in
+                           ("striped_plan", "replan_stripes", "confirm_parents")),
+                       result.replans,
                        len(result.unfinished), wall, result.busy_fraction,
                        result.messages_per_reader, result.max_depth, result.longest_wait,
                        socket_cost, old, old_messages,
