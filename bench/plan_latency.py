@@ -12,7 +12,7 @@ process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
 
 Printed per offered rate: whole-item plan p50/p99 beside heartbeat latency (the
 socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
-Then the time inside `Coordinator.answer` per plan (what the socket loop runs), free of
+Then the time inside `dispatch.answer` per plan (what the socket loop runs), free of
 scheduling on a shared machine: whole-item plans (8 GiB) and striped plans for a 1 TiB
 version (16,384 chunks); `--inside-only` measures only these (no process, seconds).
 `python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000,2000] [--seconds 10]`.
@@ -222,31 +222,32 @@ class _Load:
 
 @contextmanager
 def _published(manifest: Manifest, memory: list[MemoryDesc]):
-    """An in-process coordinator (not serving: its handlers are called directly) with a
-    trainer that has published version 1 of "m"; yields it and a `call(request)`."""
-    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, settle_gc
+    """A coordinator's state with no socket (its requests answered as the socket loop
+    answers them) and a trainer that has published version 1 of "m"; yields a function
+    answering a payload with the reply's bytes, and a `call(request)` returning the reply."""
+    from tensorhub.coordinator import dispatch
+    from tensorhub.coordinator.server import settle_gc
+    from tensorhub.coordinator.state import CoordinatorState
 
     settle_gc()  # as `tensorhub coordinator` does
-    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
-    try:
-        def call(request):
-            reply = c.handle(_payload(request))
-            CREDENTIALS.learn(reply)
-            return reply
+    state = CoordinatorState()
 
-        t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
-        call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
-                     checksums=["c"] * len(plan_items(manifest)), memory=memory))
-        yield c, call
-    finally:
-        c.stop()
+    def call(request):
+        reply = dispatch.handle(state, _payload(request))
+        CREDENTIALS.learn(reply)
+        return reply
+
+    t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
+    call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
+                 checksums=["c"] * len(plan_items(manifest)), memory=memory))
+    yield (lambda payload: dispatch.answer(state, payload)), call
 
 
 def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.answer` per plan (decode, plan, the reply's bytes), with
+    """Seconds inside `dispatch.answer` per plan (decode, plan, the reply's bytes), with
     `workers` registered and half of them holding: the coordinator's own share of the
     latency, free of client-side and scheduling delays on a shared machine."""
-    with _published(MANIFEST, MEMORY) as (c, call):
+    with _published(MANIFEST, MEMORY) as (answer, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              labels=_labels(i))).worker_id for i in range(workers)]
         for i in filter(_holds, range(workers)):
@@ -258,7 +259,7 @@ def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
             w = readers[k % len(readers)]
             payload = _payload(PlanRequest(worker_id=w, model="m", version=1))
             started = time.perf_counter()
-            reply = c.answer(payload)
+            reply = answer(payload)
             out["plan_whole"].append(time.perf_counter() - started)
             call(ReadDone(worker_id=w, lease_id=msgpack.unpackb(reply)["lease_id"], ok=True))
         return out
@@ -274,7 +275,7 @@ TIB_MANIFEST = Manifest(
 
 
 def striped_service_times(workers: int) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.answer` per striped plan request, for a 1 TiB version
+    """Seconds inside `dispatch.answer` per striped plan request, for a 1 TiB version
     (16,384 chunks) and `workers` readers joining one after another: a reader's first
     request (it carries its 2049 memory regions; the forest names its parents) and its
     later ones (a stripe it asks for again: a parent that fell behind, replaced). Neither
@@ -282,7 +283,7 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
     items = plan_items(TIB_MANIFEST)
     memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=it.nbytes) for k, it in enumerate(items)]
     progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
-    with _published(TIB_MANIFEST, memory) as (c, call):
+    with _published(TIB_MANIFEST, memory) as (answer, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              progress=progress)).worker_id for i in range(workers)]
         out: dict[str, list[float]] = {"plan_striped_first": [], "plan_striped_again": []}
@@ -291,7 +292,7 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
             payload = _payload(StripedPlanRequest(worker_id=w, model="m", version=1,
                                                   memory=memory))
             started = time.perf_counter()
-            reply = c.answer(payload)
+            reply = answer(payload)
             out["plan_striped_first"].append(time.perf_counter() - started)
             parents[w] = msgpack.unpackb(reply)["stripes"]
         for w in ids:
@@ -300,7 +301,7 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
                 worker_id=w, model="m", version=1, known_manifest=True,
                 stripes=[parents[w].index(behind[0])] if behind else [1], behind=behind))
             started = time.perf_counter()
-            c.answer(payload)
+            answer(payload)
             out["plan_striped_again"].append(time.perf_counter() - started)
         return out
 
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between a worker's heartbeats (the coordinator's default)")
     parser.add_argument("--inside-only", action="store_true",
-                        help="only the time inside `Coordinator.answer` (no process, no load)")
+                        help="only the time inside `dispatch.answer` (no process, no load)")
     args = parser.parse_args(argv)
     if args.inside_only:
         _report_inside(Report("plan_latency_inside"), args.workers)

@@ -243,11 +243,13 @@ def test_a_later_plan_of_a_pull_leaves_out_the_manifest_the_reader_has(coordinat
 
 
 def test_a_plan_on_the_socket_is_the_plan_model_encoded():
-    """On the socket a plan is encoded straight from the table (no `MemoryDesc` models):
-    the bytes must be those of the `ReadPlan` that `handle` returns, from a complete holder
-    or a partial one (a striped reader's parent), with the manifest or without."""
+    """On the socket a plan's manifest and its sources' memory regions are spliced in as
+    the table encoded them once: the bytes must be those of the `ReadPlan` model, from a
+    complete holder or a partial one (a striped reader's parent), with the manifest or
+    without."""
+    from tensorhub.coordinator import dispatch
     from tensorhub.coordinator.planner import PlannerConfig
-    from tensorhub.coordinator.server import _Plan
+    from tensorhub.coordinator.state import CoordinatorState
     from tensorhub.core.data_types import MemoryDesc, SharedRegion, StripedPlanRequest
     from tensorhub.core.wire import decode_reply, encode
 
@@ -256,45 +258,41 @@ def test_a_plan_on_the_socket_is_the_plan_model_encoded():
                         compact_threshold=1024)
     memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=4096, device=k, mem="VRAM")
               for k in range(3)]
-    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
-                                      lease_ttl=30,  # an int: the reply's is a float
-                                      planner=PlannerConfig(chunk_bytes=4096,
-                                                            max_readers_per_holder=1)))
-    call = c._handlers
+    state = CoordinatorState(CoordinatorConfig(
+        lease_ttl=30,  # an int: the reply's is a float
+        planner=PlannerConfig(chunk_bytes=4096, max_readers_per_holder=1)))
+
+    def call(request):
+        return dispatch.HANDLERS[type(request)](state, request)
 
     def join(name, role="replica"):
         endpoint = Endpoint(transport="nixl", agent_name=name, agent_metadata=b"\0\xff",
                             pid=42, host="h",
                             shared=[SharedRegion(fd=5, inode=7, addr=1 << 40, nbytes=4096)])
-        return call[Register](Register(name=name, role=role, endpoint=endpoint,
-                                       labels={"dc": "a"}, grant_key=grants.new_key())).worker_id
+        return call(Register(name=name, role=role, endpoint=endpoint, labels={"dc": "a"},
+                             grant_key=grants.new_key())).worker_id
 
-    try:
-        trainer = join("trainer", "trainer")
-        call[Publish](Publish(worker_id=trainer, model="m", version=1, manifest=manifest,
-                              checksums=["a", "b", "c"], memory=memory))
-        partial, reader = join("partial"), join("reader")
-        requests = [PlanRequest(worker_id=reader, model="m", version=1, known_manifest=known)
-                    for known in (False, True)]
-        requests.append(StripedPlanRequest(worker_id=reader, model="m", version=1,
-                                           memory=memory))  # under the partial holder
-        sources = set()
-        for request in requests:
-            if request.type == "striped_plan":  # the partial holder takes the trainer's slots
-                call[StripedPlanRequest](StripedPlanRequest(
-                    worker_id=partial, model="m", version=1, memory=memory))
-            plan = c._plan_reply(request)
-            assert isinstance(plan, _Plan)
-            model = plan.reply()
-            assert plan.wire() == encode(model)
-            assert decode_reply(plan.wire()) == model
-            assert all(src.grant and src.grant.startswith(f"{reader}.") for src in model.sources)
-            sources.update(s.worker_id for s in model.sources)
-            if request.type == "plan":
-                call[ReadDone](ReadDone(worker_id=reader, lease_id=model.lease_id, ok=True))
-        assert sources == {trainer, partial}  # a complete and a partial holder's regions
-    finally:
-        c.stop()
+    trainer = join("trainer", "trainer")
+    call(Publish(worker_id=trainer, model="m", version=1, manifest=manifest,
+                 checksums=["a", "b", "c"], memory=memory))
+    partial, reader = join("partial"), join("reader")
+    requests = [PlanRequest(worker_id=reader, model="m", version=1, known_manifest=known)
+                for known in (False, True)]
+    requests.append(StripedPlanRequest(worker_id=reader, model="m", version=1,
+                                       memory=memory))  # under the partial holder
+    sources = set()
+    for request in requests:
+        if request.type == "striped_plan":  # the partial holder takes the trainer's slots
+            call(StripedPlanRequest(worker_id=partial, model="m", version=1, memory=memory))
+        reply = call(request)
+        plan = dispatch.as_model(reply)
+        wire = dispatch.encode_reply(state, reply)
+        assert wire == encode(plan) and decode_reply(wire) == plan
+        assert all(src.grant and src.grant.startswith(f"{reader}.") for src in plan.sources)
+        sources.update(s.worker_id for s in plan.sources)
+        if request.type == "plan":
+            call(ReadDone(worker_id=reader, lease_id=plan.lease_id, ok=True))
+    assert sources == {trainer, partial}  # a complete and a partial holder's regions
 
 
 def test_a_partial_holders_encoded_regions_follow_its_memory():

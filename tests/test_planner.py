@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from tensorhub.coordinator.dispatch import HANDLERS, as_model
 from tensorhub.coordinator.planner import PlannerConfig
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
+from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState, Reject
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_in, chunks_of, merge
 from tensorhub.core.data_types import (
     ByteRange,
@@ -42,9 +43,8 @@ EP = Endpoint(transport="zmq", address="tcp://127.0.0.1:1")
 class Fleet:
     def __init__(self, **planner):
         self.now = 0.0
-        self.coordinator = Coordinator(
-            CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
-                              planner=PlannerConfig(chunk_bytes=ITEM, **planner)),
+        self.coordinator = CoordinatorState(
+            CoordinatorConfig(planner=PlannerConfig(chunk_bytes=ITEM, **planner)),
             clock=lambda: self.now)
         self.trainer = self.join("trainer", "trainer", dc="dc0", node="t")
         self.call(Publish(worker_id=self.trainer, model="m", version=1, manifest=MANIFEST,
@@ -52,7 +52,7 @@ class Fleet:
 
     def call(self, request):
         try:
-            return self.coordinator._handlers[type(request)](request)
+            return as_model(HANDLERS[type(request)](self.coordinator, request))
         except Reject as rej:
             return rej.reply
 
@@ -72,21 +72,10 @@ class Fleet:
     def done(self, reader, plan, ok=True):
         self.call(ReadDone(worker_id=reader, lease_id=plan.lease_id, ok=ok))
 
-    def close(self):
-        self.coordinator.stop()
-
 
 @pytest.fixture
 def fleet_of():
-    made = []
-
-    def make(**planner):
-        made.append(Fleet(**planner))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
+    return Fleet
 
 
 def source_by_item(plan: ReadPlan) -> dict[int, str]:

@@ -26,7 +26,8 @@ import random
 from dataclasses import dataclass, field
 
 from tensorhub.coordinator.planner import PlannerConfig
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, Reject
+from tensorhub.coordinator.server import Coordinator
+from tensorhub.coordinator.state import CoordinatorConfig, Reject
 from tensorhub.core.chunks import CHUNK_BYTES, chunks_of, merge
 from tensorhub.core.client import BUSY_RETRY_JITTER, Credentials, busy_wait
 from tensorhub.core.data_types import (
