@@ -153,9 +153,7 @@ class Coordinator:
 
     def answer(self, payload: bytes) -> bytes:
         """`handle`, as the bytes the socket sends (what a benchmark should time)."""
-        reply = dispatch.answer(self.state, payload)
-        self._publish()
-        return reply
+        return dispatch.answer(self.state, payload)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -215,6 +213,7 @@ class Coordinator:
             return
         ident, req_id, payload = frames
         self._send(ident, req_id, self.answer(payload))
+        self._publish()
 
     def _send(self, ident: bytes, req_id: bytes, reply: bytes) -> None:
         router = self._router
@@ -226,8 +225,8 @@ class Coordinator:
             pass
 
     def _publish(self) -> None:
-        """Send the announcements the state made (a subscriber too slow misses them: it
-        asks for the latest)."""
+        """Send the announcements the state made, from the loop's thread (the PUB socket is
+        its own; a subscriber too slow misses them: it asks for the latest)."""
         outbox = self.state.outbox
         while outbox:
             topic, msg = outbox.pop(0)

@@ -88,6 +88,9 @@ def source_of(worker: WorkerRec, memory: list[MemoryDesc], progress: MemoryDesc 
 
 
 class CoordinatorState:
+    """The coordinator's records and the soft state derived from them. The handlers
+    change it; the announcements it makes wait in `outbox` for whoever drives it."""
+
     def __init__(self, config: CoordinatorConfig = CoordinatorConfig(),
                  clock: Callable[[], float] = time.monotonic, announce_address: str = ""):
         """`clock`: the time source for liveness and leases (the simulator drives its own);
