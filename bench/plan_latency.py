@@ -10,11 +10,11 @@ behind shows as latency rather than as a quietly lower rate. Half the fleet hold
 version (the planner scans a large holder set); the other half reads. One load-generator
 process (one thread, a poller over 16 sockets) drives all 4096 worker ids.
 
-Printed per offered rate: plan p50/p99 (chunked and whole-item) beside heartbeat latency
-(the socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
-Then the time inside `Coordinator.answer` per plan (what the socket loop runs), free of
-scheduling on a shared machine: per-chunk plans (8 GiB) and striped plans for a 1 TiB
-version (16,384 chunks).
+Printed per offered rate: whole-item plan p50/p99 beside heartbeat latency (the
+socket-and-codec floor) and the goal, and the coordinator's CPU from /proc/<pid>/stat.
+Then the time inside `dispatch.answer` per plan (what the socket loop runs), free of
+scheduling on a shared machine: whole-item plans (8 GiB) and striped plans for a 1 TiB
+version (16,384 chunks); `--inside-only` measures only these (no process, seconds).
 `python -m bench.plan_latency [--workers 4096] [--rates 250,500,1000,2000] [--seconds 10]`.
 """
 
@@ -45,7 +45,9 @@ from tensorhub.core.data_types import (
     Publish,
     ReadDone,
     Register,
+    ReplanStripes,
     StatusRequest,
+    StripedPlanRequest,
     TensorSpec,
 )
 from tensorhub.core.layout import layout_id, plan_items
@@ -156,16 +158,16 @@ class _Load:
         self.beats = [_payload(Heartbeat(worker_id=i)) for i in ids]
         # A reader's first plan brings the manifest and checksums, its later ones leave them
         # out (`known_manifest`), as a `Replica` pulling a version does.
-        self.plans = {(chunked, known): {
-            w: _payload(PlanRequest(worker_id=ids[w], model="m", version=1, chunked=chunked,
+        self.plans = {known: {
+            w: _payload(PlanRequest(worker_id=ids[w], model="m", version=1,
                                     known_manifest=known)) for w in self.readers}
-            for chunked in (True, False) for known in (True, False)}
+            for known in (True, False)}
         self.asked: set[int] = set()
         self.rng = random.Random(0)
 
     def offer(self, rate: float, seconds: float) -> dict:
         """Heartbeats from every worker and `rate` plans/s for `seconds`; latencies by kind."""
-        lat: dict[str, list[float]] = {"heartbeat": [], "plan_chunked": [], "plan_whole": []}
+        lat: dict[str, list[float]] = {"heartbeat": [], "plan_whole": []}
         errors = 0
         t0 = time.perf_counter() + 0.1
         end = t0 + seconds
@@ -188,9 +190,7 @@ class _Load:
                     if t + self.interval < end:
                         heapq.heappush(events, (t + self.interval, next(seq), kind, w))
                 else:
-                    chunked = (w // 8) % 2 == 0  # half the readers chunked, half whole-item
-                    fleet.send(w, "plan_chunked" if chunked else "plan_whole",
-                               self.plans[chunked, w in self.asked][w], t)
+                    fleet.send(w, "plan_whole", self.plans[w in self.asked][w], t)
                     self.asked.add(w)
             wait = events[0][0] - time.perf_counter() if events else 0.0
             got, bad = self._collect(fleet.receive(int(wait * 1000)), lat) if wait > 0 \
@@ -222,47 +222,45 @@ class _Load:
 
 @contextmanager
 def _published(manifest: Manifest, memory: list[MemoryDesc]):
-    """An in-process coordinator (not serving: its handlers are called directly) with a
-    trainer that has published version 1 of "m"; yields it and a `call(request)`."""
-    from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, settle_gc
+    """A coordinator's state with no socket (its requests answered as the socket loop
+    answers them) and a trainer that has published version 1 of "m"; yields a function
+    answering a payload with the reply's bytes, and a `call(request)` returning the reply."""
+    from tensorhub.coordinator import dispatch
+    from tensorhub.coordinator.server import settle_gc
+    from tensorhub.coordinator.state import CoordinatorState
 
     settle_gc()  # as `tensorhub coordinator` does
-    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0"))
-    try:
-        def call(request):
-            reply = c.handle(_payload(request))
-            CREDENTIALS.learn(reply)
-            return reply
+    state = CoordinatorState()
 
-        t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
-        call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
-                     checksums=["c"] * len(plan_items(manifest)), memory=memory))
-        yield c, call
-    finally:
-        c.stop()
+    def call(request):
+        reply = dispatch.handle(state, _payload(request))
+        CREDENTIALS.learn(reply)
+        return reply
+
+    t = call(Register(name="trainer", role="trainer", endpoint=ENDPOINT)).worker_id
+    call(Publish(worker_id=t, model="m", version=1, manifest=manifest,
+                 checksums=["c"] * len(plan_items(manifest)), memory=memory))
+    yield (lambda payload: dispatch.answer(state, payload)), call
 
 
 def service_times(workers: int, plans: int = 1000) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.answer` per plan (decode, plan, the reply's bytes), with
+    """Seconds inside `dispatch.answer` per plan (decode, plan, the reply's bytes), with
     `workers` registered and half of them holding: the coordinator's own share of the
     latency, free of client-side and scheduling delays on a shared machine."""
-    with _published(MANIFEST, MEMORY) as (c, call):
+    with _published(MANIFEST, MEMORY) as (answer, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              labels=_labels(i))).worker_id for i in range(workers)]
         for i in filter(_holds, range(workers)):
             call(Hold(worker_id=ids[i], model="m", version=1, layout_id=layout_id(MANIFEST),
                       memory=MEMORY))
-        out: dict[str, list[float]] = {"plan_chunked": [], "plan_whole": []}
+        out: dict[str, list[float]] = {"plan_whole": []}
         readers = [ids[i] for i in range(workers) if not _holds(i)]
         for k in range(plans):
             w = readers[k % len(readers)]
-            chunked = k % 2 == 0
-            payload = _payload(PlanRequest(worker_id=w, model="m", version=1,
-                                                   chunked=chunked))
+            payload = _payload(PlanRequest(worker_id=w, model="m", version=1))
             started = time.perf_counter()
-            reply = c.answer(payload)
-            out["plan_chunked" if chunked else "plan_whole"].append(
-                time.perf_counter() - started)
+            reply = answer(payload)
+            out["plan_whole"].append(time.perf_counter() - started)
             call(ReadDone(worker_id=w, lease_id=msgpack.unpackb(reply)["lease_id"], ok=True))
         return out
 
@@ -277,7 +275,7 @@ TIB_MANIFEST = Manifest(
 
 
 def striped_service_times(workers: int) -> dict[str, list[float]]:
-    """Seconds inside `Coordinator.answer` per striped plan request, for a 1 TiB version
+    """Seconds inside `dispatch.answer` per striped plan request, for a 1 TiB version
     (16,384 chunks) and `workers` readers joining one after another: a reader's first
     request (it carries its 2049 memory regions; the forest names its parents) and its
     later ones (a stripe it asks for again: a parent that fell behind, replaced). Neither
@@ -285,27 +283,25 @@ def striped_service_times(workers: int) -> dict[str, list[float]]:
     items = plan_items(TIB_MANIFEST)
     memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=it.nbytes) for k, it in enumerate(items)]
     progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
-    with _published(TIB_MANIFEST, memory) as (c, call):
+    with _published(TIB_MANIFEST, memory) as (answer, call):
         ids = [call(Register(name=f"w{i}", role="replica", endpoint=ENDPOINT,
                              progress=progress)).worker_id for i in range(workers)]
         out: dict[str, list[float]] = {"plan_striped_first": [], "plan_striped_again": []}
         parents: dict[str, list] = {}
         for w in ids:
-            payload = _payload(PlanRequest(
-                worker_id=w, model="m", version=1, chunked=True, striped=True,
-                memory=memory))
+            payload = _payload(StripedPlanRequest(worker_id=w, model="m", version=1,
+                                                  memory=memory))
             started = time.perf_counter()
-            reply = c.answer(payload)
+            reply = answer(payload)
             out["plan_striped_first"].append(time.perf_counter() - started)
             parents[w] = msgpack.unpackb(reply)["stripes"]
         for w in ids:
             behind = [p for p in parents[w] if p is not None][:1]
-            payload = _payload(PlanRequest(
-                worker_id=w, model="m", version=1, chunked=True, striped=True,
-                known_manifest=True, stripes=[parents[w].index(behind[0])] if behind else [1],
-                behind=behind))
+            payload = _payload(ReplanStripes(
+                worker_id=w, model="m", version=1, known_manifest=True,
+                stripes=[parents[w].index(behind[0])] if behind else [1], behind=behind))
             started = time.perf_counter()
-            c.answer(payload)
+            answer(payload)
             out["plan_striped_again"].append(time.perf_counter() - started)
         return out
 
@@ -323,7 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each run")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between a worker's heartbeats (the coordinator's default)")
+    parser.add_argument("--inside-only", action="store_true",
+                        help="only the time inside `dispatch.answer` (no process, no load)")
     args = parser.parse_args(argv)
+    if args.inside_only:
+        _report_inside(Report("plan_latency_inside"), args.workers)
+        return
     rates = [float(r) for r in args.rates.split(",")]
     port = random.Random(os.getpid()).randrange(20000, 40000, 2)
     address = f"tcp://127.0.0.1:{port}"
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         lat = run["lat"]
         at = f"{n} workers, {rate:g} plans/s"
         hb50 = _pct(lat["heartbeat"], 0.5)
-        for kind in ("plan_chunked", "plan_whole"):
+        for kind in ("plan_whole",):
             report.add(f"{at}: {kind} p50", _pct(lat[kind], 0.5) * 1e3, "ms",
                        "heartbeat p50", hb50 * 1e3, higher_is_better=False)
             report.add(f"{at}: {kind} p99", _pct(lat[kind], 0.99) * 1e3, "ms",
@@ -370,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
                    "%")
         report.add(f"{at}: error replies / unanswered", run["errors"] + run["unanswered"],
                    "requests")
+    report.add("holders at the end", holders, "workers")
+    _report_inside(report, n)
+
+
+def _report_inside(report: Report, n: int) -> None:
     inside = service_times(n)
     inside.update(striped_service_times(n))
     for kind, xs in inside.items():
@@ -377,7 +383,6 @@ def main(argv: list[str] | None = None) -> None:
                    _pct(xs, 0.99) * 1e3, "ms", "goal", 10.0, higher_is_better=False)
         report.add(f"{n} workers: {kind} p50 inside the coordinator",
                    _pct(xs, 0.5) * 1e3, "ms")
-    report.add("holders at the end", holders, "workers")
     report.write()
 
 

@@ -40,6 +40,7 @@ from tensorhub.core.data_types import (
     PlanRequest,
     ReadDone,
     ReadPlan,
+    StripedRequest,
 )
 from tensorhub.core.errors import (
     CoordinatorError,
@@ -171,7 +172,7 @@ class Replica:
                       [describe(b) for b in dest] if relay else None,
                       self.session.transport.endpoint(), relay, self.whole_items)
 
-    def _plan(self, pull: PullSession, request: PlanRequest) -> None:
+    def _plan(self, pull: PullSession, request: PlanRequest | StripedRequest) -> None:
         """Ask for a plan, and again while the session says to wait (busy holders, none
         left for a moment)."""
         while True:

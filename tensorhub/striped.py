@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from tensorhub import settings
-from tensorhub.core.data_types import MemoryDesc, PlanRequest, ReadDone, ReadPlan
+from tensorhub.core.data_types import MemoryDesc, ReadDone, ReadPlan, StripedRequest
 from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.puller import Verifier, read_op
 from tensorhub.core.session import WorkerSession
@@ -39,7 +39,7 @@ POLL_TIMEOUT = 2.0
 
 class StripedReader:
     def __init__(self, session: WorkerSession, pull: PullSession, dest: list[torch.Tensor],
-                 verifier: Verifier | None, ask: Callable[[PlanRequest], ReadPlan],
+                 verifier: Verifier | None, ask: Callable[[StripedRequest], ReadPlan],
                  end: Callable[[ReadDone], None], registrations: int):
         """`ask`: the coordinator round trip for a plan request (raises
         `CoordinatorError`); `end`: sends a `ReadDone` (of a lease a re-ask brought after

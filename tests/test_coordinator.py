@@ -211,15 +211,14 @@ def test_a_plan_request_ends_the_previous_lease_it_carries_but_never_anothers(co
         client = CoordinatorClient(coordinator.address)
         ids = [client.call(Register(name=n, role="replica", endpoint=Endpoint(
             transport="zmq", address="tcp://127.0.0.1:1"))).worker_id for n in ("a", "b")]
-        plan = client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True))
+        plan = client.call(PlanRequest(worker_id=ids[0], model="policy"))
         assert plan.lease_id in coordinator.table.leases
         theirs = ReadDone(worker_id=ids[0], lease_id=plan.lease_id, ok=True)
         with pytest.raises(CoordinatorError, match="carries a read_done of") as err:
-            client.call(PlanRequest(worker_id=ids[1], model="policy", chunked=True,
-                                    done=theirs))
+            client.call(PlanRequest(worker_id=ids[1], model="policy", done=theirs))
         assert err.value.code == "bad_request"
         assert plan.lease_id in coordinator.table.leases
-        client.call(PlanRequest(worker_id=ids[0], model="policy", chunked=True, done=theirs))
+        client.call(PlanRequest(worker_id=ids[0], model="policy", done=theirs))
         assert plan.lease_id not in coordinator.table.leases
 
 
@@ -229,71 +228,71 @@ def test_a_later_plan_of_a_pull_leaves_out_the_manifest_the_reader_has(coordinat
         client = CoordinatorClient(coordinator.address)
         wid = client.call(Register(name="r", role="replica", endpoint=Endpoint(
             transport="zmq", address="tcp://127.0.0.1:1"))).worker_id
-        first = client.call(PlanRequest(worker_id=wid, model="policy", chunked=True))
+        first = client.call(PlanRequest(worker_id=wid, model="policy"))
         assert first.manifest is not None and first.checksums
         later = client.call(PlanRequest(worker_id=wid, model="policy", version=version,
-                                        chunked=True, known_manifest=True,
+                                        known_manifest=True,
                                         done=ReadDone(worker_id=wid, lease_id=first.lease_id,
                                                       ok=False)))
         assert later.manifest is None and later.checksums is None
         assert later.layout_id == first.layout_id and later.ranges == first.ranges
         latest = client.call(PlanRequest(  # "latest" may have moved on: sent again
-            worker_id=wid, model="policy", chunked=True, known_manifest=True,
+            worker_id=wid, model="policy", known_manifest=True,
             done=ReadDone(worker_id=wid, lease_id=later.lease_id, ok=False)))
         assert latest.manifest == first.manifest
 
 
 def test_a_plan_on_the_socket_is_the_plan_model_encoded():
-    """On the socket a plan is encoded straight from the table (no `MemoryDesc` models):
-    the bytes must be those of the `ReadPlan` that `handle` returns, from a complete holder
-    or a partial one, with the manifest or without."""
+    """On the socket a plan's manifest and its sources' memory regions are spliced in as
+    the table encoded them once: the bytes must be those of the `ReadPlan` model, from a
+    complete holder or a partial one (a striped reader's parent), with the manifest or
+    without."""
+    from tensorhub.coordinator import dispatch
     from tensorhub.coordinator.planner import PlannerConfig
-    from tensorhub.coordinator.server import _Plan
-    from tensorhub.core.data_types import MemoryDesc, Progress, SharedRegion
-    from tensorhub.core.layout import layout_id
+    from tensorhub.coordinator.state import CoordinatorState
+    from tensorhub.core.data_types import MemoryDesc, SharedRegion, StripedPlanRequest
     from tensorhub.core.wire import decode_reply, encode
 
     manifest = Manifest(tensors=[TensorSpec(name=f"t{i}", dtype="uint8", shape=[4096],
                                             nbytes=4096) for i in range(3)],
                         compact_threshold=1024)
-    lid = layout_id(manifest)
     memory = [MemoryDesc(addr=(k + 1) << 40, nbytes=4096, device=k, mem="VRAM")
               for k in range(3)]
-    c = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
-                                      lease_ttl=30,  # an int: the reply's is a float
-                                      planner=PlannerConfig(chunk_bytes=4096)))
-    call = c._handlers
+    state = CoordinatorState(CoordinatorConfig(
+        lease_ttl=30,  # an int: the reply's is a float
+        planner=PlannerConfig(chunk_bytes=4096, max_readers_per_holder=1)))
+
+    def call(request):
+        return dispatch.HANDLERS[type(request)](state, request)
 
     def join(name, role="replica"):
         endpoint = Endpoint(transport="nixl", agent_name=name, agent_metadata=b"\0\xff",
                             pid=42, host="h",
                             shared=[SharedRegion(fd=5, inode=7, addr=1 << 40, nbytes=4096)])
-        return call[Register](Register(name=name, role=role, endpoint=endpoint,
-                                       labels={"dc": "a"}, grant_key=grants.new_key())).worker_id
+        return call(Register(name=name, role=role, endpoint=endpoint, labels={"dc": "a"},
+                             grant_key=grants.new_key())).worker_id
 
-    try:
-        trainer = join("trainer", "trainer")
-        call[Publish](Publish(worker_id=trainer, model="m", version=1, manifest=manifest,
-                              checksums=["a", "b", "c"], memory=memory))
-        partial, reader = join("partial"), join("reader")
-        call[Progress](Progress(worker_id=partial, model="m", version=1, layout_id=lid,
-                                memory=memory, chunks=[1]))
-        requests = [PlanRequest(worker_id=reader, model="m", version=1, chunked=chunked,
-                                known_manifest=known)
-                    for chunked in (True, False) for known in (False, True)]
-        sources = set()
-        for request in requests:
-            plan = c._plan_reply(request)
-            assert isinstance(plan, _Plan)
-            model = plan.reply()
-            assert plan.wire() == encode(model)
-            assert decode_reply(plan.wire()) == model
-            assert all(src.grant and src.grant.startswith(f"{reader}.") for src in model.sources)
-            sources.update(s.worker_id for s in model.sources)
-            call[ReadDone](ReadDone(worker_id=reader, lease_id=model.lease_id, ok=True))
-        assert sources == {trainer, partial}  # a complete and a partial holder's regions
-    finally:
-        c.stop()
+    trainer = join("trainer", "trainer")
+    call(Publish(worker_id=trainer, model="m", version=1, manifest=manifest,
+                 checksums=["a", "b", "c"], memory=memory))
+    partial, reader = join("partial"), join("reader")
+    requests = [PlanRequest(worker_id=reader, model="m", version=1, known_manifest=known)
+                for known in (False, True)]
+    requests.append(StripedPlanRequest(worker_id=reader, model="m", version=1,
+                                       memory=memory))  # under the partial holder
+    sources = set()
+    for request in requests:
+        if request.type == "striped_plan":  # the partial holder takes the trainer's slots
+            call(StripedPlanRequest(worker_id=partial, model="m", version=1, memory=memory))
+        reply = call(request)
+        plan = dispatch.as_model(reply)
+        wire = dispatch.encode_reply(state, reply)
+        assert wire == encode(plan) and decode_reply(wire) == plan
+        assert all(src.grant and src.grant.startswith(f"{reader}.") for src in plan.sources)
+        sources.update(s.worker_id for s in plan.sources)
+        if request.type == "plan":
+            call(ReadDone(worker_id=reader, lease_id=plan.lease_id, ok=True))
+    assert sources == {trainer, partial}  # a complete and a partial holder's regions
 
 
 def test_a_partial_holders_encoded_regions_follow_its_memory():

@@ -124,7 +124,9 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "error": st.none() | st.text(max_size=40), "failed_holders": st.lists(worker_ref, max_size=3),
     "names": st.lists(st.sampled_from(["eng-a", "trainer"]) | st.text(max_size=6), max_size=4),
     "labels": st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3),
-    "force": st.booleans(), "chunked": st.booleans(),
+    "force": st.booleans(), "relay": st.booleans(),
+    "stripes": st.lists(st.integers(0, 3), min_size=1, max_size=3),
+    "failed": st.lists(worker_ref, max_size=2), "behind": st.lists(worker_ref, max_size=2),
     "chunks": st.lists(st.integers(0, 4) | size, max_size=5),
 }  # fmt: skip
 

@@ -164,7 +164,7 @@ def test_a_plan_request_carrying_messages_of_an_older_registration_is_accepted(c
         pub.publish(state)
         stale = ReadDone(worker_id="reader-before-a-restart", lease_id="gone", ok=True)
         plan = rep.session.call(PlanRequest(worker_id=rep.session.worker_id, model="policy",
-                                            version=1, chunked=True, done=stale))
+                                            version=1, done=stale))
         assert plan.ranges  # the old id was restamped, not refused
 
 

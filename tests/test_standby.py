@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tensorhub import Publisher, Replica
+from tensorhub.coordinator import status
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
@@ -14,7 +15,14 @@ from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.demo import synthetic_state_dict
 from tensorhub.engines.holder import CheckpointHolder
 from tensorhub_testing.waits import wait_for
-from tests.test_warm_pulls import _buffers, _pull_all, counting_plans, replica_fleet, sums
+from tests.test_warm_pulls import (
+    _buffers,
+    _pull_all,
+    counting_plans,
+    replica_fleet,
+    spy,
+    sums,
+)
 
 
 def _stand_by(replicas: list[Replica]) -> None:
@@ -28,8 +36,8 @@ def _stand_by(replicas: list[Replica]) -> None:
     wait_for(placed, timeout=10, what="every replica placed", interval=0.2)
 
 
-def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordinator,
-                                                                          transport):
+def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(
+        coordinator, monkeypatch, transport):
     v1 = synthetic_state_dict(32, n_tiny=30, seed=11)
     with Publisher(coordinator.address, "policy", transport=transport) as pub, \
             replica_fleet(coordinator.address, _buffers(v1), 4, transport) as replicas:
@@ -37,11 +45,11 @@ def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordi
         placed = [r._parents.stripes for r in replicas]
         assert any(PUBLISHER in stripes for stripes in placed)  # the trees' tops
         assert any(PUBLISHER not in stripes for stripes in placed)  # read from readers
-        asked = counting_plans(coordinator)
+        asked = counting_plans(monkeypatch)
         pub.publish(v1)
         _pull_all(replicas, 1)
         # one confirmation each, sent as it started reading; no plan waited for
-        assert asked == [[]] * 4 and not any(r.last_pull_planned for r in replicas)
+        assert asked == ["confirm_parents"] * 4 and not any(r.last_pull_planned for r in replicas)
         for r in replicas:
             assert sums(r.tensors) == sums(v1)
         assert not [lease for lease in coordinator.table.leases.values()
@@ -50,7 +58,7 @@ def test_readers_on_standby_pull_the_first_version_with_no_plan_bit_exact(coordi
         v2 = {n: t + 1 for n, t in v1.items()}
         pub.publish(v2)
         _pull_all(replicas, 2)
-        assert asked[4:] == [[]] * 4
+        assert asked[4:] == ["confirm_parents"] * 4
         for r in replicas:
             assert sums(r.tensors) == sums(v2)
 
@@ -82,7 +90,7 @@ def test_a_replica_waiting_for_a_first_version_stands_by_by_itself(coordinator):
         standing = coordinator.standby.get("policy", r.layout.layout_id)
         assert standing is not None and r.session.worker_id in standing.memory
         assert r._parents is not None and r._parents.stripes == (PUBLISHER, PUBLISHER)
-        coordinator._measure_fleet()
+        status.measure_fleet(coordinator.state)
         assert coordinator.metrics.registry.get_sample_value("tensorhub_standby_readers") == 1
 
 
@@ -173,8 +181,8 @@ def _standing(coordinator, n: int) -> bool:
     return len(coordinator.standby) == n
 
 
-def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(coordinator,
-                                                                         transport):
+def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(
+        coordinator, monkeypatch, transport):
     v1 = synthetic_state_dict(16, n_tiny=12, seed=16)
     with Publisher(coordinator.address, "policy", transport=transport) as pub:
         assert pub.declare(v1)
@@ -182,32 +190,33 @@ def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(coordin
                                   transport=transport)  # (follows, as an engine's does)
         try:
             wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
-            asked = counting_plans(coordinator)
+            asked = counting_plans(monkeypatch)
             pub.publish(v1)
             wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
-            assert asked == [[]]  # the pull's confirmation, no plan waited for
+            assert asked == ["confirm_parents"]  # no plan waited for
             assert not holder.replica.replicas[0].last_pull_planned
             assert sums(holder.replica.tensors) == sums(v1)
         finally:
             holder.close()
 
 
-def test_an_engine_copy_waiting_before_the_declaration_stands_by_once_it_comes(coordinator):
+def test_an_engine_copy_waiting_before_the_declaration_stands_by_once_it_comes(
+        coordinator, monkeypatch):
     from tensorhub.core.data_types import GetDeclared
 
     v1 = synthetic_state_dict(8, n_tiny=6, seed=18)
-    asked_declared, real = [], coordinator._answers[GetDeclared]
-    coordinator._answers[GetDeclared] = lambda req: asked_declared.append(req) or real(req)
+    asked_declared = []
+    spy(monkeypatch, GetDeclared, asked_declared)
     holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq")
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             wait_for(lambda: asked_declared, timeout=10, what="the copy asked (in vain)")
             assert pub.declare(v1)
             wait_for(lambda: _standing(coordinator, 1), timeout=20, what="on standby")
-            asked = counting_plans(coordinator)
+            asked = counting_plans(monkeypatch)
             pub.publish(v1)
             wait_for(lambda: holder.version == 1, timeout=30, what="v1 held")
-            assert asked == [[]] and sums(holder.replica.tensors) == sums(v1)
+            assert asked == ["confirm_parents"] and sums(holder.replica.tensors) == sums(v1)
     finally:
         holder.close()
 

@@ -13,14 +13,15 @@ def test_a_cold_first_version_costs_each_reader_a_plan_a_hold_and_a_read_done():
     result = simulate_swarm(SMALL)
     assert sorted(result.finished) == sorted(f"w{i}" for i in range(32))
     assert result.reader_messages["hold"] == result.reader_messages["read_done"] == 32
-    assert result.reader_messages["plan"] >= 32  # a leaf's pending stripe asks again
+    assert result.reader_messages["striped_plan"] >= 32
+    assert result.reader_messages["replan_stripes"] > 0  # a leaf's pending stripe asks again
     assert result.standby_seconds == 0.0
 
 
 def test_readers_on_standby_send_only_a_confirmation_for_the_first_version():
     result = simulate_swarm(SimConfig(**{**SMALL.__dict__, "standby": True}))
     assert len(result.finished) == 32 and not result.unfinished
-    assert result.reader_messages == {"plan": 32, "hold": 32, "read_done": 32}
+    assert result.reader_messages == {"confirm_parents": 32, "hold": 32, "read_done": 32}
     assert result.replans == 0
     assert result.standby_seconds > 0 and result.standby_busy > 0  # placed before, apart
     assert all(t > 0 for t in result.finished.values())  # timed from the publish
@@ -29,7 +30,7 @@ def test_readers_on_standby_send_only_a_confirmation_for_the_first_version():
 def test_the_next_version_from_the_same_parents_needs_only_confirmations():
     result = simulate_swarm(SimConfig(**{**SMALL.__dict__, "version": 2}))
     assert len(result.finished) == 32
-    assert result.reader_messages == {"plan": 32, "hold": 32, "read_done": 32}
+    assert result.reader_messages == {"confirm_parents": 32, "hold": 32, "read_done": 32}
 
 
 def test_a_reader_killed_on_standby_mid_pull_leaves_the_others_to_finish():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.coordinator.status import status
 from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.core.checksum import checksum
+from tensorhub.core.data_types import StatusRequest
 from tensorhub.core.errors import TransferError
 from tensorhub.demo import synthetic_state_dict
 
@@ -99,8 +101,8 @@ def test_a_reader_with_a_broken_transport_cannot_make_a_version_unavailable(coor
                 bad.pull(timeout=30)
             assert err.value.code == "unreachable"
         # the trainer still holds v1, and a healthy reader gets it bit-exact
-        holders = {h.name for v in coordinator._status(None).models[0].versions
-                   for h in v.holders}
+        reply = status(coordinator.state, StatusRequest())
+        holders = {h.name for v in reply.models[0].versions for h in v.holders}
         assert "trainer" in holders
         with Replica(coordinator.address, "policy", transport="zmq", name="healthy") as good:
             assert good.pull(timeout=30) == 1

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tensorhub import Publisher, Replica, TensorHubError
+from tensorhub.coordinator import dispatch, holdings
 from tensorhub.core.checksum import checksum
-from tensorhub.core.data_types import Envelope, LatestRequest, PlanRequest
+from tensorhub.core.data_types import ConfirmParents, Envelope, LatestRequest
 from tensorhub.core.errors import TransferError
 from tensorhub.core.wire import encode
 from tensorhub.demo import synthetic_state_dict
@@ -44,17 +45,20 @@ def _buffers(state) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in state.items()}
 
 
-def counting_plans(coordinator) -> list:
-    """From now on, the `stripes` of every plan request the coordinator answers, in
-    order ([] : a confirmation)."""
+def spy(monkeypatch, kind: type, seen: list) -> None:
+    """From now on, every request of `kind` the coordinator answers also goes to `seen`."""
+    real = dispatch.HANDLERS[kind]
+    monkeypatch.setitem(dispatch.HANDLERS, kind,
+                        lambda state, req: seen.append(req) or real(state, req))
+
+
+def counting_plans(monkeypatch) -> list:
+    """From now on, the kind of every plan request the coordinator answers, in order."""
     asked = []
-    real = coordinator._answers[PlanRequest]
-
-    def counted(req):
-        asked.append(req.stripes)
-        return real(req)
-
-    coordinator._answers[PlanRequest] = counted
+    for kind in dispatch.PLANS:
+        real = dispatch.HANDLERS[kind]
+        monkeypatch.setitem(dispatch.HANDLERS, kind, lambda state, req, real=real:
+                            asked.append(req.type) or real(state, req))
     return asked
 
 
@@ -72,7 +76,8 @@ def replica_fleet(address: str, buffers: dict[str, torch.Tensor], n: int,
             r.close()
 
 
-def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, transport):
+def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, monkeypatch,
+                                                                    transport):
     v1 = synthetic_state_dict(32, n_tiny=30, seed=1)
     v2 = {n: t + 1 for n, t in v1.items()}
     with Publisher(coordinator.address, "policy", transport=transport) as pub, \
@@ -80,11 +85,11 @@ def test_the_second_version_needs_no_plan_request_and_is_bit_exact(coordinator, 
         pub.publish(v1)
         _pull_all(replicas, 1)
         assert all(r.last_pull_planned for r in replicas)  # the first: one plan each
-        asked = counting_plans(coordinator)
+        asked = counting_plans(monkeypatch)
         pub.publish(v2)
         _pull_all(replicas, 2)
         # one confirmation each, sent as it started reading, and no plan waited for
-        assert asked == [[], [], []] and not any(r.last_pull_planned for r in replicas)
+        assert asked == ["confirm_parents"] * 3 and not any(r.last_pull_planned for r in replicas)
         for r in replicas:
             assert sums(r.tensors) == sums(v2)
         # each ended the lease the coordinator opened for it by its known id
@@ -144,23 +149,22 @@ def test_the_fallback_answers_with_the_announcement(coordinator):
             == latest
 
 
-def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinator):
+def test_a_reader_with_no_buffers_allocates_them_from_the_announcement(coordinator, monkeypatch):
     """A fleet's first version: a reader that heard the announcement asks for no manifest
     before its first plan (every reader's first message waits in the coordinator's queue)."""
     from tensorhub.core.data_types import GetManifest
 
     state = synthetic_state_dict(8, n_tiny=10, seed=5)
     asked = []
-    real = coordinator._answers[GetManifest]
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
             Replica(coordinator.address, "policy", name="cold", transport="zmq") as r:
         pub.publish(state)
-        coordinator._answers[GetManifest] = lambda req: asked.append(req) or real(req)
+        spy(monkeypatch, GetManifest, asked)
         _pull_all([r], 1)
         assert asked == [] and sums(r.tensors) == sums(state)
 
 
-def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
+def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator, monkeypatch):
     """An engine's checkpoint copy (`PartedReplica`) takes a version's parts and layout
     from its announcement: per version it sends the coordinator what a replica sends."""
     from tensorhub.core.data_types import GetManifest
@@ -168,19 +172,21 @@ def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator):
 
     v1 = synthetic_state_dict(8, n_tiny=10, seed=6)
     v2 = {n: t + 1 for n, t in v1.items()}
-    manifests, real = [], coordinator._answers[GetManifest]
+    manifests, before = [], []
     with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
             PartedReplica(coordinator.address, "policy", name="engine",
                           transport="zmq") as copy:
         pub.publish(v1)
-        coordinator._answers[GetManifest] = lambda req: manifests.append(req) or real(req)
+        spy(monkeypatch, GetManifest, before)
         _pull_all([copy], 1)
-        coordinator._answers[GetManifest] = real  # (the publisher asks for the latest)
-        pub.publish(v2)
-        coordinator._answers[GetManifest] = lambda req: manifests.append(req) or real(req)
-        asked = counting_plans(coordinator)
+        assert before == []
+        with monkeypatch.context() as publishing:  # (the publisher asks for the latest)
+            publishing.setitem(dispatch.HANDLERS, GetManifest, holdings.manifest)
+            pub.publish(v2)
+        spy(monkeypatch, GetManifest, manifests)
+        asked = counting_plans(monkeypatch)
         _pull_all([copy], 2)
-        assert manifests == [] and asked == [[]]  # only the warm pull's confirmation
+        assert manifests == [] and asked == ["confirm_parents"]  # only the confirmation
         assert sums(copy.tensors) == sums(v2)
 
 
@@ -202,7 +208,7 @@ def test_a_warm_pull_that_fails_after_a_coordinator_restart_leaves_no_read_behin
         real_call = r.session.call
 
         def confirm_after_restart(request, timeout=None):
-            if isinstance(request, PlanRequest) and request.stripes == []:
+            if isinstance(request, ConfirmParents):
                 coordinator.start_over()  # (a restart, sockets kept)
                 wait_for(lambda: r.session.worker_id != old_id
                          and pub.session.registrations == 2,

@@ -9,8 +9,6 @@ from tensorhub.core.wire import (
     WireError,
     decode_envelope,
     encode,
-    encode_array,
-    encode_map,
 )
 
 
@@ -139,15 +137,23 @@ def test_a_model_whose_dump_is_not_its_fields_is_encoded_as_its_dump():
 
 def test_only_models_are_encoded():
     with pytest.raises(TypeError, match="cannot encode a object"):
-        encode_map({"x": object()})
+        encode(object())
 
 
-def test_a_map_with_values_encoded_beforehand_is_the_map_of_those_values():
-    inner = {"a": [1, 2], "b": None}
-    spliced = encode_map({"x": 1, "y": Packed(msgpack.packb(inner)), "z": "s",
-                          "w": Packed(encode_array([msgpack.packb(i) for i in range(3)]).data)})
-    assert msgpack.unpackb(spliced) == {"x": 1, "y": inner, "z": "s", "w": [0, 1, 2]}
-    assert spliced == msgpack.packb({"x": 1, "y": inner, "z": "s", "w": [0, 1, 2]})
-    for n in (0, 15, 16, 2**16):  # each size of array header
-        assert encode_array([msgpack.packb(i) for i in range(n)]).data == \
-            msgpack.packb(list(range(n)))
+def test_a_model_with_values_encoded_beforehand_is_the_model_encoded():
+    from tensorhub.core.data_types import Manifest, ManifestReply, MemoryDesc, Source, TensorSpec
+
+    manifest = Manifest(tensors=[TensorSpec(name="t", dtype="uint8", shape=[4], nbytes=4)],
+                        compact_threshold=1)
+    model = ManifestReply(model="m", version=1, layout_id="l", manifest=manifest)
+    assert encode(model, packed={("manifest",): Packed(encode(manifest))}) == encode(model)
+    for n in (1, 15, 16, 2**16):  # each size of array header
+        memory = [MemoryDesc(addr=k, nbytes=1) for k in range(n)]
+        source = Source(worker_id="w", name="w", role="replica", memory=memory,
+                        endpoint=Endpoint(transport="zmq", address="tcp://127.0.0.1:1"))
+        bare = source.model_copy(update={"memory": []})
+        packed = Packed(msgpack.packb([m.model_dump() for m in memory]))
+        assert encode(bare, packed={("memory",): packed}) == encode(source)
+        spliced = encode(Envelope(request=StatusRequest()), packed={})
+        assert spliced == encode(Envelope(request=StatusRequest()))
+

@@ -18,7 +18,7 @@ import msgpack
 from pydantic import TypeAdapter
 
 from tensorhub.coordinator.forest import Forest
-from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of, segments_by_item
+from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
 from tensorhub.core.data_types import (
     Endpoint,
     Item,
@@ -107,12 +107,11 @@ class PartialRec(_PackedMemory):
 
 
 class PartialHolders(dict[str, PartialRec]):
-    """Partial holders of one layout, indexed by chunk so the planner finds the holders of
-    chunk i without scanning everyone (a fleet of thousands pulls at once)."""
+    """Partial holders of one layout (readers still pulling it, which serve what they
+    have); `version` is bumped by every change of membership (`LayoutRec.serving`)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.by_chunk: dict[int, dict[str, None]] = {}  # insertion-ordered: deterministic
         self.version = 0  # bumped when a worker is added or dropped (the planner caches)
 
     def add(self, worker_id: str, memory: StoredMemory, chunks: list[int]) -> None:
@@ -123,20 +122,11 @@ class PartialHolders(dict[str, PartialRec]):
             self.version += 1
         if rec.memory is not memory:
             rec.memory, rec.packed = memory, None
-        for c in chunks:
-            if c not in rec.chunks:
-                rec.chunks.add(c)
-                self.by_chunk.setdefault(c, {})[worker_id] = None
+        rec.chunks.update(chunks)
 
     def drop(self, worker_id: str) -> None:
-        rec = super().pop(worker_id, None)
-        if rec is not None:
+        if super().pop(worker_id, None) is not None:
             self.version += 1
-            for c in rec.chunks:
-                self.by_chunk[c].pop(worker_id, None)
-
-    def having(self, chunk: int) -> dict[str, None]:
-        return self.by_chunk.get(chunk, {})
 
 
 class CompleteHolders(dict[str, HolderRec]):
@@ -168,7 +158,7 @@ class LayoutRec:
     checksums: list[str]
     holders: CompleteHolders = field(default_factory=CompleteHolders)  # complete copies
     partial: PartialHolders = field(default_factory=PartialHolders)
-    _chunks: tuple[int, list[Chunk], dict] | None = None
+    _chunks: tuple[int, list[Chunk]] | None = None
     # the planner's list of holder ids (complete, then partial), kept while membership stays
     _serving: tuple[tuple[int, int], list[str]] | None = None
     _packed: tuple[Packed, Packed] | None = None  # manifest and checksums, msgpack-encoded
@@ -205,13 +195,8 @@ class LayoutRec:
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
         if self._chunks is None or self._chunks[0] != chunk_bytes:
-            chunks = chunks_of(self.items, chunk_bytes)
-            self._chunks = (chunk_bytes, chunks, segments_by_item(chunks))
+            self._chunks = (chunk_bytes, chunks_of(self.items, chunk_bytes))
         return self._chunks[1]
-
-    def segments_by_item(self, chunk_bytes: int = CHUNK_BYTES) -> dict:
-        self.chunks(chunk_bytes)
-        return self._chunks[2]
 
 
 @dataclass
@@ -254,8 +239,6 @@ class Lease:
     sources: set[str]
     expires: float
     started: float = 0.0
-    remote_into: str | None = None  # the reader's dc, when a source lies outside it
-    chunks: tuple[int, ...] = ()  # chunks planned under this lease (chunked plans)
 
 
 class Leases(dict[str, Lease]):
@@ -266,26 +249,11 @@ class Leases(dict[str, Lease]):
         super().__init__()
         self.by_holder: Counter[str] = Counter()
         self.by_holder_version: Counter[tuple[str, str, int]] = Counter()
-        self.remote_into: Counter[str] = Counter()
-        self.chunk_reads: Counter[tuple[str, int]] = Counter()  # (layout id, chunk)
-        self.by_pair: Counter[tuple[str, str]] = Counter()  # (reader, source)
-        self.by_reader: Counter[str] = Counter()
 
     def _count(self, lease: Lease, step: int) -> None:
-        self.by_reader[lease.reader] += step
-        if not self.by_reader[lease.reader]:
-            del self.by_reader[lease.reader]
         for sid in lease.sources:
             self.by_holder[sid] += step
-            pair = (lease.reader, sid)
-            self.by_pair[pair] += step
-            if not self.by_pair[pair]:
-                del self.by_pair[pair]  # readers x sources would otherwise pile up
             self.by_holder_version[(sid, lease.model, lease.version)] += step
-        if lease.remote_into is not None:
-            self.remote_into[lease.remote_into] += step
-        for c in lease.chunks:
-            self.chunk_reads[(lease.layout_id, c)] += step
 
     def __setitem__(self, key: str, lease: Lease) -> None:
         old = self.get(key)
@@ -360,17 +328,13 @@ class Table:
     # reader name -> (its worker id, its last whole pull): what engines' front ends count
     last_pull: dict[str, tuple[str, TransferRecord]] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # injectable: the simulator's clock
-    plans: int = 0  # chunked plans made: rotates where the planner starts looking
-    # dc -> {reader: when}: readers refused a chunked plan while reading nothing (their NIC
-    # idles); oldest first. While a dc has some, its busy readers get no second stream.
-    starving: dict[str, dict[str, float]] = field(default_factory=dict)
+    plans: int = 0  # whole-item plans made: rotates where the planner starts looking
 
     def new_lease(self, reader: str, model: str, version: int, layout_id: str,
-                  sources: set[str], ttl: float, remote_into: str | None = None,
-                  chunks: tuple[int, ...] = (), lease_id: str | None = None) -> Lease:
+                  sources: set[str], ttl: float, lease_id: str | None = None) -> Lease:
         now = self.clock()
         lease = Lease(lease_id or uuid.uuid4().hex, reader, model, version, layout_id,
-                      sources, now + ttl, now, remote_into, chunks)
+                      sources, now + ttl, now)
         self.leases[lease.lease_id] = lease
         return lease
 

@@ -18,7 +18,7 @@ MAX_DIMS = 8  # dimensions of one tensor
 MAX_METADATA = 16 * 1024 * 1024  # bytes of a peer's opaque transport metadata (NIXL's blob)
 # The wire protocol's version: peers of releases that speak another one are refused with
 # a clear error (`wire.foreign`), not a failed validation.
-PROTOCOL = 3
+PROTOCOL = 4
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
@@ -328,37 +328,66 @@ class Progress(Strict):
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
 
 
-class PlanRequest(Strict):
-    type: Literal["plan"] = "plan"
+class _PlanAsk(Strict):
+    """What every plan request says: who asks, for which version, in which layout."""
+
     worker_id: Name
     model: Name
     version: Version | Literal["latest"] = "latest"
     layout_id: Name | None = None  # None: the version's origin layout (checkpoint layout)
-    # Re-planning after a failure: only these ranges are still missing (None: everything).
-    missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
-    # Opt in to chunked plans (see `Progress`): sources chosen per chunk, partial holders
-    # included, and a plan may cover only part of what is missing (`ReadPlan.complete`).
-    chunked: bool = False
-    # What the reader finished since its last call, carried here to save round trips: the
-    # chunks of its previous plan (a `Progress`) and the end of that plan's lease. Both are
-    # applied before planning, and are idempotent, so a retried request may carry them again.
-    progress: Progress | None = None
-    done: ReadDone | None = None
     # The reader has this version's manifest and checksums (from its first plan of this
     # pull): the reply leaves them out (for a model of thousands of tensors they are most of
     # a plan's bytes). Only with a numbered version.
     known_manifest: bool = False
-    # Striped pulls (`coordinator/forest.py`): one parent per stripe for the whole version.
-    # The first request carries the reader's destination `memory` (and a fresh `endpoint`);
-    # a later one names the `stripes` to re-plan and why (`failed` / `behind` sources).
-    striped: bool = False
+
+
+class PlanRequest(_PlanAsk):
+    """A whole-item plan: every item (or the `missing` ranges) from one holder."""
+
+    type: Literal["plan"] = "plan"
+    # Re-planning after a failure: only these ranges are still missing (None: everything).
+    missing: list[ByteRange] | None = Field(default=None, max_length=MAX_TENSORS)
+    # The end of the reader's previous lease, carried here to save a round trip: applied
+    # before planning, and idempotent, so a retried request may carry it again.
+    done: ReadDone | None = None
+
+
+class _StripedAsk(_PlanAsk):
+    """A striped pull's request (`coordinator/forest.py`: one parent per stripe for the
+    whole version). A reader that serves what it pulls (`relay`) sends its destination
+    `memory` (and a fresh `endpoint`) with its first request, and again with a later one
+    if the coordinator restarted since."""
+
     relay: bool = True  # the reader serves the chunks it has (False: a staging copy)
     memory: list[MemoryDesc] | None = Field(default=None, max_length=MAX_TENSORS)
     endpoint: Endpoint | None = None
-    stripes: list[Annotated[int, Field(ge=0, lt=64)]] | None = Field(default=None,
-                                                                      max_length=64)
+
+
+class StripedPlanRequest(_StripedAsk):
+    """A striped pull's first request: a parent for every stripe."""
+
+    type: Literal["striped_plan"] = "striped_plan"
+
+
+class ReplanStripes(_StripedAsk):
+    """Parents again for the `stripes` named: none yet, or one that `failed` or fell
+    `behind` (worker ids)."""
+
+    type: Literal["replan_stripes"] = "replan_stripes"
+    stripes: list[Annotated[int, Field(ge=0, lt=64)]] = Field(min_length=1, max_length=64)
     failed: list[Name] = Field(default_factory=list, max_length=64)
     behind: list[Name] = Field(default_factory=list, max_length=64)
+
+
+class ConfirmParents(_StripedAsk):
+    """A reader already reads the announced version by its last parents (no plan waited
+    for) and says so: its lease is opened under the name it already uses
+    (`core.stripes.warm_lease_id`), and the reply is the plan it would have had."""
+
+    type: Literal["confirm_parents"] = "confirm_parents"
+
+
+StripedRequest = StripedPlanRequest | ReplanStripes | ConfirmParents
 
 
 class StandBy(Strict):
@@ -399,9 +428,10 @@ class GetDeclared(Strict):
 
 
 Request = Annotated[
-    Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest | ReadDone
-    | GetManifest | StatusRequest | HoldingsRequest | RetentionRequest | Progress
-    | LatestRequest | PublishStatus | StandBy | Declare | GetDeclared,
+    Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest
+    | StripedPlanRequest | ReplanStripes | ConfirmParents | ReadDone | GetManifest
+    | StatusRequest | HoldingsRequest | RetentionRequest | Progress | LatestRequest
+    | PublishStatus | StandBy | Declare | GetDeclared,
     Field(discriminator="type"),
 ]
 
@@ -524,12 +554,10 @@ class ReadPlan(Strict):
     lease_ttl: float
     sources: list[Source]
     ranges: list[ReadRange]
-    # False: only these ranges can be served now (chunked plans); read them, report
-    # `Progress`, and ask again with what is still `missing`.
+    # Striped plans: False while a stripe has no parent yet (`stripes`).
     complete: bool = True
-    # Chunked plans: the coordinator's chunk size. A reader counts the chunks it reports in
-    # `Progress` in these (a coordinator run with another size than the default would
-    # otherwise be told of chunks that are not the ones it planned).
+    # Striped plans: the coordinator's chunk size (a coordinator run with another size than
+    # the default would otherwise be read in chunks that are not the ones it planned).
     chunk_bytes: Annotated[int, Field(gt=0, lt=2**44)] | None = None
     # Striped plans: the parent (worker id) of each stripe; None: none yet, ask again after
     # `retry_after` seconds for those stripes.

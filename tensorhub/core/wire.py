@@ -60,19 +60,41 @@ def _fields(obj: Any) -> Any:
     return {k: values[k] for k in names}
 
 
-def encode(model: BaseModel) -> bytes:
+def encode(model: BaseModel, packed: dict[tuple, Packed] | None = None) -> bytes:
     """The model as a msgpack map, nested models as maps: the bytes of
     `packb(model.model_dump(mode="python"))` (`tests/test_wire.py` pins it).
 
     A plain model's fields go to msgpack as they are (its `__dict__`, validated values):
     dumping them to dicts first only built a second tree of the same values (for a read plan
     of 129 items, ~260 dicts: half the cost of encoding it, and garbage to collect).
+
+    `packed`: values the caller encoded before, by their path in the model (field names
+    and list indices: `("sources", 0, "memory")`), written as they are in place of what the
+    model holds there. A read plan's manifest and its sources' memory regions are the same
+    in every plan that carries them: encoded once, by the table that keeps them, they are
+    neither encoded again nor built as models (a source of a 2049-item version has 2049
+    regions).
     """
+    if packed:
+        return _spliced(model, packed, ())
     return msgpack.packb(model, use_bin_type=True, default=_fields)
 
 
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True, default=_fields)
+
+
+def _shallow(value: Any) -> Any:
+    """A list of plain models (a plan's ranges) as their fields: msgpack then packs them
+    without calling back into Python for each."""
+    if type(value) is list and value and _model_types.get(type(value[0])):
+        return [_fields(v) for v in value]
+    return value
+
+
 class Packed:
-    """A value msgpack-encoded beforehand, which `encode_map` splices in as it is."""
+    """A value msgpack-encoded beforehand, which `encode` splices in as it is."""
 
     __slots__ = ("data",)
 
@@ -80,33 +102,41 @@ class Packed:
         self.data = data
 
 
-def encode_map(fields: dict[str, Any]) -> bytes:
-    """A msgpack map of `fields` in their order: the bytes `encode` makes of a model with
-    these fields, except that a `Packed` value goes in as it was encoded before (a layout's
-    manifest, encoded once, not in every plan that carries it). At most 15 fields."""
-    if len(fields) > 15:
-        raise ValueError("encode_map makes fixmaps only (at most 15 fields)")
-    out, run = [bytes((0x80 | len(fields),))], {}
-    for key, value in fields.items():
-        if type(value) is Packed:
-            if run:  # the fields before it, less their fixmap header (one byte)
-                out.append(msgpack.packb(run, use_bin_type=True, default=_fields)[1:])
+def _spliced(value: Any, packed: dict[tuple, Packed], path: tuple) -> bytes:
+    hit = packed.get(path)
+    if hit is not None:
+        return hit.data
+    depth = len(path)
+    if not any(len(p) > depth and p[:depth] == path for p in packed):
+        return _pack(value)
+    if isinstance(value, list):
+        return _array_header(len(value)) + b"".join(
+            _spliced(v, packed, (*path, k)) for k, v in enumerate(value))
+    fields = _fields(value)
+    out, run = [_map_header(len(fields))], {}
+    for key, field in fields.items():
+        inner = (*path, key)
+        if any(p[:depth + 1] == inner for p in packed):
+            if run:  # the fields before it, packed at once, less their map header
+                out.append(_pack(run)[len(_map_header(len(run))):])
                 run = {}
-            out.append(msgpack.packb(key))
-            out.append(value.data)
+            out.append(_pack(key))
+            out.append(_spliced(field, packed, inner))
         else:
-            run[key] = value
+            run[key] = _shallow(field)
     if run:
-        out.append(msgpack.packb(run, use_bin_type=True, default=_fields)[1:])
+        out.append(_pack(run)[len(_map_header(len(run))):])
     return b"".join(out)
 
 
-def encode_array(items: list[bytes]) -> Packed:
-    """A msgpack array of values each encoded already (by `encode_map`, say)."""
-    n = len(items)
-    head = bytes((0x90 | n,)) if n < 16 else (
+def _array_header(n: int) -> bytes:
+    return bytes((0x90 | n,)) if n < 16 else (
         b"\xdc" + n.to_bytes(2, "big") if n < 2**16 else b"\xdd" + n.to_bytes(4, "big"))
-    return Packed(head + b"".join(items))
+
+
+def _map_header(n: int) -> bytes:
+    return bytes((0x80 | n,)) if n < 16 else (
+        b"\xde" + n.to_bytes(2, "big") if n < 2**16 else b"\xdf" + n.to_bytes(4, "big"))
 
 
 def _unpack(data: bytes) -> Any:

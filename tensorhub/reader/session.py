@@ -21,6 +21,7 @@ from tensorhub.core.data_types import (
     PUBLISHER,
     Announcement,
     ByteRange,
+    ConfirmParents,
     Endpoint,
     Hold,
     Manifest,
@@ -31,8 +32,11 @@ from tensorhub.core.data_types import (
     PullProgress,
     ReadDone,
     ReadPlan,
+    ReplanStripes,
     Source,
     StandBy,
+    StripedPlanRequest,
+    StripedRequest,
 )
 from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.layout import plan_items
@@ -125,7 +129,7 @@ class Ask:
     begun with no plan). Its answer goes to `PullSession.answered`, a refusal to
     `PullSession.refused`."""
 
-    request: PlanRequest
+    request: ReplanStripes | ConfirmParents
     replan: Replan
 
     @property
@@ -177,14 +181,14 @@ class PullSession:
             self._confirm_at = now
 
     # ------------------------------------------------------------------ requests
-    def first_request(self) -> PlanRequest:
+    def first_request(self) -> PlanRequest | StripedPlanRequest:
         """The pull's plan request (none for a warm pull): a striped one carries our
         memory, when we serve what we pull."""
         r = self.reader
         if r.whole_items:
             return PlanRequest(worker_id=self.worker_id, model=r.model, version=self.version,
                                layout_id=r.layout_id)
-        return self._striped(self.version, r.relay)
+        return self._striped(StripedPlanRequest, self.version, r.relay)
 
     def missing_request(self, unread: list[ByteRange]) -> PlanRequest:
         """A whole-item pull's re-plan after a failed source: only what is still unread."""
@@ -194,20 +198,24 @@ class PullSession:
                                     for r in unread], known_manifest=True)
 
     def _ask(self, replan: Replan) -> Ask:
-        """A striped re-ask: parents for `replan.stripes` (our memory again only if the
-        coordinator may not know it)."""
-        request = self._striped(self.plan.version, self._memory_owed, known_manifest=True,
-                                stripes=list(replan.stripes), failed=list(replan.failed),
-                                behind=list(replan.behind))
-        return Ask(request, replan)
+        """A striped re-ask: parents for `replan.stripes`, or (none named) the confirmation
+        of a pull begun with no plan; our memory again only if the coordinator may not know
+        it."""
+        if not replan.stripes:
+            return Ask(self._striped(ConfirmParents, self.plan.version, self._memory_owed,
+                                     known_manifest=True), replan)
+        return Ask(self._striped(ReplanStripes, self.plan.version, self._memory_owed,
+                                 known_manifest=True, stripes=list(replan.stripes),
+                                 failed=list(replan.failed), behind=list(replan.behind)),
+                   replan)
 
-    def _striped(self, version: int | str, with_memory: bool, **fields) -> PlanRequest:
+    def _striped(self, kind: type[StripedRequest], version: int | str, with_memory: bool,
+                 **fields) -> StripedRequest:
         r = self.reader
         memory = with_memory and r.relay
-        return PlanRequest(worker_id=self.worker_id, model=r.model, version=version,
-                           layout_id=r.layout_id, striped=True, relay=r.relay,
-                           memory=r.memory if memory else None,
-                           endpoint=r.endpoint if memory else None, **fields)
+        return kind(worker_id=self.worker_id, model=r.model, version=version,
+                    layout_id=r.layout_id, relay=r.relay, memory=r.memory if memory else None,
+                    endpoint=r.endpoint if memory else None, **fields)
 
     def _read_done(self, lease_id: str, ok: bool, error: str | None = None,
                    failed: list[str] | None = None, stats: bool = False) -> ReadDone:

@@ -1,8 +1,9 @@
 """The coordinator as the simulator sees it: one server, one queue, real handlers.
 
 Every request reaches the coordinator half a round trip after it is sent, waits its turn,
-and is served by the real `Coordinator` handler (msgpack in, msgpack out, as the socket
-loop does) for as long as that call took on this machine, plus the socket's own cost per
+and is served by the real coordinator handler (msgpack in, msgpack out, as the socket
+loop does: `dispatch.answer` on a `CoordinatorState`, no socket bound) for as long as that
+call took on this machine, plus the socket's own cost per
 message (`socket_cost`, measured by `measure_socket_cost`); its reply arrives half a round
 trip after it is served. So a fleet that asks too much of the coordinator waits on it in
 the figures, as it would in a run. Busy time and messages by type are counted.
@@ -16,7 +17,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
+from tensorhub.coordinator import dispatch, membership
+from tensorhub.coordinator.server import Coordinator
+from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState
 from tensorhub.core.client import Credentials
 from tensorhub.core.data_types import Heartbeat, Register
 from tensorhub.core.wire import decode_reply, encode
@@ -26,7 +29,7 @@ Reply = Callable[[object], None]
 
 
 class CoordinatorQueue:
-    def __init__(self, loop: EventLoop, coordinator: Coordinator, rpc: float,
+    def __init__(self, loop: EventLoop, coordinator: CoordinatorState, rpc: float,
                  socket_cost: float):
         self.loop, self.coordinator, self.rpc, self.socket_cost = (
             loop, coordinator, rpc, socket_cost)
@@ -75,12 +78,14 @@ class CoordinatorQueue:
     def _handle(self, request) -> tuple[object, float]:
         if isinstance(request, Expiry):
             started = time.perf_counter()
-            self.coordinator._expire()
+            membership.expire(self.coordinator)
             return None, time.perf_counter() - started
         payload = encode(self.credentials.envelope(request))
         started = time.perf_counter()
-        wire = self.coordinator.answer(payload)  # as the socket loop does
+        wire = dispatch.answer(self.coordinator, payload)  # as the socket loop does
         seconds = time.perf_counter() - started
+        # (the simulated fleet hears of a version from the simulator, not the PUB socket)
+        self.coordinator.outbox.clear()
         reply = decode_reply(wire)
         self.credentials.learn(reply)
         return reply, seconds

@@ -26,8 +26,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tensorhub.coordinator.membership import EXPIRY_PERIOD
 from tensorhub.coordinator.planner import PlannerConfig
-from tensorhub.coordinator.server import EXPIRY_PERIOD, Coordinator, CoordinatorConfig
+from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState
 from tensorhub.core.chunks import chunks_of
 from tensorhub.core.data_types import (
     Announcement,
@@ -256,9 +257,8 @@ class SwarmSim:
         chunk_time = config.chunk_bytes * 8 / (config.nic_gbps * GB)
         self.stall = max(stall, 8 * chunk_time)
         self.poll_min, self.poll_max = max(config.latency, chunk_time / 16), chunk_time / 4
-        self.coordinator = Coordinator(
-            CoordinatorConfig(bind="tcp://127.0.0.1:0", announce="tcp://127.0.0.1:0",
-                              worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
+        self.coordinator = CoordinatorState(
+            CoordinatorConfig(worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
                               stripes=stripes, pending_retry=max(0.002, chunk_time / 4),
                               planner=PlannerConfig(
                                   max_readers_per_holder=config.planner.max_readers_per_holder,
@@ -402,22 +402,19 @@ class SwarmSim:
         self.net.kill(r.id)
 
     def run(self) -> SwarmResult:
-        try:
-            if self.config.standby:
-                for r in self.readers:
-                    self.loop.at(0.0, r.stand_by)
-            else:
-                self.queue.send(self._publish,
-                                lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
-                                                        r.start) for r in self.readers])
-            for wid in [self.trainer, *self.by_id]:
-                self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
-            self.loop.at(EXPIRY_PERIOD, self._expire)
-            if not self.config.standby:
-                self._schedule_kills(0.0)
-            self.loop.run(until=self.config.time_limit)
-        finally:
-            self.coordinator.stop()
+        if self.config.standby:
+            for r in self.readers:
+                self.loop.at(0.0, r.stand_by)
+        else:
+            self.queue.send(self._publish,
+                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
+                                                    r.start) for r in self.readers])
+        for wid in [self.trainer, *self.by_id]:
+            self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
+        self.loop.at(EXPIRY_PERIOD, self._expire)
+        if not self.config.standby:
+            self._schedule_kills(0.0)
+        self.loop.run(until=self.config.time_limit)
         layout = next(iter(
             self.coordinator.table.models["m"].versions[self.version].layouts.values()))
         return SwarmResult(

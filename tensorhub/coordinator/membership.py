@@ -1,0 +1,151 @@
+"""Membership: workers register, heartbeat and leave; silent ones expire and are forgotten
+with everything that names them."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from tensorhub.coordinator import status
+from tensorhub.coordinator.state import ACK, CoordinatorState, log
+from tensorhub.coordinator.table import ModelRec, WorkerRec
+from tensorhub.core.data_types import (
+    Ack,
+    Dropped,
+    Heartbeat,
+    HeartbeatReply,
+    Register,
+    Registered,
+    Unregister,
+)
+
+# Seconds between walks of the table for workers that stopped heartbeating and expired
+# leases (TTLs are seconds: a tenth of a second late is within their slack).
+EXPIRY_PERIOD = 0.1
+FLEET_PERIOD = 1.0  # seconds between measurements of the fleet's shape (metrics served)
+
+
+def register(state: CoordinatorState, req: Register) -> Registered:
+    """A new worker: an id, the secret its requests must show, and the timings it keeps."""
+    worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
+    secret = secrets.token_hex(16)
+    state.table.workers[worker_id] = WorkerRec(
+        worker_id, req.name, req.role, req.endpoint, dict(req.labels), state.clock(),
+        progress=req.progress, secret=secret, grant_key=req.grant_key)
+    if req.role == "replica":
+        state.workers_in_dc[req.labels.get("dc", "")] += 1
+    log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
+    if req.role == "trainer":
+        for model, newest in req.published.items():
+            trainer_newest(state, model, newest)
+    return Registered(worker_id=worker_id, secret=secret,
+                      heartbeat_interval=state.config.heartbeat_interval,
+                      worker_ttl=state.config.worker_ttl,
+                      announce_address=state.announce_address,
+                      lease_ttl=state.config.lease_ttl)
+
+
+def trainer_newest(state: CoordinatorState, model: str, newest: int) -> None:
+    """A trainer registering again (we restarted) says the newest version it published:
+    versions past it that holders brought back since are another run's (a replica left
+    over from an earlier job): dropped, so they are never served and never block its
+    next publish. From here on versions come from publishes only."""
+    mrec = state.table.models.setdefault(model, ModelRec())
+    if mrec.published:
+        return
+    mrec.published = True
+    stale = sorted(v for v in mrec.versions if v > newest)
+    for v in stale:
+        holders = {state.table.workers[h].name if h in state.table.workers else h
+                   for layout in mrec.versions.pop(v).layouts.values()
+                   for h in layout.holders}
+        log.warning("%s v%d, brought back by %s, is past the newest version its trainer "
+                    "published (v%d): another run's, dropped", model, v,
+                    ", ".join(sorted(holders)) or "nobody", newest)
+    for lease_id in [k for k, x in state.table.leases.items()
+                     if x.model == model and x.version in stale]:
+        del state.table.leases[lease_id]
+    announced = state.announcements.get(model)
+    if stale and announced is not None and announced[0].version > newest:
+        del state.announcements[model]
+    mrec.latest = max([newest, *mrec.versions])
+
+
+def heartbeat(state: CoordinatorState, req: Heartbeat) -> Ack | HeartbeatReply:
+    """A worker is alive (with its pull in flight); a holder on probation is told when it
+    may offer each dropped version again."""
+    state.worker(req.worker_id).pull = req.pull
+    dropped = state.probation.get(req.worker_id)
+    if not dropped:
+        return ACK
+    now = state.clock()
+    return HeartbeatReply(dropped=[
+        Dropped(model=m, version=v, retry_after=max(0.0, until - now))
+        for (m, v), until in dropped.items()])
+
+
+def unregister(state: CoordinatorState, req: Unregister) -> Ack:
+    forget_worker(state, req.worker_id, "unregistered", "unregistered")
+    return ACK
+
+
+def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str) -> None:
+    """`why` for the log, `reason` for the evictions metric."""
+    worker = state.table.workers.pop(worker_id, None)
+    if worker is None:
+        return
+    state.metrics.evictions.labels(reason).inc()
+    if worker.role == "replica":
+        state.workers_in_dc[worker.labels.get("dc", "")] -= 1
+    log.info("worker %s %s: dropping its references and reads", worker_id, why)
+    for key in state.pending.published_by(worker_id):
+        state.abort(key, f"{worker.name}, which published a part, {why}")
+    state.trust.forget(worker_id)
+    state.standby.forget(worker_id)
+    state.probation.pop(worker_id, None)
+    if state.table.last_pull.get(worker.name, ("",))[0] == worker_id:
+        del state.table.last_pull[worker.name]
+    for lease_id in [k for k, v in state.table.leases.items() if v.reader == worker_id]:
+        lease = state.table.leases.pop(lease_id)
+        state.finish_withdrawals(lease.sources, lease.model, lease.version)
+    state.table.drop_holder(worker_id, gone=True)
+
+
+def expire(state: CoordinatorState) -> None:
+    """Give up sharded versions whose parts are late, forget workers that stopped
+    heartbeating, end probations long over and leases expired; measure the fleet for the
+    metrics when due. Called every `EXPIRY_PERIOD` by whoever drives the state."""
+    now, ttl = state.clock(), state.config.worker_ttl
+    for key, pv in list(state.pending.versions.items()):
+        if now - pv.started > state.config.part_wait:
+            state.abort(key, f"part(s) {pv.missing()} of {pv.parts} not in within "
+                             f"{state.config.part_wait:.0f} s")
+    for w in [w for w in state.table.workers.values() if now - w.last_seen > ttl]:
+        forget_worker(state, w.worker_id, "stopped heartbeating", "heartbeat")
+    for worker_id, dropped in list(state.probation.items()):
+        for model, version in [k for k, until in dropped.items() if until < now - ttl]:
+            state.end_probation(worker_id, model, version)  # told long since, or gone
+    for lease in [x for x in state.table.leases.values() if x.expires < now]:
+        log.warning("read lease of %s on %s v%d expired", lease.reader, lease.model,
+                    lease.version)
+        del state.table.leases[lease.lease_id]
+        state.finish_withdrawals(lease.sources, lease.model, lease.version)
+    if state.fleet_measured_at is not None and now - state.fleet_measured_at >= FLEET_PERIOD:
+        state.fleet_measured_at = now
+        status.measure_fleet(state)
+
+
+def forgive_pause(state: CoordinatorState, seconds: float) -> None:
+    """The coordinator did not read its queue for `seconds` (this process or its
+    machine was paused, or one request took that long): heartbeats and lease reports
+    sent meanwhile are still queued, so the gap counts against no worker and no lease.
+    Without this, the first expiry walk after a pause drops every worker at once, and
+    all of them register again."""
+    log.warning("the coordinator did not read its queue for %.1f s (paused, or busy); "
+                "not counting that against heartbeats or read leases", seconds)
+    for worker in state.table.workers.values():
+        worker.last_seen += seconds
+    for lease in state.table.leases.values():
+        lease.expires += seconds
+    for pending in state.pending.versions.values():
+        pending.started += seconds
