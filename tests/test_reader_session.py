@@ -6,12 +6,14 @@ from __future__ import annotations
 from tensorhub.core.data_types import (
     PUBLISHER,
     Announcement,
+    ConfirmParents,
     Endpoint,
     Manifest,
     MemoryDesc,
     Placement,
     ReadPlan,
     Source,
+    StripedPlanRequest,
     TensorSpec,
 )
 from tensorhub.core.memory import regions_digest
@@ -68,7 +70,7 @@ def _asks(pull: PullSession, now: float) -> list[Ask]:
 def test_only_the_first_request_carries_our_memory_until_the_coordinator_forgets_us():
     pull = PullSession(READER, "me", "latest", now=0.0, deadline=60.0)
     first = pull.first_request()
-    assert first.striped and first.memory == MEMORY and first.endpoint == ENDPOINT
+    assert isinstance(first, StripedPlanRequest) and first.memory == MEMORY and first.endpoint == ENDPOINT
     pull.planned(_plan(["a", "b"]), now=0.0)
     reads = [a for a in pull.actions(0.0) if isinstance(a, Read)]
     pull.landed(reads[0], ok=False, now=0.1)
@@ -152,7 +154,7 @@ def test_a_warm_pull_reads_at_once_and_is_done_only_once_confirmed_with_our_memo
     assert warm.stripes == ["t", "a"]
     pull = PullSession(READER, "me", 2, now=0.0, deadline=60.0, warm=warm)
     [confirm] = _read_everything(pull)
-    assert confirm.confirmation and confirm.request.stripes == []
+    assert confirm.confirmation and isinstance(confirm.request, ConfirmParents)
     assert confirm.request.memory == MEMORY
     assert not pull.done
     pull.answered(confirm, _plan(["t", "a"], lease=warm.lease_id, version=2, known=True), 0.1)

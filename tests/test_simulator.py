@@ -19,7 +19,7 @@ def test_every_worker_completes_and_none_beats_the_lower_bound():
     assert sorted(result.finished) == sorted(f"w{i}" for i in range(12))
     assert result.unfinished == [] and result.killed == []
     assert math.isfinite(result.ratio) and result.ratio >= 1.0
-    assert result.reader_messages["plan"] >= 12
+    assert result.reader_messages["striped_plan"] >= 12
 
 
 def test_several_datacenters_complete_too():
