@@ -70,7 +70,8 @@ def _asks(pull: PullSession, now: float) -> list[Ask]:
 def test_only_the_first_request_carries_our_memory_until_the_coordinator_forgets_us():
     pull = PullSession(READER, "me", "latest", now=0.0, deadline=60.0)
     first = pull.first_request()
-    assert isinstance(first, StripedPlanRequest) and first.memory == MEMORY and first.endpoint == ENDPOINT
+    assert isinstance(first, StripedPlanRequest)
+    assert first.memory == MEMORY and first.endpoint == ENDPOINT
     pull.planned(_plan(["a", "b"]), now=0.0)
     reads = [a for a in pull.actions(0.0) if isinstance(a, Read)]
     pull.landed(reads[0], ok=False, now=0.1)
