@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import GetDeclared, GetManifest, Part
 from tensorhub.core.errors import (
     CoordinatorError,
@@ -24,7 +25,7 @@ from tensorhub.core.errors import (
     TransferError,
 )
 from tensorhub.core.layout import BoundLayout
-from tensorhub.replica import STANDBY_RETRY, Replica
+from tensorhub.replica import Replica
 
 log = logging.getLogger("tensorhub.parted")
 
@@ -73,7 +74,7 @@ class PartedReplica:
         """With no version yet: allocate part 0's buffers from the manifest the trainer
         declared for the first version (`Publisher.declare`), so that part 0 stands by
         and pulls that version with no plan request, as a reader with buffers of its own
-        does. Asked every `STANDBY_RETRY` seconds until there is a declaration (or a
+        does. Asked every `settings.STANDBY_RETRY` seconds until there is a declaration (or a
         version). Never while a pull runs (`_lock`): it allocates by itself. A first
         version unlike the declaration is pulled into new buffers (`pull`)."""
         first = self.replicas[0]
@@ -83,7 +84,7 @@ class PartedReplica:
         try:
             if self.version is not None or first.layout is not None:
                 return  # (a pull ran meanwhile)
-            self._declared_at = time.monotonic() + STANDBY_RETRY
+            self._declared_at = time.monotonic() + settings.STANDBY_RETRY
             if first.announcement() is not None:
                 self._declared_at = float("inf")  # a version is out: pulls allocate from it
                 return

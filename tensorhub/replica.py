@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from tensorhub import metrics
+from tensorhub import metrics, settings
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.data_types import (
     Announcement,
@@ -56,11 +56,9 @@ from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
 from tensorhub.reader.session import Parents, PullSession, Reader
-from tensorhub.striped import BEHIND_AFTER, POLL_MAX, StripedReader
+from tensorhub.striped import StripedReader
 
 log = logging.getLogger("tensorhub.replica")
-
-STANDBY_RETRY = 5.0  # seconds before standing by again after the coordinator could not place us
 
 
 class Replica:
@@ -253,8 +251,8 @@ class Replica:
                      "its standby" if self.version is None else f"v{self.version}")
         pull = PullSession(self._reader(dest), self.session.worker_id, version,
                            now=time.monotonic(), deadline=deadline, warm=warm,
-                           held=self.version, max_replans=max_replans, stall=BEHIND_AFTER,
-                           poll_max=POLL_MAX)
+                           held=self.version, max_replans=max_replans, stall=settings.BEHIND_AFTER,
+                           poll_max=settings.POLL_MAX)
         registrations = self.session.registrations
         if warm is None:
             self._plan(pull, pull.first_request())
@@ -400,7 +398,7 @@ class Replica:
         parent (a stripe with none yet is filled when it asks again, or by the pull's
         confirmation). A coordinator that cannot place us is no error: the pull then asks
         for a plan as usual."""
-        self._standby_at = time.monotonic() + STANDBY_RETRY
+        self._standby_at = time.monotonic() + settings.STANDBY_RETRY
         if self.whole_items or self.staging or self.layout is None or self.part != Part():
             self._standby_at = float("inf")
             return False

@@ -27,15 +27,6 @@ from tensorhub.reader.session import Ask, PullSession
 
 log = logging.getLogger("tensorhub.striped")
 
-# A parent with no new chunk for this long, while we wait on it, counts as behind.
-BEHIND_AFTER = 5.0
-# The longest gap between polls of a parent that has nothing new: a poll is one small
-# one-sided read, and each hop of a stripe's tree may lag its parent by this much.
-POLL_MAX = 0.01
-# A poll reads a few hundred bytes: a parent that does not answer one in this long is gone
-# (or hung), and the stripe goes elsewhere.
-POLL_TIMEOUT = 2.0
-
 
 class StripedReader:
     def __init__(self, session: WorkerSession, pull: PullSession, dest: list[torch.Tensor],
@@ -154,7 +145,8 @@ class StripedReader:
                 Peer(src.worker_id, src.endpoint, src.grant),
                 [ReadOp(local=buf, remote=MemoryDesc(addr=src.progress.addr + action.lo,
                                                      nbytes=action.hi - action.lo))],
-                timeout=max(0.001, min(POLL_TIMEOUT, self.pull.deadline - time.monotonic())))
+                timeout=max(0.001, min(settings.POLL_TIMEOUT,
+                                       self.pull.deadline - time.monotonic())))
         except TransferError as exc:
             self.session.transport.forget_peer(src.worker_id)
             return exc

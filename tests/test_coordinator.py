@@ -300,9 +300,9 @@ def test_a_partial_holders_encoded_regions_follow_its_memory():
 
     holders = PartialHolders()
     first, second = ((1, 8, 0, "DRAM"),), ((2, 8, 0, "VRAM"),)
-    holders.add("w", first, [0])
+    holders.add("w", first)
     assert holders["w"].packed_memory() == pack_memory(first)
-    holders.add("w", second, [1])
+    holders.add("w", second)
     assert holders["w"].packed_memory() == pack_memory(second)
 
 

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from tensorhub import settings
 from tensorhub.engines import FollowLoop
 from tensorhub.engines import follow as follow_module
-from tensorhub.engines.settings import RETRY_REFUSED
 
 
 class Engine:
@@ -78,11 +78,11 @@ def test_a_failed_version_waits_before_it_is_tried_again(asynchronous, clock):
     engine.serving, engine.latest, engine.failing = 1, 2, {2}
     asyncio.run(loop.step())
     assert engine.last_error == "cannot swap to v2" and engine.serving == 1
-    clock[0] += RETRY_REFUSED / 2
+    clock[0] += settings.RETRY_REFUSED / 2
     asyncio.run(loop.step())
     assert engine.swaps == [2]  # not yet
     engine.failing = set()
-    clock[0] += RETRY_REFUSED
+    clock[0] += settings.RETRY_REFUSED
     asyncio.run(loop.step())
     assert engine.swaps == [2, 2] and engine.serving == 2 and engine.last_error is None
 
@@ -93,7 +93,7 @@ def test_a_version_the_engine_cannot_load_is_never_tried_again(clock):
     engine.serving, engine.latest, engine.failing = 1, 2, {2}
     asyncio.run(loop.step())
     loop.never_again(2)
-    clock[0] += 100 * RETRY_REFUSED
+    clock[0] += 100 * settings.RETRY_REFUSED
     asyncio.run(loop.step())
     assert engine.swaps == [2] and engine.serving == 1
 
@@ -106,7 +106,7 @@ def test_torn_weights_are_repaired_first_and_then_only_every_so_often(clock):
     asyncio.run(loop.step())
     asyncio.run(loop.step())
     assert engine.repairs == 1
-    clock[0] += RETRY_REFUSED
+    clock[0] += settings.RETRY_REFUSED
     asyncio.run(loop.step())
     assert engine.repairs == 2
 

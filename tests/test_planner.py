@@ -22,7 +22,6 @@ from tensorhub.core.data_types import (
     Manifest,
     MemoryDesc,
     PlanRequest,
-    Progress,
     Publish,
     ReadDone,
     ReadPlan,
@@ -61,10 +60,6 @@ class Fleet:
 
     def plan(self, reader, missing=None):
         return self.call(PlanRequest(worker_id=reader, model="m", version=1, missing=missing))
-
-    def progress(self, worker, chunks):
-        return self.call(Progress(worker_id=worker, model="m", version=1, layout_id=LID,
-                                  memory=MEMORY, chunks=chunks))
 
     def hold(self, worker):
         self.call(Hold(worker_id=worker, model="m", version=1, layout_id=LID, memory=MEMORY))
@@ -161,20 +156,3 @@ def test_a_version_nobody_holds_any_more_is_no_holder(fleet_of):
     assert isinstance(reply, ErrorReply) and reply.code in ("no_holder", "unknown_model")
 
 
-def test_progress_is_checked_and_its_memory_comes_with_the_first_report_only(fleet_of):
-    fleet = fleet_of()
-    reader = fleet.join("r", dc="dc0")
-    first = fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID,
-                                chunks=[0]))
-    assert first.code == "bad_request" and "must carry the reader's memory" in first.message
-    bad = fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID,
-                              memory=MEMORY, chunks=[7]))
-    assert bad.code == "bad_request" and "4 chunks" in bad.message
-    short = fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID,
-                                memory=MEMORY[:2], chunks=[0]))
-    assert short.code == "layout_mismatch"
-    fleet.progress(reader, [0])
-    assert fleet.call(Progress(worker_id=reader, model="m", version=1, layout_id=LID,
-                               chunks=[1])).type == "ack"
-    assert fleet.coordinator.table.models["m"].versions[1].layouts[LID].partial[
-        reader].memory == tuple((m.addr, m.nbytes, m.device, m.mem) for m in MEMORY)

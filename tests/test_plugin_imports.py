@@ -15,7 +15,7 @@ import tensorhub.engines
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of `tensorhub` a plugin may use besides the two public surfaces: the metrics an
 # engine serves, and the Ray cluster's coordinator actor (verl).
-OTHER_MODULES = {"tensorhub.metrics", "tensorhub.ray_coordinator"}
+OTHER_MODULES = {"tensorhub.metrics", "tensorhub.ray_coordinator", "tensorhub.settings"}
 PUBLIC = {"tensorhub": set(tensorhub.__all__) | {m.rsplit(".", 1)[1] for m in OTHER_MODULES},
           "tensorhub.engines": set(tensorhub.engines.__all__)}
 

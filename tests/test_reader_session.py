@@ -3,6 +3,7 @@ both send, and what they do with the answers."""
 
 from __future__ import annotations
 
+from tensorhub import settings
 from tensorhub.core.data_types import (
     PUBLISHER,
     Announcement,
@@ -18,7 +19,7 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.memory import regions_digest
 from tensorhub.core.stripes import Poll, Read, warm_lease_id
-from tensorhub.reader.session import NO_HOLDER_GRACE, Ask, Parents, PullSession, Reader
+from tensorhub.reader.session import Ask, Parents, PullSession, Reader
 
 MIB = 1 << 20
 MANIFEST = Manifest(tensors=[TensorSpec(name="w", dtype="uint8", shape=[4 * MIB],
@@ -97,7 +98,7 @@ def test_busy_holders_are_waited_for_until_the_deadline_a_lost_version_briefly()
     assert 0.0 < pull.refused("busy", 1.0, now=5.0) < 2.0
     assert pull.refused("busy", 1.0, now=9.9) is None
     assert pull.refused("no_holder", 1.0, now=0.0) == 1.0
-    assert pull.refused("no_holder", 1.0, now=NO_HOLDER_GRACE) is None
+    assert pull.refused("no_holder", 1.0, now=settings.NO_HOLDER_GRACE) is None
     assert pull.refused("unknown_version", None, now=0.0) is None  # (no plan yet: it is)
     assert pull.refused("bad_request", None, now=0.0) is None
     pull.planned(_plan(["a", "b"]), now=0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import uuid
 
+from tensorhub import settings
 from tensorhub.coordinator import status
 from tensorhub.coordinator.state import ACK, CoordinatorState, log
 from tensorhub.coordinator.table import ModelRec, WorkerRec
@@ -18,11 +19,6 @@ from tensorhub.core.data_types import (
     Registered,
     Unregister,
 )
-
-# Seconds between walks of the table for workers that stopped heartbeating and expired
-# leases (TTLs are seconds: a tenth of a second late is within their slack).
-EXPIRY_PERIOD = 0.1
-FLEET_PERIOD = 1.0  # seconds between measurements of the fleet's shape (metrics served)
 
 
 def register(state: CoordinatorState, req: Register) -> Registered:
@@ -114,7 +110,7 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
 def expire(state: CoordinatorState) -> None:
     """Give up sharded versions whose parts are late, forget workers that stopped
     heartbeating, end probations long over and leases expired; measure the fleet for the
-    metrics when due. Called every `EXPIRY_PERIOD` by whoever drives the state."""
+    metrics when due. Called every `settings.EXPIRY_PERIOD` by whoever drives the state."""
     now, ttl = state.clock(), state.config.worker_ttl
     for key, pv in list(state.pending.versions.items()):
         if now - pv.started > state.config.part_wait:
@@ -130,7 +126,8 @@ def expire(state: CoordinatorState) -> None:
                     lease.version)
         del state.table.leases[lease.lease_id]
         state.finish_withdrawals(lease.sources, lease.model, lease.version)
-    if state.fleet_measured_at is not None and now - state.fleet_measured_at >= FLEET_PERIOD:
+    measured_at = state.fleet_measured_at
+    if measured_at is not None and now - measured_at >= settings.FLEET_PERIOD:
         state.fleet_measured_at = now
         status.measure_fleet(state)
 

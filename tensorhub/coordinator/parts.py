@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
-
-ABORTED_KEPT = 256  # aborted versions remembered, for ranks that ask late
 
 
 @dataclass
@@ -50,7 +49,7 @@ class Pending:
 
     def abort(self, key: tuple[str, int], reason: str) -> PendingVersion | None:
         self.aborted[key] = reason
-        while len(self.aborted) > ABORTED_KEPT:
+        while len(self.aborted) > settings.ABORTED_KEPT:
             self.aborted.popitem(last=False)
         return self.versions.pop(key, None)
 

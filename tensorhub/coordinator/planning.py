@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tensorhub import settings
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.planner import NoSource, distance, plan_ranges
 from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log, source_of
@@ -21,7 +22,6 @@ from tensorhub.core.data_types import (
     Ack,
     ConfirmParents,
     PlanRequest,
-    Progress,
     ReadDone,
     ReadPlan,
     ReadRange,
@@ -31,8 +31,6 @@ from tensorhub.core.data_types import (
 )
 from tensorhub.core.stripes import PROGRESS_BYTES, warm_lease_id
 from tensorhub.core.wire import Packed
-
-BUSY_RETRY_MIN = 0.005  # s: a floor, so a fleet on fast links does not poll in a loop
 
 
 def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanReply:
@@ -145,11 +143,11 @@ def no_source(state: CoordinatorState, exc: NoSource, reader: str, model: str, v
 def busy_retry(state: CoordinatorState, layout: LayoutRec) -> float:
     """How long a busy reader waits: a quarter of a chunk's time at the rate reads have
     had lately (a holder frees once a chunk is read; waiting longer idles it), at least
-    `BUSY_RETRY_MIN`, at most the configured `busy_retry`."""
+    `settings.BUSY_RETRY_MIN`, at most the configured `busy_retry`."""
     if state.stream_rate is None:
         return state.config.busy_retry
     chunk_time = state.config.planner.chunk_bytes_for(layout.nbytes) / state.stream_rate
-    return min(state.config.busy_retry, max(BUSY_RETRY_MIN, chunk_time / 4))
+    return min(state.config.busy_retry, max(settings.BUSY_RETRY_MIN, chunk_time / 4))
 
 
 def plan_striped(state: CoordinatorState, req: StripedRequest, version: int, lid: str,
@@ -265,35 +263,7 @@ def take_memory(state: CoordinatorState, req: StripedRequest, reader: WorkerRec,
     if req.memory is not None:
         state.check_memory(layout, req.memory)
         state.update_endpoint(reader, req.endpoint)
-        layout.partial.add(req.worker_id, store_memory(req.memory), [])
-
-
-def progress(state: CoordinatorState, req: Progress) -> Ack:
-    """Record the reader as a partial holder of the chunks it has finished."""
-    worker = state.worker(req.worker_id)
-    _, vrec = state.resolve(req.model, req.version)
-    layout = vrec.layouts.get(req.layout_id)
-    if layout is None:
-        raise Reject("layout_mismatch",
-                     f"{req.model!r} v{vrec.version} has no layout {req.layout_id}")
-    if req.memory is not None:
-        state.check_memory(layout, req.memory)
-        memory = store_memory(req.memory)
-    elif req.worker_id in layout.partial:
-        memory = layout.partial[req.worker_id].memory  # checked when it was stored
-    else:
-        raise Reject("bad_request", f"the first progress report of {req.model!r} "
-                                    f"v{vrec.version} must carry the reader's memory")
-    count = len(layout.chunks(state.config.planner.chunk_bytes_for(layout.nbytes)))
-    bad = [c for c in req.chunks if c >= count]
-    if bad:
-        raise Reject("bad_request", f"chunks {bad[:8]} do not exist (the layout has "
-                                    f"{count} chunks)")
-    if req.worker_id in layout.holders:
-        return ACK  # already a complete holder (or withdrawing): nothing to add
-    state.update_endpoint(worker, req.endpoint)
-    layout.partial.add(req.worker_id, memory, req.chunks)
-    return ACK
+        layout.partial.add(req.worker_id, store_memory(req.memory))
 
 
 def read_done(state: CoordinatorState, req: ReadDone) -> Ack:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import zmq
 
+from tensorhub import settings
 from tensorhub.coordinator import dispatch, membership
-from tensorhub.coordinator.membership import EXPIRY_PERIOD
 from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.standby import StandingForests
@@ -30,9 +30,6 @@ from tensorhub.core import curve
 from tensorhub.core.data_types import ErrorReply
 from tensorhub.core.wire import MAX_MESSAGE_BYTES, encode
 
-# A gap this long between two reads of the queue (each waits at most 0.1 s) means the
-# coordinator itself was not listening: see `Coordinator.forgive_pause`.
-PAUSE_FORGIVEN = 1.0
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
@@ -192,16 +189,16 @@ class Coordinator:
             except zmq.Again:
                 frames = None
             now = state.clock()
-            if now - last_turn > PAUSE_FORGIVEN:
+            if now - last_turn > settings.PAUSE_FORGIVEN:
                 self.forgive_pause(now - last_turn)
             last_turn = now
             if frames is not None:
                 self._handle_frames(frames)
-            # Expiry walks every worker and lease: at most every EXPIRY_PERIOD, not after
+            # Expiry walks every worker and lease: at most every settings.EXPIRY_PERIOD, not after
             # every request (at 4096 workers heartbeating, that walk was most of the CPU).
             if time.monotonic() >= next_expiry:
                 membership.expire(state)
-                next_expiry = time.monotonic() + EXPIRY_PERIOD
+                next_expiry = time.monotonic() + settings.EXPIRY_PERIOD
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:

@@ -56,7 +56,7 @@ def status(state: CoordinatorState, req: StatusRequest) -> StatusReply:
 
 def measure_fleet(state: CoordinatorState) -> None:
     """The fleet's shape for the metrics: another walk of every worker and holder, so
-    only while metrics are served, and at most every `FLEET_PERIOD`."""
+    only while metrics are served, and at most every `settings.FLEET_PERIOD`."""
     holders, latest = {}, {}
     for model, mrec in state.table.models.items():
         latest[model] = mrec.latest

@@ -98,11 +98,11 @@ class HolderRec(_PackedMemory):
 
 @dataclass(slots=True)
 class PartialRec(_PackedMemory):
-    """A reader still pulling a version: it serves the chunks it has finished."""
+    """A reader still pulling a version: it serves the chunks it has finished (its
+    children learn which by polling its progress bytes)."""
 
     worker_id: str
     memory: StoredMemory
-    chunks: set[int]
     packed: bytes | None = field(default=None, repr=False, compare=False)
 
 
@@ -114,15 +114,14 @@ class PartialHolders(dict[str, PartialRec]):
         super().__init__()
         self.version = 0  # bumped when a worker is added or dropped (the planner caches)
 
-    def add(self, worker_id: str, memory: StoredMemory, chunks: list[int]) -> None:
+    def add(self, worker_id: str, memory: StoredMemory) -> None:
         rec = self.get(worker_id)
         if rec is None:
-            rec = PartialRec(worker_id, memory, set())
+            rec = PartialRec(worker_id, memory)
             super().__setitem__(worker_id, rec)
             self.version += 1
         if rec.memory is not memory:
             rec.memory, rec.packed = memory, None
-        rec.chunks.update(chunks)
 
     def drop(self, worker_id: str) -> None:
         if super().pop(worker_id, None) is not None:

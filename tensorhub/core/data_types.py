@@ -312,22 +312,6 @@ class HoldingsRequest(Strict):
     layout_id: Name | None = None
 
 
-class Progress(Strict):
-    """A reader has these chunks (see `core/chunks.py`) of a version in `memory` (its
-    registered destination regions, one per item): it serves them to other readers while it
-    pulls the rest (pipelined replication). Verified bytes are announced with `Hold`."""
-
-    type: Literal["progress"] = "progress"
-    worker_id: Name
-    model: Name
-    version: Version
-    layout_id: Name
-    # Sent with a reader's first report of a version; None: as reported before.
-    memory: list[MemoryDesc] | None = Field(default=None, max_length=MAX_TENSORS)
-    chunks: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_TENSORS)
-    endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
-
-
 class _PlanAsk(Strict):
     """What every plan request says: who asks, for which version, in which layout."""
 
@@ -430,7 +414,7 @@ class GetDeclared(Strict):
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest
     | StripedPlanRequest | ReplanStripes | ConfirmParents | ReadDone | GetManifest
-    | StatusRequest | HoldingsRequest | RetentionRequest | Progress | LatestRequest
+    | StatusRequest | HoldingsRequest | RetentionRequest | LatestRequest
     | PublishStatus | StandBy | Declare | GetDeclared,
     Field(discriminator="type"),
 ]

@@ -9,8 +9,8 @@ caller that sends `Authorization: Bearer <token>`. Without one: callers on this 
 from __future__ import annotations
 
 import hmac
-import os
 
+from tensorhub import settings
 from tensorhub.core.client import token_from_env
 from tensorhub.core.net import is_loopback
 
@@ -20,7 +20,7 @@ REFUSED = ("TensorHub routes need 'Authorization: Bearer <token>' (the value of 
 
 def route_token() -> str | None:
     """The token the routes require, or None when none is configured."""
-    return token_from_env() or os.environ.get("TENSORHUB_HTTP_TOKEN") or None
+    return token_from_env() or settings.HTTP_TOKEN.get() or None
 
 
 def authorized(authorization: str | None, client_host: str | None) -> bool:

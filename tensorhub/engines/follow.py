@@ -2,10 +2,10 @@
 off after a version that failed.
 
 Each try pauses generation, so a version whose swap failed is tried again only after
-`RETRY_REFUSED` seconds, and never again once the engine has said it cannot load it (its
+`settings.RETRY_REFUSED` seconds, and never again once the engine has said it cannot load it (its
 tensors do not fit the model, or its load failed half-way: `never_again`). Weights left
 torn are repaired first, by loading the version served before again, every
-`RETRY_REFUSED` seconds until that succeeds. A failure is logged once and the engine keeps
+`settings.RETRY_REFUSED` seconds until that succeeds. A failure is logged once and the engine keeps
 serving what it has; the loop never dies.
 
 What is engine-specific is passed in (`Followed`): which version to take next and how, the
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tensorhub.engines.settings import RETRY_REFUSED
+from tensorhub import settings
 
 log = logging.getLogger("tensorhub.engines")
 
@@ -67,7 +67,7 @@ class FollowLoop:
         try:
             if engine.torn is not None and engine.serving is not None and \
                     time.monotonic() >= self._repair_at:
-                self._repair_at = time.monotonic() + RETRY_REFUSED
+                self._repair_at = time.monotonic() + settings.RETRY_REFUSED
                 await _done(engine.repair())
             update = await _done(engine.next_update())
             if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0.0):
@@ -76,7 +76,7 @@ class FollowLoop:
                 except Exception:
                     version = update[0]
                     self._retry_at = {version: max(self._retry_at.get(version, 0.0),
-                                                   time.monotonic() + RETRY_REFUSED)}
+                                                   time.monotonic() + settings.RETRY_REFUSED)}
                     raise
             engine.last_error = None
         except asyncio.CancelledError:

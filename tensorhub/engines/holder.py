@@ -28,16 +28,13 @@ from contextlib import contextmanager
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.fleet import FleetView
 from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
 from tensorhub.parted import PartedReplica
 
 log = logging.getLogger("tensorhub.engines")
-
-# A version no copy was left of is tried again after this long if nothing newer came (its
-# holders may have been re-registering with a restarted coordinator).
-LOST_RETRY = 15.0
 
 
 class TornLoad(TensorHubError):
@@ -158,9 +155,9 @@ class CheckpointHolder:
             except TensorHubError as exc:
                 self.last_error = str(exc)
                 if exc.code == "no_holder" and newer is not None:
-                    lost, lost_until, backoff = newer, time.monotonic() + LOST_RETRY, 0.5
+                    lost, lost_until, backoff = newer, time.monotonic() + settings.LOST_RETRY, 0.5
                     log.warning("%s: %s; waiting for a newer version (or trying it again "
-                                "in %.0f s)", self.name, exc, LOST_RETRY)
+                                "in %.0f s)", self.name, exc, settings.LOST_RETRY)
                     continue
                 log.warning("%s: pulling a new version failed (%s); retrying in %.1fs",
                             self.name, exc, backoff)

@@ -4,7 +4,8 @@ own loggers: one stderr handler on the `tensorhub` logger, installed once per pr
 from __future__ import annotations
 
 import logging
-import os
+
+from tensorhub import settings
 
 
 def show_tensorhub_logs(engine: str) -> None:
@@ -17,5 +18,5 @@ def show_tensorhub_logs(engine: str) -> None:
         "%m-%d %H:%M:%S"))
     handler._tensorhub = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("TENSORHUB_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(settings.LOG_LEVEL.get().upper())
     logger.propagate = False

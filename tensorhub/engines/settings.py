@@ -7,17 +7,15 @@ launch script can configure every process of an engine at once.
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tensorhub import settings
+
 ENV_PREFIX = "TENSORHUB_"
-# Seconds before a front end tries again a version whose swap failed: each try pauses
-# generation, so a version the engine refuses must not be tried at every poll.
-RETRY_REFUSED = 5.0
 
 
 class EngineSettings(BaseModel):
@@ -63,9 +61,9 @@ def load_settings(config: dict | None) -> EngineSettings | None:
     no coordinator is configured at all (the plugin then stays inert)."""
     merged: dict = {}
     for field in EngineSettings.model_fields:
-        value = os.environ.get(ENV_PREFIX + field.upper())
-        if value:
-            merged[field] = value
+        variable = settings.declared(ENV_PREFIX + field.upper())
+        if variable.is_set():
+            merged[field] = variable.get()
     merged.update(config or {})
     if "coordinator" not in merged:
         return None

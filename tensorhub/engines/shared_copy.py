@@ -21,6 +21,7 @@ from collections.abc import Callable
 import msgpack
 import torch
 
+from tensorhub import settings
 from tensorhub.core import shared_memory
 from tensorhub.core.data_types import SharedCopy, SharedPart
 from tensorhub.core.errors import TensorHubError
@@ -31,7 +32,6 @@ from tensorhub.engines.holder import CheckpointHolder, TornLoad
 from tensorhub.parted import PartedReplica, whole_tensors
 
 log = logging.getLogger("tensorhub.engines")
-PER_RANK_ENV = "TENSORHUB_COPY_PER_RANK"  # "1": a copy per rank, as without sharing
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -40,7 +40,7 @@ def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
     """Whether an engine's ranks share one copy: several tensor-parallel ranks (no pipeline
     stages), all on this node, shared memory available, not turned off."""
     return (ranks > 1 and stages == 1 and nodes == 1 and shared_memory.enabled()
-            and os.environ.get(PER_RANK_ENV, "0") != "1")
+            and not settings.COPY_PER_RANK.get())
 
 
 def apply_shared(version: int, load: Callable[[Named], None],

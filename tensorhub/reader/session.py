@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from tensorhub import settings
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
 from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
@@ -43,15 +44,6 @@ from tensorhub.core.layout import plan_items
 from tensorhub.core.memory import regions_digest
 from tensorhub.core.puller import PullStats
 from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of, warm_lease_id
-
-# How long a plan request is asked again while no holder is left: a few heartbeats, in
-# case holders are registering again with a restarted coordinator.
-NO_HOLDER_GRACE = 3.0
-# How long a pull that has a plan asks again for a version the coordinator does not know
-# (holders register again within a few heartbeats of a coordinator restart) before it
-# fails: one whose holders all left is gone.
-UNKNOWN_GRACE = 15.0
-UNKNOWN_RETRY = 0.2
 
 
 @dataclass(frozen=True)
@@ -299,10 +291,10 @@ class PullSession:
             wait, limit = busy_wait(retry_after, rng=self._rng), self.deadline
         elif code == "no_holder" and retry_after is not None:
             since = self._refused.setdefault(code, now)
-            wait, limit = retry_after, min(self.deadline, since + NO_HOLDER_GRACE)
+            wait, limit = retry_after, min(self.deadline, since + settings.NO_HOLDER_GRACE)
         elif code in ("unknown_model", "unknown_version") and self.plan is not None:
             since = self._refused.setdefault("unknown", now)
-            wait, limit = UNKNOWN_RETRY, min(self.deadline, since + UNKNOWN_GRACE)
+            wait, limit = settings.UNKNOWN_RETRY, min(self.deadline, since + settings.UNKNOWN_GRACE)
         else:
             return None
         if now + wait > limit:

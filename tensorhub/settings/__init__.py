@@ -58,6 +58,10 @@ class Setting(Generic[T]):
             reason = "; ".join(e["msg"] for e in exc.errors())
             raise SettingError(f"{self.name}={text!r} is not a valid value: {reason}") from None
 
+    def is_set(self) -> bool:
+        """Whether the variable holds a value (an empty one counts as unset)."""
+        return bool(os.environ.get(self.name, ""))
+
     def row(self) -> str:
         return f"| `{self.name}` | {_type_text(self.kind)} | {self._default_text()} | {self.why} |"
 
@@ -85,6 +89,14 @@ def _type_text(kind: Any) -> str:
 
 
 SETTINGS: list[Setting] = []
+
+
+def declared(name: str) -> Setting:
+    """The setting of environment variable `name`."""
+    for setting in SETTINGS:
+        if setting.name == name:
+            return setting
+    raise KeyError(f"{name} is not a declared setting")
 
 
 def _setting(name: str, kind: Any, default: T, why: str, shown: str = "",
@@ -220,6 +232,52 @@ NIXL_GIVE_UP_S: float = 30.0
 # How often a read waiting for its turn at a peer looks whether the peer was given up.
 NIXL_LOCK_CHECK_S: float = 0.05
 
+
+# reader (`reader/session.py`, `striped.py`, `replica.py`)
+# A parent with no new chunk for this long, while we wait on it, counts as behind.
+BEHIND_AFTER: float = 5.0
+# The longest gap between polls of a parent that has nothing new: a poll is one small one-
+# sided read, and each hop of a stripe's tree may lag its parent by this much.
+POLL_MAX: float = 0.01
+# A poll reads a few hundred bytes: a parent that does not answer one in this long is gone (or
+# hung), and the stripe goes elsewhere.
+POLL_TIMEOUT: float = 2.0
+# How long a plan request is asked again while no holder is left: a few heartbeats, in case
+# holders are registering again with a restarted coordinator.
+NO_HOLDER_GRACE: float = 3.0
+# How long a pull that has a plan asks again for a version the coordinator does not know
+# (holders register again within a few heartbeats of a coordinator restart) before it fails:
+# one whose holders all left is gone.
+UNKNOWN_GRACE: float = 15.0
+# How often it asks again meanwhile.
+UNKNOWN_RETRY: float = 0.2
+# Seconds before standing by again after the coordinator could not place us.
+STANDBY_RETRY: float = 5.0
+
+# engines (`engines/`, the plugins)
+# A version no copy was left of is tried again after this long if nothing newer came (its
+# holders may have been re-registering with a restarted coordinator).
+LOST_RETRY: float = 15.0
+# Seconds before a front end tries again a version whose swap failed: each try pauses
+# generation, so a version the engine refuses must not be tried at every poll.
+RETRY_REFUSED: float = 5.0
+# Beyond the pull timeout, how long a rank waits for the others at a vote before it goes on
+# without them (they are named in its log).
+VOTE_MARGIN_S: float = 60.0
+
+# coordinator (`coordinator/`)
+# Seconds between walks of the table for workers that stopped heartbeating and expired leases
+# (TTLs are seconds: a tenth of a second late is within their slack).
+EXPIRY_PERIOD: float = 0.1
+# Seconds between measurements of the fleet's shape (metrics served).
+FLEET_PERIOD: float = 1.0
+# A gap this long between two reads of the queue (each waits at most 0.1 s) means the
+# coordinator itself was not listening: see `Coordinator.forgive_pause`.
+PAUSE_FORGIVEN: float = 1.0
+# The shortest wait a busy reader is told (s): a fleet on fast links must not poll in a loop.
+BUSY_RETRY_MIN: float = 0.005
+# Aborted sharded versions remembered, for ranks that ask late.
+ABORTED_KEPT: int = 256
 
 # --- the README's table -------------------------------------------------------------------
 

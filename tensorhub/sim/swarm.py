@@ -9,7 +9,7 @@ parent's progress bytes costs a round trip of the link latency and sees what the
 had landed when it arrived.
 
 Every worker heartbeats once a `heartbeat_interval` (random phase; a reader's carries its
-pull's progress) and the coordinator sweeps for expiry every `EXPIRY_PERIOD`, in the same
+pull's progress) and the coordinator sweeps for expiry every `settings.EXPIRY_PERIOD`, in the same
 queue as the plans.
 
 With `SimConfig.standby` the readers stand by before the first version exists
@@ -26,7 +26,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tensorhub.coordinator.membership import EXPIRY_PERIOD
+from tensorhub import settings
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState
 from tensorhub.core.chunks import chunks_of
@@ -344,7 +344,7 @@ class SwarmSim:
     def _expire(self) -> None:
         self.queue.send(Expiry())
         if self._running():
-            self.loop.at(self.loop.now + EXPIRY_PERIOD, self._expire)
+            self.loop.at(self.loop.now + settings.EXPIRY_PERIOD, self._expire)
 
     def _running(self) -> bool:
         return self.version < self.config.version or \
@@ -411,7 +411,7 @@ class SwarmSim:
                                                     r.start) for r in self.readers])
         for wid in [self.trainer, *self.by_id]:
             self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
-        self.loop.at(EXPIRY_PERIOD, self._expire)
+        self.loop.at(settings.EXPIRY_PERIOD, self._expire)
         if not self.config.standby:
             self._schedule_kills(0.0)
         self.loop.run(until=self.config.time_limit)

@@ -17,13 +17,14 @@ import os
 import shutil
 import tempfile
 
+from tensorhub import settings as env
 from tensorhub.engines import EngineSettings
 
 LOADER = "tensorhub_plugins.sglang.loader.apply"
 # Set by the main process, inherited by the schedulers: this server's base worker name
 # (`sglang-HOST:PORT-1a2b`, or `NAME-1a2b` with TENSORHUB_NAME) and its status directory.
-INSTANCE_ENV = "TENSORHUB_SGLANG_INSTANCE"
-STATUS_DIR_ENV = "TENSORHUB_SGLANG_STATUS_DIR"
+INSTANCE_ENV = env.SGLANG_INSTANCE.name
+STATUS_DIR_ENV = env.SGLANG_STATUS_DIR.name
 
 log = logging.getLogger("tensorhub.sglang")
 
@@ -45,7 +46,7 @@ def start_instance(settings: EngineSettings, port: int) -> tuple[str, str]:
 def remove_status_dir() -> None:
     """Remove this instance's status directory now, for exits that skip `atexit` (SGLang's
     main process SIGKILLs itself when a scheduler dies, e.g. on a process-group SIGTERM)."""
-    status_dir = os.environ.get(STATUS_DIR_ENV)
+    status_dir = env.SGLANG_STATUS_DIR.get()
     if status_dir:
         shutil.rmtree(status_dir, ignore_errors=True)
 
@@ -54,7 +55,7 @@ def instance_name(settings: EngineSettings, port: int) -> str:
     """Scheduler side: the name the main process chose. Without one (SGLang embedded as
     `sglang.Engine`, where no server main process ran `start_instance`) this process makes
     its own, unique but not shared with other ranks, and logs why."""
-    name = os.environ.get(INSTANCE_ENV)
+    name = env.SGLANG_INSTANCE.get()
     if not name:
         name = settings.instance_name("sglang", port)
         os.environ[INSTANCE_ENV] = name
@@ -78,7 +79,7 @@ def status_path(tp_rank: int) -> str | None:
     """Where a scheduler records the version it last applied (its loader cannot answer the
     HTTP request that called it, so the driver reads this to confirm a swap); None when no
     server main process made a status directory (then nobody would read it)."""
-    status_dir = os.environ.get(STATUS_DIR_ENV)
+    status_dir = env.SGLANG_STATUS_DIR.get()
     return os.path.join(status_dir, f"tp{tp_rank}.json") if status_dir else None
 
 

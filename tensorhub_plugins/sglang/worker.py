@@ -38,6 +38,7 @@ from typing import NoReturn
 import torch
 
 from tensorhub import TensorHubError
+from tensorhub import settings as env
 from tensorhub.engines import (
     CheckpointHolder,
     EngineSettings,
@@ -60,10 +61,6 @@ from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 from tensorhub_plugins.sglang.status import Memory, SchedulerStatus
 
 log = logging.getLogger("tensorhub.sglang")
-
-# Beyond the pull timeout, how long a rank waits for the others at a vote before it goes on
-# without them (they are named in its log).
-VOTE_MARGIN_S = 60.0
 
 
 class Scheduler:
@@ -256,7 +253,7 @@ class Scheduler:
             import torch.distributed as dist
             from sglang.srt.distributed.parallel_state import get_tp_group
 
-            timeout = self.settings.update_timeout + VOTE_MARGIN_S
+            timeout = self.settings.update_timeout + env.VOTE_MARGIN_S
             self._votes = RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
         return self._votes
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from tensorhub import Publisher, Replica
+from tensorhub import Publisher, Replica, settings
 from tensorhub.engines import FleetView
 
 log = logging.getLogger("tensorhub.verl")
@@ -81,7 +81,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         `is_master` is set on the trainer side, True on torch rank 0 (the one that
         publishes)."""
         self.is_master = is_master
-        self.coordinator = coordinator or os.environ.get("TENSORHUB_COORDINATOR")
+        self.coordinator = coordinator or settings.COORDINATOR.get()
         self.token = token
         self.model = model or default_model()
         self.name = name

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from tensorhub import TensorHubError
+from tensorhub import TensorHubError, settings
 from tensorhub.engines import (
     CheckpointHolder,
     RankVote,
@@ -58,11 +58,6 @@ class TensorHubUpdateInfo(WeightTransferUpdateInfo):
     fetch: bool = False
 
 
-# Beyond the pull timeout, how long a rank waits for the others at a vote before it goes on
-# without them (they are named in its log).
-VOTE_MARGIN_S = 60.0
-
-
 class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
     init_info_cls = TensorHubInitInfo  # (unused: `parse_init_info` makes a command)
     update_info_cls = TensorHubUpdateInfo
@@ -75,7 +70,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
         self._votes: RankVote | None = None
-        self._vote_timeout = 120.0 + VOTE_MARGIN_S
+        self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
         self.applied: int | None = None  # the version this rank's model holds (None: disk)
 
     def _worker_name(self, base: str) -> str:
@@ -114,7 +109,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check) -> None:
         if isinstance(init_info, Init):
-            self._vote_timeout = init_info.pull_timeout + VOTE_MARGIN_S
+            self._vote_timeout = init_info.pull_timeout + settings.VOTE_MARGIN_S
             if self.holder is not None:
                 self.holder.close()
             if self.one_copy and self._group().rank_in_group != 0:
