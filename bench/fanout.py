@@ -23,8 +23,8 @@ from bench.holder import big_tensors
 from bench.results import Report
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-from tensorhub.processes import ChildProcess
 from tensorhub.publisher import Publisher
+from tensorhub.tools.processes import ChildProcess
 
 MODES = {
     # name: (replica flags, max readers per holder (None: the fleet size, i.e. unlimited))

@@ -40,8 +40,8 @@ from bench.results import Report, median_seconds
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.transport.nixl import apply_ucx_defaults, make_agent
-from tensorhub.processes import ChildProcess
 from tensorhub.replica import Replica
+from tensorhub.tools.processes import ChildProcess
 
 
 def _holder(*args: str) -> tuple[ChildProcess, dict]:

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     port = random.Random(os.getpid()).randrange(20000, 40000, 2)
     address = f"tcp://127.0.0.1:{port}"
     coord = subprocess.Popen(
-        [sys.executable, "-m", "tensorhub.cli", "--log-level", "WARNING", "coordinator",
+        [sys.executable, "-m", "tensorhub.tools.cli", "--log-level", "WARNING", "coordinator",
          "--bind", address, "--worker-ttl", "600", "--lease-ttl", "600"],
         stdout=subprocess.DEVNULL)
     runs = []

@@ -17,8 +17,8 @@ import sys
 import time
 
 from bench.results import Report
-from tensorhub.chaos import CoordinatorProcess
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.chaos import CoordinatorProcess
+from tensorhub.tools.processes import ChildProcess
 
 TRAINER = """
 import sys, threading, torch

@@ -14,7 +14,7 @@ import pytest
 
 from integration.engine_server import EngineServer, free_port
 from integration.engine_venvs import engine_python
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.processes import ChildProcess
 
 
 def _engine_python(target: str) -> str:
@@ -46,7 +46,7 @@ def coordinator_process(tmp_path_factory):
     log = tmp_path_factory.mktemp("coordinator") / "coordinator.log"
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    proc = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+    proc = ChildProcess([sys.executable, "-m", "tensorhub.tools.cli", "coordinator", "--bind",
                          address, "--announce", f"tcp://127.0.0.1:{free_port()}",
                          "--max-readers-per-holder", "1"], name="coordinator",
                         log_path=str(log))

@@ -32,7 +32,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.processes import coordinator_process
+from tensorhub.tools.processes import coordinator_process
 
 
 def wait_all_serving(engines: list[EngineServer], version: int, since: float,
@@ -172,7 +172,7 @@ def main() -> int:
                    help="where to write the PNG (default: learning.png in the demo's folder)")
     args, rest = p.parse_known_args()
     if args.engines == "none":
-        from tensorhub.cli import main as cli
+        from tensorhub.tools.cli import main as cli
 
         return cli(["--log-level", "WARNING", "demo", *rest])
     return run(args)

@@ -56,7 +56,7 @@ from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
 from tensorhub.reader.session import Parents, PullSession, Reader
-from tensorhub.striped import StripedReader
+from tensorhub.reader.striped import StripedReader
 
 log = logging.getLogger("tensorhub.replica")
 

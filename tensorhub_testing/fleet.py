@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.processes import ChildProcess
 from tensorhub_testing.cluster import Cluster, Host
 
 COORDINATOR_PORT = 5555
@@ -57,7 +57,8 @@ class Fleet:
 
     def _start(self, host: Host, name: str, args: list[str],
                env: dict[str, str] | None = None) -> ChildProcess:
-        proc = host.popen([sys.executable, "-m", "tensorhub.cli", "--log-level", "INFO", *args],
+        proc = host.popen([sys.executable, "-m", "tensorhub.tools.cli", "--log-level", "INFO",
+                           *args],
                           env=self.host_env(host, env), name=name,
                           log_path=str(self.log_dir / f"{name}.log"))
         self.procs.append(proc)
@@ -84,7 +85,7 @@ class Fleet:
 
     def status(self) -> dict:
         """`tensorhub status --json`, asked from the coordinator's host."""
-        out = self.host.run([sys.executable, "-m", "tensorhub.cli", "status", "--json",
+        out = self.host.run([sys.executable, "-m", "tensorhub.tools.cli", "status", "--json",
                              "--coordinator", self.address], timeout=30, check=True)
         return json.loads(out.stdout)
 

@@ -1,14 +1,14 @@
 """A bounded chaos run: replicas and the coordinator SIGKILLed while versions are published.
 
 CI runs 30 versions (about a minute); `TENSORHUB_CHAOS_VERSIONS=300` (or
-`python -m tensorhub.chaos --versions 300`) runs a longer one.
+`python -m tensorhub.tools.chaos --versions 300`) runs a longer one.
 """
 
 from __future__ import annotations
 
 import os
 
-from tensorhub.chaos import ChaosConfig, run_chaos
+from tensorhub.tools.chaos import ChaosConfig, run_chaos
 
 
 def test_after_random_kills_every_replica_is_bit_exact_on_the_newest_and_none_read_torn():

@@ -7,11 +7,11 @@ import sys
 import torch
 
 from tensorhub import Publisher, Replica
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.processes import ChildProcess
 
 
 def _tensorhub(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorhub.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorhub.tools.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

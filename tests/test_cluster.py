@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.processes import ChildProcess
 from tensorhub_testing.cluster import (
     Cluster,
     ClusterError,
@@ -323,11 +323,12 @@ def test_cli_help_describes_up_and_down():
 
 def test_the_product_imports_no_test_harness():
     """`tensorhub_testing` is not shipped: the package and its CLI must run without it."""
-    probe = ("import sys, tensorhub, tensorhub.cli, tensorhub.demo, tensorhub.chaos; "
+    probe = ("import sys, tensorhub, tensorhub.tools.cli, tensorhub.tools.demo, "
+             "tensorhub.tools.chaos; "
              "print(sorted(m for m in sys.modules if m.startswith('tensorhub_testing')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
-    commands = subprocess.run([sys.executable, "-m", "tensorhub.cli", "--help"],
+    commands = subprocess.run([sys.executable, "-m", "tensorhub.tools.cli", "--help"],
                               capture_output=True, text=True, check=True).stdout
     assert "cluster" not in commands

@@ -12,13 +12,13 @@ import torch
 import zmq
 
 from tensorhub import CoordinatorError, Publisher, Replica, settings
-from tensorhub.cli import main
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core import curve
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
 from tensorhub.core.wire import decode_announcement
+from tensorhub.tools.cli import main
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 

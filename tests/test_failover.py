@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
-from tensorhub.demo import synthetic_state_dict
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.processes import ChildProcess
 
 
 def test_kill_9_of_a_parent_mid_pull_completes_bit_exact_from_another_holder(

@@ -22,7 +22,7 @@ from tensorhub.core.data_types import (
     TransferRecord,
     VersionStatus,
 )
-from tensorhub.live_view import render, watch
+from tensorhub.tools.live_view import render, watch
 from tensorhub_testing.waits import wait_for
 
 MiB = 1 << 20

@@ -12,7 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorhub import Publisher, Replica
-from tensorhub.processes import ChildProcess, free_port
+from tensorhub.tools.processes import ChildProcess, free_port
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -26,7 +26,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 @pytest.fixture
 def coordinator_with_metrics():
     port, metrics = free_port(), free_port()
-    proc = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+    proc = ChildProcess([sys.executable, "-m", "tensorhub.tools.cli", "coordinator", "--bind",
                          f"tcp://127.0.0.1:{port}", "--announce",
                          f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(metrics),
                          "--metrics-addr", "127.0.0.1"], name="coordinator")

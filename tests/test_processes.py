@@ -6,8 +6,8 @@ import torch
 
 from tensorhub import Publisher
 from tensorhub.core.checksum import checksum
-from tensorhub.demo import synthetic_state_dict
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.processes import ChildProcess
 
 
 def _replica(address: str, name: str, transport: str, versions: int) -> ChildProcess:

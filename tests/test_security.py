@@ -12,12 +12,12 @@ import msgpack
 import pytest
 import zmq
 
-from tensorhub.cli import DEFAULT_COORDINATOR, build_parser
 from tensorhub.coordinator.server import CoordinatorConfig
 from tensorhub.core.client import SNDHWM, CoordinatorClient
 from tensorhub.core.data_types import Envelope, StatusRequest
 from tensorhub.core.errors import CoordinatorUnavailable
 from tensorhub.core.wire import MAX_MESSAGE_BYTES, encode
+from tensorhub.tools.cli import DEFAULT_COORDINATOR, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tensorhub import PartedReplica, Publisher, TensorHubError
-from tensorhub.chaos import CoordinatorProcess
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     GetManifest,
@@ -23,7 +22,8 @@ from tensorhub.core.data_types import (
     StatusRequest,
 )
 from tensorhub.core.errors import CoordinatorError
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.chaos import CoordinatorProcess
+from tensorhub.tools.processes import ChildProcess
 from tensorhub_testing.waits import wait_for
 
 

@@ -12,8 +12,8 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
-from tensorhub.demo import synthetic_state_dict
 from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.tools.demo import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 from tests.test_warm_pulls import (
     _buffers,

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING
 
-from tensorhub.processes import ChildProcess
+from tensorhub.tools.processes import ChildProcess
 from tensorhub_testing.cluster.links import (
     ClusterError,
     HostSpec,
@@ -194,7 +194,7 @@ class Host:
 
     def tensorhub(self, *args: str, **kw) -> ChildProcess:
         """`tensorhub` CLI on this host (like `ChildProcess.tensorhub`)."""
-        return self.popen([sys.executable, "-m", "tensorhub.cli", *args], **kw)
+        return self.popen([sys.executable, "-m", "tensorhub.tools.cli", *args], **kw)
 
     def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
             cwd: str | None = None, input: str | None = None, timeout: float = 60.0,

@@ -79,7 +79,7 @@ def _status(args: argparse.Namespace) -> int:
     from tensorhub.core.data_types import StatusRequest
 
     if args.watch:
-        from tensorhub.live_view import watch
+        from tensorhub.tools.live_view import watch
 
         watch(args.coordinator, interval=args.interval, timeout=args.timeout)
         return 0
@@ -207,8 +207,8 @@ def _publish(args: argparse.Namespace) -> int:
     previous one, then keep serving (`--linger`). For seeding a fleet from a checkpoint, and
     for tests and benchmarks that need a trainer on a host of its own."""
     from tensorhub.core.checksum import checksum
-    from tensorhub.demo import synthetic_state_dict
     from tensorhub.publisher import Publisher
+    from tensorhub.tools.demo import synthetic_state_dict
 
     if (args.path is None) == (args.synthetic_mb is None):
         raise SystemExit("tensorhub publish: give a checkpoint PATH or --synthetic-mb, not both")
@@ -269,7 +269,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from tensorhub.demo import run_demo
+    from tensorhub.tools.demo import run_demo
 
     return run_demo(args)
 

@@ -69,7 +69,7 @@ class ChildProcess:
 
     @classmethod
     def tensorhub(cls, *args: str, **kw) -> ChildProcess:
-        return cls([sys.executable, "-m", "tensorhub.cli", *args], **kw)
+        return cls([sys.executable, "-m", "tensorhub.tools.cli", *args], **kw)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -124,7 +124,7 @@ def coordinator_process(*args: str, log_path: str | None = None) -> tuple[ChildP
     """A `tensorhub coordinator` child on free loopback ports, with extra `args`; returns it
     and its request address. Its first line says it serves (`next_line`)."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = ChildProcess([sys.executable, "-m", "tensorhub.cli", "coordinator", "--bind",
+    proc = ChildProcess([sys.executable, "-m", "tensorhub.tools.cli", "coordinator", "--bind",
                          address, "--announce", f"tcp://127.0.0.1:{free_port()}", *args],
                         name="coordinator", log_path=log_path)
     return proc, address

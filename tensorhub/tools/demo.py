@@ -14,8 +14,8 @@ import torch
 from tensorhub import settings
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.processes import ChildProcess
 from tensorhub.publisher import Publisher
+from tensorhub.tools.processes import ChildProcess
 
 
 def synthetic_state_dict(total_mb: float, n_tiny: int = 500, seed: int = 0,

@@ -25,7 +25,7 @@ from tensorhub.core.stripes import Poll, Read
 from tensorhub.core.transport import Peer, ReadOp
 from tensorhub.reader.session import Ask, PullSession
 
-log = logging.getLogger("tensorhub.striped")
+log = logging.getLogger("tensorhub.reader.striped")
 
 
 class StripedReader:

@@ -6,7 +6,7 @@ follow versions and print per-tensor checksums of every version they accept, and
 in-process `Publisher`. Every accepted version is compared with what the trainer published:
 a mismatch is a torn read. At the end every live replica must hold the newest version.
 
-    python -m tensorhub.chaos --versions 300 --replicas 4 --seed 1   # a longer run
+    python -m tensorhub.tools.chaos --versions 300 --replicas 4 --seed 1   # a longer run
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch
 
 from tensorhub.core.checksum import checksum
 from tensorhub.core.errors import CoordinatorUnavailable
-from tensorhub.demo import synthetic_state_dict
-from tensorhub.processes import ChildProcess, free_port
 from tensorhub.publisher import Publisher
+from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.processes import ChildProcess, free_port
 
-log = logging.getLogger("tensorhub.chaos")
+log = logging.getLogger("tensorhub.tools.chaos")
 
 
 class CoordinatorProcess:
@@ -188,7 +188,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tensorhub.tools.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = ChaosConfig()
     for name, value in asdict(defaults).items():
