@@ -310,11 +310,12 @@ class Replica:
             # Hold before ending the lease: a reader planned in between then finds us as a
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.offer(pull.hold(self.layout.memory(), self.layout.manifest,
-                                         self.part), self.layout)
+                                         self.part, self.session.transport.endpoint()),
+                               self.layout)
             self.version = plan.version
             self._checksums, self._late_seen = plan.checksums, late_before
             if relay:
-                self._parents = pull.parents()
+                self._parents = pull.parents(self.session.worker_id)
                 if self._parents is not None and self._watcher is None:
                     self._watcher = VersionWatcher(self.session, self.model)
         finally:

@@ -61,8 +61,6 @@ def test_values_are_read_when_used(monkeypatch):
     (settings.STALL_TIMEOUT, "soon"),
     (settings.STALL_TIMEOUT, "0"),
     (settings.COPY_THREADS, "many"),
-    (settings.COPY_THREADS, "0"),
-    (settings.SHARED_MEMORY, "maybe"),
     (settings.TRANSPORT, "carrier-pigeon"),
     (settings.MAX_VERSION_GB, "-1"),
 ])
@@ -70,6 +68,29 @@ def test_a_value_that_does_not_parse_is_refused_by_name(monkeypatch, setting, te
     monkeypatch.setenv(setting.name, text)
     with pytest.raises(settings.SettingError, match=setting.name):
         setting.get()
+
+
+def test_a_switch_is_turned_off_by_0_only_and_on_by_1_only(monkeypatch):
+    for text, on in (("0", False), ("1", True), ("false", True), ("yes", True)):
+        monkeypatch.setenv(settings.SHARED_MEMORY.name, text)
+        assert settings.SHARED_MEMORY.get() is on
+    for text, on in (("1", True), ("0", False), ("true", False), ("on", False)):
+        monkeypatch.setenv(settings.CUDA_IPC.name, text)
+        assert settings.CUDA_IPC.get() is on
+
+
+def test_copy_threads_falls_back_to_the_older_name(monkeypatch):
+    from tensorhub.core.transport.parallel_copy import CopyPool
+
+    seen = []
+    monkeypatch.setattr("tensorhub.core.transport.parallel_copy.split_calls",
+                        lambda segments, call_bytes: seen.append(call_bytes) or [])
+    monkeypatch.delenv(settings.COPY_THREADS.name, raising=False)
+    monkeypatch.setenv(settings.CMA_THREADS.name, "4")
+    CopyPool("t").run([(0, 0, 64 << 20)], lambda call: None)
+    monkeypatch.setenv(settings.COPY_THREADS.name, "1")
+    CopyPool("t").run([(0, 0, 64 << 20)], lambda call: None)
+    assert seen == [16 << 20, 64 << 20]  # 64 MiB cut for 4 threads, then for 1
 
 
 def test_no_module_reads_a_variable_at_import():
@@ -96,3 +117,11 @@ def test_writing_the_table_replaces_only_what_is_between_the_markers():
     written = settings.with_table(text)
     assert written.startswith("before\n") and written.endswith("\nafter\n")
     assert settings.table_in(written) == settings.markdown_table()
+
+
+def test_an_engine_setting_its_config_gives_is_not_read_from_the_environment(monkeypatch):
+    from tensorhub.engines.settings import load_settings
+
+    monkeypatch.setenv(settings.POLL_INTERVAL.name, "soon")
+    got = load_settings({"coordinator": "tcp://127.0.0.1:1", "poll_interval": 1.5})
+    assert got is not None and got.poll_interval == 1.5

@@ -119,6 +119,7 @@ class CoordinatorState:
         # model -> its newest announcement and its bytes (made once, asked for by every
         # idle watcher's fallback)
         self.announcements: dict[str, tuple[Announcement, bytes]] = {}
+        self.outbox.clear()  # announcements of the forgotten table are not sent
         self.pending = Pending()  # sharded versions waiting for parts (`parts.py`)
         # readers placed ahead of a model's first version (`standby.py`)
         self.standby = StandingForests(self.config.stripes,

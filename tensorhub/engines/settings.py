@@ -62,7 +62,7 @@ def load_settings(config: dict | None) -> EngineSettings | None:
     merged: dict = {}
     for field in EngineSettings.model_fields:
         variable = settings.declared(ENV_PREFIX + field.upper())
-        if variable.is_set():
+        if variable.is_set() and field not in (config or {}):  # the engine's config wins
             merged[field] = variable.get()
     merged.update(config or {})
     if "coordinator" not in merged:

@@ -219,12 +219,14 @@ class PullSession:
                         by_source=self.by_source if s else {})
 
     def hold(self, memory: list[MemoryDesc], manifest: Manifest | None,
-             part: Part | None = None) -> Hold:
-        """We hold the pulled version completely (verified) and serve reads of it."""
+             part: Part | None = None, endpoint: Endpoint | None = None) -> Hold:
+        """We hold the pulled version completely (verified) and serve reads of it.
+        `endpoint`: the reader's now, when buffers were registered since the pull began
+        (a transport's endpoint describes the memory registered when it was taken)."""
         part = part or Part()
         return Hold(worker_id=self.worker_id, model=self.reader.model,
                     version=self.plan.version, layout_id=self.plan.layout_id, memory=memory,
-                    endpoint=self.reader.endpoint, manifest=manifest,
+                    endpoint=endpoint or self.reader.endpoint, manifest=manifest,
                     checksums=self.plan.checksums, part=part.part, parts=part.parts)
 
     def progress(self, now: float) -> PullProgress:
@@ -271,6 +273,10 @@ class PullSession:
         if self.ended:
             return None if plan.lease_id in self._ended else \
                 self._read_done(plan.lease_id, False, self._error)
+        if self.done and not ask.confirmation:
+            # every chunk landed while this re-ask was out: nothing will be read under
+            # its lease, and the pull's plan and parents stay those it was read by
+            return self._read_done(plan.lease_id, True)
         plan = self._completed(plan)
         self._refused.clear()
         self._lease(plan.lease_id)
@@ -388,14 +394,15 @@ class PullSession:
         """A poll of a parent's progress bytes ended (None: it failed)."""
         self.stripes.polled(poll, progress, now)
 
-    def parents(self) -> Parents | None:
-        """The parents this pull ended with, for the next version (`Parents.warm_plan`)."""
+    def parents(self, worker_id: str | None = None) -> Parents | None:
+        """The parents this pull ended with, for the next version (`Parents.warm_plan`);
+        `worker_id`: ours now, if we registered again since the pull began."""
         stripes = self.plan.stripes
         if not stripes or None in stripes or self.reader.layout_id is None:
             return None
         return Parents(self.reader.layout_id, tuple(stripes),
                        {sid: self.sources[sid] for sid in set(stripes)},
-                       self.plan.chunk_bytes or 0, self.worker_id)
+                       self.plan.chunk_bytes or 0, worker_id or self.worker_id)
 
     # ------------------------------------------------------------------ a whole-item pull
     def source_failed(self, error: str, source: str | None) -> ReadDone:

@@ -52,6 +52,8 @@ class Setting(Generic[T]):
         text = os.environ.get(self.name, "")
         if not text:
             return self.default
+        if self.kind is bool:  # a switch: only `0` turns off one that is on, only `1` on
+            return text != "0" if self.default else text == "1"
         try:
             return _adapter(self.kind).validate_python(text)
         except ValidationError as exc:
@@ -155,8 +157,10 @@ UCX_DEFAULTS = _setting("TENSORHUB_UCX_DEFAULTS", bool, True,
 SHARED_MEMORY = _setting(
     "TENSORHUB_SHARED_MEMORY", bool, True,
     "`0`: TensorHub's own buffers are ordinary memory, not a shared memfd")
-COPY_THREADS = _setting("TENSORHUB_COPY_THREADS", Annotated[int, Field(ge=1)], 2,
-                        "threads for same-host copies (shared memory, cma)")
+COPY_THREADS = _setting("TENSORHUB_COPY_THREADS", int, 2,
+                        "threads for same-host copies (shared memory, cma); at least 1")
+CMA_THREADS = _setting("TENSORHUB_CMA_THREADS", int | None, None,
+                       "the older name of `TENSORHUB_COPY_THREADS`, read when that is unset")
 STALL_TIMEOUT = _setting(
     "TENSORHUB_STALL_TIMEOUT", Seconds, 30.0,
     "a read batch with no progress this long gives its source up (a stopped holder)",
