@@ -106,13 +106,12 @@ def _answer(state: CoordinatorState, payload: bytes, finish: Callable[[Any], Any
     if impostor is not None:
         return finish(impostor)
     try:
+        started = time.perf_counter()
+        reply = finish(HANDLERS[type(request)](state, request))
         if type(request) in PLANS:
-            started = time.perf_counter()
-            reply = finish(HANDLERS[type(request)](state, request))
             state.metrics.plan_latency.observe(time.perf_counter() - started)
             state.metrics.plans.labels(request.model).inc()
-            return reply
-        return finish(HANDLERS[type(request)](state, request))
+        return reply
     except Reject as rej:
         return finish(rej.reply)
     except Exception as exc:  # a bug must not take the coordinator down

@@ -10,6 +10,7 @@ from tensorhub.coordinator.parts import PendingPart
 from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log
 from tensorhub.coordinator.table import HolderRec, ModelRec, VersionRec, store_memory
 from tensorhub.core.data_types import (
+    LAYOUT_LABEL,
     Ack,
     Announcement,
     GetManifest,
@@ -193,7 +194,7 @@ def _in_layout(state: CoordinatorState, mrec, layout_id: str | None) -> dict[str
     if layout_id is None:
         return {}
     held: dict[str, list[int]] = {w.name: [] for w in state.table.workers.values()
-                                  if w.labels.get("layout") == layout_id}
+                                  if w.labels.get(LAYOUT_LABEL) == layout_id}
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         layout = vrec.layouts.get(layout_id)
         for h in layout.holders.values() if layout else []:

@@ -638,6 +638,11 @@ class StatusReply(Strict):
     suspect_readers: list[str] = Field(default_factory=list)
 
 
+# The label a worker registers with to say which layout it serves before it holds a version
+# in it (`HoldingsReply.in_layout`).
+LAYOUT_LABEL = "layout"
+
+
 class HoldingsReply(Strict):
     type: Literal["holdings_reply"] = "holdings_reply"
     latest: int  # 0: the model has no version yet
@@ -647,7 +652,7 @@ class HoldingsReply(Strict):
     pulls: dict[str, TransferRecord] = Field(default_factory=dict)
     # With `layout_id`: name -> versions it holds completely in that layout, for every
     # worker that does, and [] for a worker registered with that layout as its label
-    # `layout` that holds none at the moment (an engine's live parameters, being written).
+    # `LAYOUT_LABEL` that holds none at the moment (an engine's live parameters, being written).
     in_layout: dict[str, list[int]] = Field(default_factory=dict)
 
 

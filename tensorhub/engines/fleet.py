@@ -18,11 +18,14 @@ from typing import Protocol
 import torch
 
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import GetManifest, HoldingsRequest, Manifest, TransferRecord
+from tensorhub.core.data_types import (
+    LAYOUT_LABEL,
+    GetManifest,
+    HoldingsRequest,
+    Manifest,
+    TransferRecord,
+)
 from tensorhub.core.layout import layout_id, manifest_of
-
-# The label a worker registers with to say which layout it serves (`HoldingsReply.in_layout`).
-LAYOUT_LABEL = "layout"
 
 
 class Caller(Protocol):

@@ -161,6 +161,12 @@ COPY_THREADS = _setting("TENSORHUB_COPY_THREADS", int, 2,
                         "threads for same-host copies (shared memory, cma); at least 1")
 CMA_THREADS = _setting("TENSORHUB_CMA_THREADS", int | None, None,
                        "the older name of `TENSORHUB_COPY_THREADS`, read when that is unset")
+
+
+def copy_threads() -> int:
+    """Threads for same-host copies: `TENSORHUB_COPY_THREADS`, else its older name."""
+    chosen = COPY_THREADS.get() if COPY_THREADS.is_set() else CMA_THREADS.get()
+    return max(1, chosen or COPY_THREADS.default)
 STALL_TIMEOUT = _setting(
     "TENSORHUB_STALL_TIMEOUT", Seconds, 30.0,
     "a read batch with no progress this long gives its source up (a stopped holder)",

@@ -50,8 +50,7 @@ class CopyPool:
     def run(self, segments: list[Segment], copy: Callable[[list[Segment]], None]) -> None:
         """`copy(call)` for every call of `segments`; raises the first call's error."""
         total = sum(n for *_, n in segments)
-        threads = max(1, settings.COPY_THREADS.get() if settings.COPY_THREADS.is_set()
-                      else settings.CMA_THREADS.get() or settings.COPY_THREADS.default)
+        threads = settings.copy_threads()
         call_bytes = min(settings.COPY_CALL_BYTES,
                          max(settings.COPY_MIN_CALL_BYTES, -(-total // threads)))
         calls = split_calls(segments, call_bytes)
