@@ -98,6 +98,20 @@ def test_a_version_the_engine_cannot_load_is_never_tried_again(clock):
     assert engine.swaps == [2] and engine.serving == 1
 
 
+def test_a_later_failure_does_not_lift_the_refusal_of_a_version_it_cannot_load(clock):
+    engine = Engine(asynchronous=False)
+    loop = FollowLoop(engine, poll_interval=0.1)
+    engine.serving, engine.latest, engine.failing = 1, 2, {2, 3}
+    asyncio.run(loop.step())
+    loop.never_again(2)
+    engine.latest = 3
+    asyncio.run(loop.step())  # v3 fails too
+    engine.latest = 2  # (v3 withdrawn: v2 is the newest again)
+    clock[0] += 100 * settings.RETRY_REFUSED
+    asyncio.run(loop.step())
+    assert engine.swaps == [2, 3] and engine.serving == 1
+
+
 def test_torn_weights_are_repaired_first_and_then_only_every_so_often(clock):
     engine = Engine(asynchronous=False)
     loop = FollowLoop(engine, poll_interval=0.1)

@@ -74,9 +74,12 @@ class FollowLoop:
                 try:
                     await _done(engine.swap_to(update))
                 except Exception:
-                    version = update[0]
-                    self._retry_at = {version: max(self._retry_at.get(version, 0.0),
-                                                   time.monotonic() + settings.RETRY_REFUSED)}
+                    # only the newest failure waits (older ones are not asked for again),
+                    # but a version the engine cannot load stays refused
+                    version, until = update[0], time.monotonic() + settings.RETRY_REFUSED
+                    self._retry_at = {v: t for v, t in self._retry_at.items()
+                                      if t == float("inf")}
+                    self._retry_at[version] = max(self._retry_at.get(version, 0.0), until)
                     raise
             engine.last_error = None
         except asyncio.CancelledError:
