@@ -19,7 +19,13 @@ import torch
 
 from integration.faults import load_fault_env
 from integration.sglang_server import SGLangServer
-from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers, wait_serving
+from integration.test_vllm import (
+    PLUGIN_ARGS,
+    plugin_env,
+    sparse_step,
+    transfers,
+    wait_serving,
+)
 from integration.tiny_model import Versions, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
@@ -260,3 +266,23 @@ def test_a_load_that_fails_half_way_is_undone_before_sglang_answers_again(fleet,
     after = fleet.pub.publish(fleet.versions.state(2))
     wait_sglang(fleet.sgl, after)
     assert fleet.sgl.greedy(fleet.prompts, TOKENS) == fleet.expected[1]
+
+
+def test_a_sparse_step_reaches_sglang_and_vllm_as_a_patch_and_they_match_hf(fleet):
+    from integration.tiny_model import hf_greedy
+    from tensorhub.core.patch import patch_model
+
+    base = fleet.pub.publish(fleet.versions.state(1))  # a whole version: a dense change
+    wait_sglang(fleet.sgl, base)
+    wait_serving(fleet.vllm, base)
+    step = sparse_step(fleet.versions.state(1), seed=1)
+    expected = hf_greedy(fleet.versions.dir, fleet.prompts, TOKENS, state_dict=step)
+    version = fleet.pub.publish(step)
+    assert fleet.pub.last_patch.version == version
+    wait_sglang(fleet.sgl, version)
+    wait_serving(fleet.vllm, version)
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == expected
+    assert fleet.vllm.greedy(fleet.prompts, TOKENS) == expected
+    patched = transfers(fleet.address, version, model=patch_model(MODEL))
+    assert {t.reader.split("-")[0] for t in patched} == {"sglang", "vllm"}, patched
+    assert not transfers(fleet.address, version)  # neither pulled the version whole

@@ -45,9 +45,24 @@ def coordinator_status(address: str):
         client.close()
 
 
-def transfers(address: str, version: int) -> list:
+def transfers(address: str, version: int, model: str = MODEL) -> list:
     return [t for t in coordinator_status(address).transfers
-            if t.version == version and t.ok and t.nbytes > 0]
+            if t.model == model and t.version == version and t.ok and t.nbytes > 0]
+
+
+def sparse_step(state: dict[str, torch.Tensor], density: float = 0.01,
+                seed: int = 0) -> dict[str, torch.Tensor]:
+    """The next version as an RL step leaves it: `density` of each tensor's elements move
+    (by enough to change greedy tokens on a tiny model), the rest keep their exact bits."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        flat = t.view(-1)
+        moved = torch.rand(flat.shape, generator=g) < density
+        flat[moved] += torch.randn(int(moved.sum()), generator=g) * 3 * float(t.std())
+        out[name] = t
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +379,21 @@ def test_a_load_that_fails_half_way_is_undone_before_the_engines_answer_again(fl
         wait_serving(e, after)
         assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[5]
         assert e.log_path.read_text().count(f"swap to v{bad} failed") == 1  # never again
+
+
+def test_a_sparse_step_reaches_the_engines_as_a_patch_and_they_match_hf(fleet):
+    from integration.tiny_model import hf_greedy
+    from tensorhub.core.patch import patch_model
+
+    base = fleet.pub.publish(fleet.versions.state(7))  # a whole version: a dense change
+    step = sparse_step(fleet.versions.state(7))
+    expected = hf_greedy(fleet.versions.dir, fleet.prompts, TOKENS, state_dict=step)
+    version = fleet.pub.publish(step)
+    assert version == base + 1 and fleet.pub.last_patch.version == version
+    assert fleet.pub.last_patch.nbytes < 0.05 * sum(t.numel() * 4 for t in step.values())
+    for e in fleet.engines:
+        wait_serving(e, version)
+        assert e.greedy(fleet.prompts, TOKENS) == expected, f"{e.url} differs from HF"
+    patched = transfers(fleet.address, version, model=patch_model(MODEL))
+    assert {t.reader.split("-")[0] for t in patched} == {"vllm"} and len(patched) == 2, patched
+    assert not transfers(fleet.address, version)  # no engine pulled the version whole

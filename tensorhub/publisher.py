@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
+from tensorhub import settings
 from tensorhub.core.data_types import (
     Declare,
     GetManifest,
@@ -30,13 +32,27 @@ from tensorhub.core.data_types import (
     RetentionRequest,
 )
 from tensorhub.core.errors import CoordinatorError, TensorHubError
+from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.memory import as_bytes
+from tensorhub.core.patch import PatchWriter
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 
 log = logging.getLogger("tensorhub.publisher")
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PatchStats:
+    """The last patch a publisher offered: its base and version, the share of words that
+    changed and its size in bytes."""
+
+    base: int
+    version: int
+    density: float
+    nbytes: int
 
 
 def named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
@@ -63,13 +79,17 @@ class Publisher:
         labels: dict[str, str] | None = None,
         part: int = 0,
         parts: int = 1,
+        patches: bool = True,
     ):
         """`part` of `parts`: this trainer rank publishes one part of each version, and the
         version appears to readers once all `parts` ranks have published theirs (FSDP or
         Megatron ranks, each with the tensors it owns, or row slices; `publish(rows=...)`).
         `release_timeout`: how long `publish` waits for reads of the previous version to end
         before it overwrites it (default: as long as the coordinator lets a read live, so a
-        slow reader delays a training step but never fails it)."""
+        slow reader delays a training step but never fails it).
+        `patches`: with each version (after the first, copied, unsharded), also publish the
+        patch from the previous one (`core/patch.py`), which readers holding that one pull
+        instead of the whole version (`TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
@@ -83,6 +103,9 @@ class Publisher:
                                      timeout, register_wait=coordinator_wait)
         self.session.published = lambda: {self.model: self._newest} if self._newest else {}
         self._layout: BoundLayout | None = None
+        self._patches = patches and settings.PATCHES.get()
+        self._held_patches = HeldPatches(self.session, model)
+        self.last_patch: PatchStats | None = None
         self.version: int | None = None
         self.layout_id: str | None = None
 
@@ -147,21 +170,30 @@ class Publisher:
             self._let_replicas_keep_current()
         self._drop_current()  # buffers are about to change: end reads of the old version first
         tensors = [t for _, t in named]
+        patch: PatchWriter | None = None
         if self.zero_copy:
             layout = BoundLayout(manifest, tensors)
         elif self._layout is not None and self._layout.manifest == manifest:
             layout = self._layout
-            layout.copy_large_from(tensors)
+            patch = self._copy_making_patch(layout, tensors, version)
         else:
             if self._layout is not None:
                 self.session.transport.deregister(self._layout.item_bytes)
             layout = BoundLayout.allocate(manifest, tensors[0].device if tensors else "cpu",
                                           bounded=False)
             layout.copy_large_from(tensors)
+        old_compact = layout.compact.clone() \
+            if patch is not None and layout.compact is not None else None
         layout.pack(tensors)
+        if patch is not None and old_compact is not None:
+            patch.item(0, old_compact, layout.compact)
         if self._layout is not None and self._layout is not layout and self.zero_copy:
             self.session.transport.deregister(self._layout.item_bytes)
         self.session.transport.register(layout.item_bytes)
+        if patch is not None:
+            # Before the version: its Publish then carries our endpoint with the patch's
+            # buffer registered, and readers find the patch as soon as they hear of it.
+            self._publish_patch(patch, layout.nbytes)
         checksums = layout.checksums()
         publish = Publish(
             worker_id=self.session.worker_id, model=self.model, version=version,
@@ -184,6 +216,39 @@ class Publisher:
         log.info("published %s v%d (%.1f MiB, layout %s)", self.model, version,
                  layout.nbytes / 2**20, layout.layout_id)
         return version
+
+    def _copy_making_patch(self, layout: BoundLayout, tensors: list[torch.Tensor],
+                           version: int) -> PatchWriter | None:
+        """Copy the large tensors into our buffers (which hold our newest version), and
+        make the patch from that version to this one on the way (the compact region's
+        part is added once it is packed). None when patches are off or cannot be made
+        (a sharded trainer; a first version)."""
+        if not self._patches or self._newest == 0 or self.part.parts > 1:
+            layout.copy_large_from(tensors)
+            return None
+        patch = PatchWriter(self._newest, version, layout.layout_id,
+                            budget=int(settings.PATCH_MAX_RATIO * layout.nbytes))
+        for k, item in enumerate(layout.items):
+            if item.kind == "tensor":
+                new = tensors[item.tensors[0]].contiguous()
+                patch.item(k, layout.item_bytes[k], as_bytes(new))
+                layout.tensors[item.tensors[0]].copy_(new)
+        return patch
+
+    def _publish_patch(self, patch: PatchWriter, nbytes: int) -> None:
+        """Offer the patch to readers that hold its base, unless it is not much smaller
+        than the version (then they pull the version whole)."""
+        if patch.abandoned or patch.nbytes() > settings.PATCH_MAX_RATIO * nbytes:
+            log.info("%s v%d: its patch would not be much smaller than the version (over "
+                     "%.0f%% of its bytes): readers pull it whole", self.model, patch.version,
+                     100 * settings.PATCH_MAX_RATIO)
+            return
+        data = patch.finish()
+        if self._held_patches.publish(patch.version, patch.base, data):
+            self.last_patch = PatchStats(patch.base, patch.version, patch.density, len(data))
+            log.info("%s v%d: patch from v%d, %.3f%% of the words changed, %.2f MiB "
+                     "(%.4f of the version)", self.model, patch.version, patch.base,
+                     100 * patch.density, len(data) / 2**20, len(data) / nbytes)
 
     def _let_replicas_keep_current(self) -> None:
         """A sharded version is not superseded until every rank's next part is in, so

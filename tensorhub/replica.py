@@ -34,6 +34,8 @@ from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.data_types import (
     Announcement,
     GetManifest,
+    Hold,
+    LatestRequest,
     Manifest,
     Part,
     Placement,
@@ -51,10 +53,12 @@ from tensorhub.core.errors import (
 )
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import describe
+from tensorhub.core.patch import PatchError, apply_patch
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
+from tensorhub.reader.patches import PatchPuller
 from tensorhub.reader.session import Parents, PullSession, Reader
 from tensorhub.reader.striped import StripedReader
 
@@ -80,13 +84,17 @@ class Replica:
         whole_items: bool = False,
         part: int = 0,
         coordinator_wait: float = 0.0,
+        patches: bool = True,
     ):
         """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
         joining with no weights of its own). `whole_items`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
         pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
-        how long to keep trying to register with a coordinator that does not answer."""
+        how long to keep trying to register with a coordinator that does not answer.
+        `patches`: a replica holding a version takes a newer one as the trainer's patches
+        when a short chain of them moves fewer bytes (`reader/patches.py`;
+        `TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
         self.staging = staging
@@ -113,6 +121,9 @@ class Replica:
         self._watcher: VersionWatcher | None = None
         self._parents: Parents | None = None
         self._standby_at = 0.0  # when `wait_for_newer` may stand by (again)
+        self._patches = PatchPuller(self.session, model, self._plan, self._end) \
+            if patches and settings.PATCHES.get() else None
+        self.last_pull_patches: list[int] = []  # the versions the last pull took as patches
 
     def _bind(self, layout: BoundLayout) -> None:
         """Register our buffers (and the staging copy) before anyone reads into or from them."""
@@ -222,6 +233,12 @@ class Replica:
         for what a failure leaves behind."""
         deadline = time.monotonic() + timeout
         late_before = self._late_reads()  # a late read landing from here on: verify again
+        self.last_pull_patches = []
+        if self._patches is not None and self.version is not None and self.part == Part() \
+                and not self.whole_items:
+            patched = self._pull_by_patches(version, deadline, late_before)
+            if patched is not None:
+                return patched
         warm = self._warm_plan(version)
         self.last_pull_planned = warm is None
         if self.layout is None and (not self.whole_items or self.part.part):
@@ -328,6 +345,95 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _patch_target(self, version: int | str) -> Announcement | None:
+        """The announcement of the version a pull of `version` wants, if patches could make
+        it from ours: newer, whole, in our layout, its checksums known."""
+        a = self.announcement(version)
+        if a is None:
+            try:
+                a = self.session.call(LatestRequest(model=self.model))
+            except TensorHubError:
+                return None
+            if version != "latest" and a.version != version:
+                return None
+        usable = a.checksums is not None and a.parts == 1 \
+            and a.layout_id == self.layout.layout_id and a.version > self.version
+        return a if usable else None
+
+    def _pull_by_patches(self, version: int | str, deadline: float,
+                         late_before: int) -> int | None:
+        """Take `version` as the chain of patches from ours, applied to our buffers (the
+        staging copy with `staging`) and verified against the version's checksums; None
+        when there is no such chain worth taking, or it failed (then the version is pulled
+        whole: in place, our buffers are no version any more, and the whole pull rewrites
+        every byte)."""
+        target = self._patch_target(version)
+        try:
+            chain = self._patches.chain(self.version, target.version, self.layout.nbytes,
+                                        self._watcher) if target is not None else None
+        except TensorHubError as exc:
+            log.info("%s: no patches to %s v%d (%s)", self.session.name, self.model,
+                     target.version, exc)
+            return None
+        if chain is None:
+            return None
+        started = time.monotonic()
+        try:
+            patches = [self._patches.pull(link, deadline) for link in chain]
+        except (TensorHubError, ValueError) as exc:
+            log.warning("%s: pulling the patches to %s v%d failed (%s); pulling it whole",
+                        self.session.name, self.model, target.version, exc)
+            return None
+        previous = self.version
+        dest = self._staged if self.staging else self.layout.item_bytes
+        if self.staging:
+            for staged, live in zip(dest, self.layout.item_bytes, strict=True):
+                staged.copy_(live)
+        else:
+            self.version = None  # from here on our buffers are not a complete version
+            self.session.withdraw(self.model, previous, deadline - time.monotonic())
+        try:
+            touched: set[int] = set()
+            for link, layout in zip(chain, patches, strict=True):
+                touched.update(apply_patch(memoryview(layout.tensors[0].numpy()), dest,
+                                           base=link.base, layout_id=self.layout.layout_id))
+            expected = ReadPlan.model_construct(model=self.model, version=target.version,
+                                                checksums=target.checksums)
+            for k, buf in enumerate(dest):
+                if k in touched:
+                    check_item(expected, k, buf)
+                elif self._checksums[k] != target.checksums[k]:
+                    raise PatchError(f"item {k} differs in v{target.version}, and no patch "
+                                     f"of the chain changes it")
+        except (PatchError, IntegrityError) as exc:
+            log.warning("%s: the patches to %s v%d do not give its bytes (%s); pulling it "
+                        "whole", self.session.name, self.model, target.version, exc)
+            return None
+        if self.staging:
+            self.version = None
+            self.session.withdraw(self.model, previous, max(1.0, deadline - time.monotonic()))
+            for live, staged in zip(self.layout.item_bytes, dest, strict=True):
+                live.copy_(staged)
+        self.layout.scatter()
+        self.session.offer(Hold(
+            worker_id=self.session.worker_id, model=self.model, version=target.version,
+            layout_id=self.layout.layout_id, memory=self.layout.memory(),
+            endpoint=self.session.transport.endpoint(), manifest=self.layout.manifest,
+            checksums=target.checksums), self.layout)
+        self.version = target.version
+        self._checksums, self._late_seen = list(target.checksums), late_before
+        nbytes = sum(link.nbytes for link in chain)
+        self.last_pull = PullStats(self.model, target.version, ["patches"], nbytes,
+                                   time.monotonic() - started)
+        self.last_pull_patches = [link.version for link in chain]
+        self.last_pull_planned = True
+        metrics.pulled(self.model, target.version, nbytes, self.last_pull.seconds)
+        log.info("%s took %s v%d as %d patch(es) from v%d: %.2f MiB (%.4f of the version) "
+                 "in %.3fs", self.session.name, self.model, target.version, len(chain),
+                 previous, nbytes / 2**20, nbytes / self.layout.nbytes,
+                 self.last_pull.seconds)
+        return target.version
 
     def announcement(self, version: int | str = "latest") -> Announcement | None:
         """The announcement of `version` (or of the newest), if we listen for them (since

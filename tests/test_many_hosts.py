@@ -102,6 +102,30 @@ def test_about_one_copy_crosses_the_wan_per_version(tmp_path):
         assert crossed < 1.5 * published["nbytes"], crossed / published["nbytes"]
 
 
+def test_a_sparse_step_crosses_the_wan_once_as_a_patch_and_lands_bit_exact(tmp_path):
+    specs = [HostSpec("a0", dc=0), *(HostSpec(f"b{i}", dc=1) for i in range(3))]
+    with Cluster(specs, egress="2gbit", wan="200mbit") as cluster, \
+            Fleet(cluster, log_dir=tmp_path) as fleet:
+        a0, *far = cluster.hosts
+        replicas = [fleet.replica(h, versions=2) for h in far]
+        trainer = fleet.trainer(a0, 32, versions=2, wait_replicas=3,
+                                extra=("--dtype", "bfloat16", "--density", "0.01"))
+        first = trainer.next_json(60)
+        for r in replicas:
+            assert _pulled(r)["checksums"] == first["checksums"]
+        assert trainer.next_json(120)["event"] == "held"
+        before = cluster.wan_traffic(1)
+        second = trainer.next_json(60)
+        events = [_pulled(r) for r in replicas]
+        crossed = (cluster.wan_traffic(1) - before).received
+        assert all(e["checksums"] == second["checksums"] for e in events)
+        assert all(e["patches"] == [second["version"]] for e in events)
+        patch = second["patch"]["nbytes"]
+        assert patch < 0.02 * second["nbytes"]
+        # one copy of the patch crosses, and the coordinator's messages; two would not fit
+        assert crossed < 1.5 * patch + (64 << 10), (crossed, patch)
+
+
 def test_a_pull_in_flight_survives_a_coordinator_kill_and_restart(tmp_path):
     with Cluster(3, egress="200mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
         _, h1, h2 = cluster.hosts  # the coordinator's host, the trainer's, the reader's

@@ -15,8 +15,16 @@ import zmq
 
 from tensorhub.core.data_types import Announcement, LatestRequest
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
+from tensorhub.core.patch import patch_model
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.wire import WireError, decode_announcement
+
+HEARD = 16  # versions and patches remembered
+
+
+def _keep_newest(seen: dict | set, count: int) -> None:
+    for old in sorted(seen)[:-count]:
+        seen.remove(old) if isinstance(seen, set) else seen.pop(old)
 
 
 class VersionWatcher:
@@ -26,14 +34,28 @@ class VersionWatcher:
         self.poll_interval = poll_interval
         self.newest: Announcement | None = None
         self._heard = float("-inf")  # when we last heard or asked
+        # The model's patches (`core/patch.py`) are announced on a topic our subscription's
+        # prefix takes in, each before its version: a version heard here with no patch
+        # heard before it has none. The newest few of both, by version.
+        self._patch_model = patch_model(model)
+        self.patches: dict[int, Announcement] = {}
+        self._heard_versions: set[int] = set()
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, model.encode())
         session.client.secure(self._sub)  # as the request socket: CURVE with a token
         self._sub.connect(session.announce_address)
 
-    def _take(self, announcement: Announcement) -> None:
+    def _take(self, announcement: Announcement, published: bool = False) -> None:
+        """`published`: heard on the subscription (not asked for)."""
         self._heard = time.monotonic()
+        if announcement.model == self._patch_model:
+            self.patches[announcement.version] = announcement
+            _keep_newest(self.patches, HEARD)
+            return
+        if published and announcement.model == self.model:
+            self._heard_versions.add(announcement.version)
+            _keep_newest(self._heard_versions, HEARD)
         if announcement.model == self.model and (
                 self.newest is None or announcement.version >= self.newest.version):
             self.newest = announcement
@@ -42,7 +64,7 @@ class VersionWatcher:
         while True:
             try:
                 _, body = self._sub.recv_multipart(zmq.NOBLOCK)
-                self._take(decode_announcement(body))
+                self._take(decode_announcement(body), published=True)
             except zmq.Again:
                 return
             except (ValueError, WireError):
@@ -70,6 +92,15 @@ class VersionWatcher:
         self._refresh()
         a = self.newest
         return a if a is not None and version in ("latest", a.version) else None
+
+    def patch(self, version: int) -> tuple[bool, Announcement | None]:
+        """(known, announcement) of the patch that makes `version`: known is True when the
+        patch was heard, or the version was heard with no patch before it (None: it has
+        none); False when only the coordinator can say."""
+        self._drain()
+        if version in self.patches:
+            return True, self.patches[version]
+        return version in self._heard_versions, None
 
     def latest(self) -> int | None:
         a = self.announcement()

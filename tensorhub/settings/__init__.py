@@ -175,6 +175,9 @@ MAX_VERSION_GB = _setting(
     "TENSORHUB_MAX_VERSION_GB", Annotated[float, Field(gt=0)] | None, None,
     "the most a version's buffers may take; larger versions are refused",
     shown="free memory now")
+PATCHES = _setting(
+    "TENSORHUB_PATCHES", bool, True,
+    "`0`: a trainer publishes no patches and readers pull every version whole")
 CUDA_IPC = _setting("TENSORHUB_CUDA_IPC", bool, False,
                     "`1`: CUDA IPC for same-host GPU reads (never run)")
 
@@ -263,6 +266,13 @@ UNKNOWN_GRACE: float = 15.0
 UNKNOWN_RETRY: float = 0.2
 # Seconds before standing by again after the coordinator could not place us.
 STANDBY_RETRY: float = 5.0
+# Patches (`core/patch.py`): each worker keeps and serves the newest PATCH_KEEP; a trainer
+# publishes one only if it is at most PATCH_MAX_RATIO of the version's bytes, and a reader
+# follows a chain of them only if they add up to at most that share (else it pulls whole).
+PATCH_KEEP: int = 3
+PATCH_MAX_RATIO: float = 0.25
+# How long withdrawing a patch older than the kept ones waits for reads of it to end.
+PATCH_WITHDRAW_S: float = 5.0
 
 # engines (`engines/`, the plugins)
 # A version no copy was left of is tried again after this long if nothing newer came (its

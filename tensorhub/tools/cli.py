@@ -8,8 +8,12 @@ import logging
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tensorhub import settings
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"  # loopback: nothing is exposed unless asked
 
@@ -153,7 +157,7 @@ def _replica(args: argparse.Namespace) -> int:
                 event = {"event": "pulled", "name": args.name, "version": version,
                          "sources": s.sources, "by_source": s.by_source, "nbytes": s.nbytes,
                          "seconds": s.seconds, "gbps": s.gbps, "started_at": started_at,
-                         "ended_at": time.time()}
+                         "ended_at": time.time(), "patches": replica.last_pull_patches}
                 if args.checksums:
                     event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
                 print(json.dumps(event), flush=True)
@@ -202,6 +206,22 @@ def _wait_replicas(pub, version: int, count: int, timeout: float, stop: list) ->
     return False
 
 
+def _change(state: dict[str, torch.Tensor], density: float, g: torch.Generator) -> None:
+    """A synthetic next version: every element changes (`density` 1), or that share of
+    each tensor's elements moves by one step of its dtype (the next representable value)."""
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for t in state.values():
+        flat = t.view(-1)
+        if density >= 1:
+            flat.add_(1)
+        else:
+            n = max(1, int(density * flat.numel()))
+            idx = torch.randint(0, flat.numel(), (n,), generator=g)
+            flat.view(ints[t.element_size()])[idx] += 1
+
+
 def _publish(args: argparse.Namespace) -> int:
     """A trainer process: publish versions, each once `--wait-replicas` replicas hold the
     previous one, then keep serving (`--linger`). For seeding a fleet from a checkpoint, and
@@ -212,21 +232,38 @@ def _publish(args: argparse.Namespace) -> int:
 
     if (args.path is None) == (args.synthetic_mb is None):
         raise SystemExit("tensorhub publish: give a checkpoint PATH or --synthetic-mb, not both")
-    state = (_load_weights(args.path) if args.path is not None
-             else synthetic_state_dict(args.synthetic_mb, n_tiny=args.tiny, seed=args.seed))
+    import torch
+
+    trainer = None
+    if args.adamw_lr is not None:
+        from tensorhub.tools.rl_steps import AdamWSteps
+        trainer = AdamWSteps(args.synthetic_mb, args.adamw_lr, seed=args.seed)
+        for _ in range(args.warmup):
+            trainer.step()
+        state = trainer.state_dict()
+    else:
+        state = (_load_weights(args.path) if args.path is not None
+                 else synthetic_state_dict(args.synthetic_mb, n_tiny=args.tiny, seed=args.seed,
+                                           dtype=getattr(torch, args.dtype)))
+    g = torch.Generator().manual_seed(args.seed + 1)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     pub = Publisher(args.coordinator, args.model, name=args.name, transport=args.transport,
                     min_replicas=args.wait_replicas, retain_timeout=args.timeout)
-    first = next(iter(state.values()))
     try:
         for k in range(args.versions):
-            if k:  # a new version: new bytes (one small change is enough to differ)
-                first.view(-1)[0] += 1
-            started = time.monotonic()
+            if k and trainer is not None:
+                trainer.step()
+            elif k:
+                _change(state, args.density, g)
+            started, at = time.monotonic(), time.time()
             version = pub.publish(state)
             event = {"event": "published", "name": args.name, "version": version,
-                     "nbytes": sum(t.numel() * t.element_size() for t in state.values())}
+                     "nbytes": sum(t.numel() * t.element_size() for t in state.values()),
+                     "at": at, "publish_seconds": round(time.monotonic() - started, 4)}
+            if pub.last_patch is not None and pub.last_patch.version == version:
+                event["patch"] = {"nbytes": pub.last_patch.nbytes,
+                                  "density": pub.last_patch.density}
             if args.checksums:
                 event["checksums"] = {n: checksum(t) for n, t in state.items()}
             print(json.dumps(event) if args.json else
@@ -375,11 +412,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
                    help="default: $TENSORHUB_TRANSPORT or auto")
     p.add_argument("--synthetic-mb", type=float, default=None,
-                   help="publish synthetic float32 weights of this many MiB instead of PATH")
+                   help="publish synthetic weights of this many MiB instead of PATH")
     p.add_argument("--tiny", type=int, default=100,
                    help="with --synthetic-mb: small tensors among them (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--versions", type=int, default=1, help="versions to publish (default 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --synthetic-mb: the weights' dtype (default float32)")
+    p.add_argument("--density", type=float, default=1.0,
+                   help="with --synthetic-mb: the share of elements each new version changes "
+                        "(default 1: all, so every version moves whole; at a few percent "
+                        "readers take it as a patch)")
+    p.add_argument("--adamw-lr", type=float, default=None,
+                   help="with --synthetic-mb: publish a small bf16 transformer of that size "
+                        "instead, one AdamW step at this learning rate per version (RL "
+                        "learning rates: 1e-6 to 1e-5)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="with --adamw-lr: optimizer steps before the first version "
+                        "(default 3: AdamW's first steps change nearly every element)")
     p.add_argument("--wait-replicas", type=int, default=0,
                    help="before the next version (and before exiting), wait until this many "
                         "replicas hold the current one (default 0: do not wait)")

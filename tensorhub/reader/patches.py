@@ -1,0 +1,139 @@
+"""A reader that holds a version takes a newer one as patches (`core/patch.py`) when a short
+chain of them leads there and moves fewer bytes than the version itself.
+
+Each patch is a version of the companion patch model, pulled striped like any version (from
+the trainer or from peers that hold it, one crossing per datacenter), verified by its own
+checksums, then held and served. Applying the chain and checking the new version's
+checksums is the replica's (`Replica.pull`), which owns the buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensorhub import settings
+from tensorhub.core.announcements import VersionWatcher
+from tensorhub.core.data_types import GetManifest, Manifest, ReadDone, StripedRequest
+from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.held_patches import HeldPatches
+from tensorhub.core.layout import BoundLayout
+from tensorhub.core.memory import describe
+from tensorhub.core.patch import base_of, patch_model
+from tensorhub.core.puller import Verifier
+from tensorhub.core.session import WorkerSession
+from tensorhub.reader.session import PullSession, Reader
+from tensorhub.reader.striped import StripedReader
+
+log = logging.getLogger("tensorhub.patches")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One patch of a chain: it makes `version` from `base`."""
+
+    version: int
+    base: int
+    manifest: Manifest
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.tensors[0].nbytes
+
+
+def choose_chain(held: int, target: int, links: dict[int, Link], whole_nbytes: int,
+                 keep: int = settings.PATCH_KEEP,
+                 max_ratio: float = settings.PATCH_MAX_RATIO) -> list[Link] | None:
+    """The patches that lead from `held` to `target`, oldest first, if every one is known
+    (`links`, by version), there are at most `keep` of them and together they are at most
+    `max_ratio` of the version's bytes; else None (pull the version whole)."""
+    chain: list[Link] = []
+    at = target
+    while at != held:
+        link = links.get(at)
+        if link is None or link.base < held or len(chain) >= keep:
+            return None
+        chain.append(link)
+        at = link.base
+    if not chain or sum(link.nbytes for link in chain) > max_ratio * whole_nbytes:
+        return None
+    return chain[::-1]
+
+
+class PatchPuller:
+    """Finds and pulls the patches of one model for a replica that shares its session."""
+
+    PlanCall = Callable[[PullSession, StripedRequest], None]
+
+    def __init__(self, session: WorkerSession, model: str, plan: PlanCall,
+                 end: Callable[[list[ReadDone]], None]):
+        self.session = session
+        self.model = patch_model(model)
+        self.held = HeldPatches(session, model)
+        self._plan = plan
+        self._end = end
+
+    def chain(self, held: int, target: int, whole_nbytes: int,
+              watcher: VersionWatcher | None = None) -> list[Link] | None:
+        """The chain to take from `held` to `target` (None: no such chain worth taking),
+        each patch's manifest from its announcement where `watcher` heard it, else from
+        the coordinator."""
+        links: dict[int, Link] = {}
+        at = target
+        while at > held and len(links) < settings.PATCH_KEEP:
+            known, heard = watcher.patch(at) if watcher is not None else (False, None)
+            if known and (heard is None or heard.manifest is None):
+                return None
+            manifest = heard.manifest if heard is not None else self._manifest(at)
+            base = base_of(manifest) if manifest is not None else None
+            if base is None or base >= at:
+                return None
+            links[at] = Link(at, base, manifest)
+            at = base
+        return choose_chain(held, target, links, whole_nbytes)
+
+    def _manifest(self, version: int) -> Manifest | None:
+        try:
+            reply = self.session.call(GetManifest(model=self.model, version=version))
+        except CoordinatorError as exc:
+            if exc.code in ("unknown_model", "unknown_version"):
+                return None
+            raise
+        return reply.manifest if reply.version == version else None
+
+    def pull(self, link: Link, deadline: float) -> BoundLayout:
+        """Pull one patch into buffers of its own (or take it from those we hold), verify it
+        by its checksums, and hold and serve it."""
+        if link.version in self.held:
+            return self.held.layout(link.version)
+        layout = BoundLayout.allocate(link.manifest, "cpu")
+        self.session.transport.register(layout.item_bytes)
+        dest = layout.item_bytes
+        reader = Reader(self.model, layout.layout_id, [describe(b) for b in dest],
+                        self.session.transport.endpoint(), relay=True)
+        pull = PullSession(reader, self.session.worker_id, link.version,
+                           now=time.monotonic(), deadline=deadline,
+                           stall=settings.BEHIND_AFTER, poll_max=settings.POLL_MAX)
+        self.session.progress.zero_()
+        ok = False
+        try:
+            self._plan(pull, pull.first_request())
+            verifier = Verifier(pull.plan, dest)
+            try:
+                StripedReader(self.session, pull, dest, verifier, self.session.call,
+                              lambda done: self._end([done]),
+                              self.session.registrations).run()
+            except BaseException:
+                verifier.close()
+                raise
+            verifier.finish()
+            self.held.hold(link.version, layout, pull.plan.checksums)
+            ok = True
+        finally:
+            if not ok:
+                self.session.progress.zero_()
+                self.held.drop(layout)
+            self._end(pull.end(ok=ok))
+        return layout
