@@ -27,6 +27,7 @@ CORE = {
     "plan_latency": ([], ["--workers", "512", "--rates", "250", "--seconds", "3"]),
     "simulate": ([], ["--max", "256", "--tib-readers", "8"]),
     "hosts": ([], ["--quick"]),  # emulated hosts: needs root and iproute2
+    "patches": ([], ["--quick"]),  # its WAN figures need emulated hosts
     "stalled_source": ([], ["--size-mb", "64", "--stall-timeout", "8", "--window", "5"]),
 }
 ENGINES = {

@@ -101,13 +101,22 @@ class Publisher:
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
-        self.session.published = lambda: {self.model: self._newest} if self._newest else {}
+        self.session.published = self._published
         self._layout: BoundLayout | None = None
+        self._buffers_version = 0  # the version our buffers hold whole (0: none, or torn)
         self._patches = patches and settings.PATCHES.get()
         self._held_patches = HeldPatches(self.session, model)
         self.last_patch: PatchStats | None = None
         self.version: int | None = None
         self.layout_id: str | None = None
+
+    def _published(self) -> dict[str, int]:
+        """Our newest version of each model we publish (told at each registration: a
+        restarted coordinator drops versions of another run), patches included."""
+        out = {self.model: self._newest} if self._newest else {}
+        if self._held_patches.newest:
+            out[self._held_patches.model] = self._held_patches.newest
+        return out
 
     def _latest(self, patient: bool = True) -> int:
         request = GetManifest(model=self.model)
@@ -171,6 +180,8 @@ class Publisher:
         self._drop_current()  # buffers are about to change: end reads of the old version first
         tensors = [t for _, t in named]
         patch: PatchWriter | None = None
+        if self._layout is None or self._layout.manifest != manifest:
+            self._buffers_version = 0  # (new buffers: no base to patch from)
         if self.zero_copy:
             layout = BoundLayout(manifest, tensors)
         elif self._layout is not None and self._layout.manifest == manifest:
@@ -208,6 +219,7 @@ class Publisher:
         self.version = version
         self.layout_id = layout.layout_id  # the current version's (retention counts its holders)
         self._newest = version
+        self._buffers_version = version if not self.zero_copy else 0
         # Kept so a restarted coordinator learns of this version again (soft state).
         self.session.remember(self.model, version, layout, Hold(
             worker_id=self.session.worker_id, model=self.model, version=reply.version,
@@ -223,16 +235,18 @@ class Publisher:
         make the patch from that version to this one on the way (the compact region's
         part is added once it is packed). None when patches are off or cannot be made
         (a sharded trainer; a first version)."""
-        if not self._patches or self._newest == 0 or self.part.parts > 1:
+        base, self._buffers_version = self._buffers_version, 0
+        if not self._patches or not base or self.part.parts > 1:
             layout.copy_large_from(tensors)
             return None
-        patch = PatchWriter(self._newest, version, layout.layout_id,
+        patch = PatchWriter(base, version, layout.layout_id,
                             budget=int(settings.PATCH_MAX_RATIO * layout.nbytes))
         for k, item in enumerate(layout.items):
             if item.kind == "tensor":
-                new = tensors[item.tensors[0]].contiguous()
+                ours = layout.tensors[item.tensors[0]]
+                new = tensors[item.tensors[0]].to(ours.device).contiguous()
                 patch.item(k, layout.item_bytes[k], as_bytes(new))
-                layout.tensors[item.tensors[0]].copy_(new)
+                ours.copy_(new)
         return patch
 
     def _publish_patch(self, patch: PatchWriter, nbytes: int) -> None:

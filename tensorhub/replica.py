@@ -34,8 +34,6 @@ from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.data_types import (
     Announcement,
     GetManifest,
-    Hold,
-    LatestRequest,
     Manifest,
     Part,
     Placement,
@@ -53,12 +51,12 @@ from tensorhub.core.errors import (
 )
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import describe
-from tensorhub.core.patch import PatchError, apply_patch
+from tensorhub.core.patch import PatchError
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 from tensorhub.publisher import NamedTensors, named_list
-from tensorhub.reader.patches import PatchPuller
+from tensorhub.reader.patches import PatchPuller, apply_chain
 from tensorhub.reader.session import Parents, PullSession, Reader
 from tensorhub.reader.striped import StripedReader
 
@@ -235,7 +233,9 @@ class Replica:
         late_before = self._late_reads()  # a late read landing from here on: verify again
         self.last_pull_patches = []
         if self._patches is not None and self.version is not None and self.part == Part() \
-                and not self.whole_items:
+                and not self.whole_items and late_before == self._late_seen:
+            # (a read given up earlier that landed since may have changed bytes no patch
+            # touches: then only a whole pull rewrites them all)
             patched = self._pull_by_patches(version, deadline, late_before)
             if patched is not None:
                 return patched
@@ -316,14 +316,7 @@ class Replica:
                 self._stop_serving_partial(plan.version, deadline)
             raise
         try:
-            if self.staging:
-                if previous is not None:
-                    self.version = None
-                    self.session.withdraw(self.model, previous,
-                                          max(1.0, deadline - time.monotonic()))
-                for live, staged in zip(self.layout.item_bytes, dest, strict=True):
-                    live.copy_(staged)
-            self.layout.scatter()
+            self._install(previous, dest, deadline)
             # Hold before ending the lease: a reader planned in between then finds us as a
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.offer(pull.hold(self.layout.memory(), self.layout.manifest,
@@ -346,20 +339,18 @@ class Replica:
                  stats.seconds, stats.gbps)
         return plan.version
 
-    def _patch_target(self, version: int | str) -> Announcement | None:
-        """The announcement of the version a pull of `version` wants, if patches could make
-        it from ours: newer, whole, in our layout, its checksums known."""
-        a = self.announcement(version)
-        if a is None:
-            try:
-                a = self.session.call(LatestRequest(model=self.model))
-            except TensorHubError:
-                return None
-            if version != "latest" and a.version != version:
-                return None
-        usable = a.checksums is not None and a.parts == 1 \
-            and a.layout_id == self.layout.layout_id and a.version > self.version
-        return a if usable else None
+    def _install(self, previous: int | None, dest: list[torch.Tensor],
+                 deadline: float) -> None:
+        """A complete, verified version in `dest` becomes our tensors' values: from the
+        staging copy, once reads of the version we held have ended."""
+        if self.staging:
+            if previous is not None:
+                self.version = None
+                self.session.withdraw(self.model, previous,
+                                      max(1.0, deadline - time.monotonic()))
+            for live, staged in zip(self.layout.item_bytes, dest, strict=True):
+                live.copy_(staged)
+        self.layout.scatter()
 
     def _pull_by_patches(self, version: int | str, deadline: float,
                          late_before: int) -> int | None:
@@ -368,7 +359,8 @@ class Replica:
         when there is no such chain worth taking, or it failed (then the version is pulled
         whole: in place, our buffers are no version any more, and the whole pull rewrites
         every byte)."""
-        target = self._patch_target(version)
+        target = self._patches.target(version, self.version, self.layout.layout_id,
+                                      self._watcher)
         try:
             chain = self._patches.chain(self.version, target.version, self.layout.nbytes,
                                         self._watcher) if target is not None else None
@@ -394,33 +386,13 @@ class Replica:
             self.version = None  # from here on our buffers are not a complete version
             self.session.withdraw(self.model, previous, deadline - time.monotonic())
         try:
-            touched: set[int] = set()
-            for link, layout in zip(chain, patches, strict=True):
-                touched.update(apply_patch(memoryview(layout.tensors[0].numpy()), dest,
-                                           base=link.base, layout_id=self.layout.layout_id))
-            expected = ReadPlan.model_construct(model=self.model, version=target.version,
-                                                checksums=target.checksums)
-            for k, buf in enumerate(dest):
-                if k in touched:
-                    check_item(expected, k, buf)
-                elif self._checksums[k] != target.checksums[k]:
-                    raise PatchError(f"item {k} differs in v{target.version}, and no patch "
-                                     f"of the chain changes it")
+            apply_chain(chain, patches, dest, self.layout.layout_id, self._checksums, target)
         except (PatchError, IntegrityError) as exc:
             log.warning("%s: the patches to %s v%d do not give its bytes (%s); pulling it "
                         "whole", self.session.name, self.model, target.version, exc)
             return None
-        if self.staging:
-            self.version = None
-            self.session.withdraw(self.model, previous, max(1.0, deadline - time.monotonic()))
-            for live, staged in zip(self.layout.item_bytes, dest, strict=True):
-                live.copy_(staged)
-        self.layout.scatter()
-        self.session.offer(Hold(
-            worker_id=self.session.worker_id, model=self.model, version=target.version,
-            layout_id=self.layout.layout_id, memory=self.layout.memory(),
-            endpoint=self.session.transport.endpoint(), manifest=self.layout.manifest,
-            checksums=target.checksums), self.layout)
+        self._install(previous, dest, deadline)
+        self.session.hold(self.model, target.version, self.layout, target.checksums)
         self.version = target.version
         self._checksums, self._late_seen = list(target.checksums), late_before
         nbytes = sum(link.nbytes for link in chain)

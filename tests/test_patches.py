@@ -286,3 +286,81 @@ def test_the_patch_bytes_decode_the_same_as_numpy_sees_them():
     got, xor = decode_changes(payload, entries, 2, 70002)
     assert entries == 4  # one filler bridges the gap of 70000
     assert list(got[xor != 0]) == [0, 70000, 70001] and list(xor[xor != 0]) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ what the review found
+
+
+def test_a_dense_step_is_given_up_after_one_count_of_its_changes():
+    old = torch.zeros(1 << 20, dtype=torch.uint8)
+    writer = PatchWriter(1, 2, "L", budget=(1 << 20) // 4)
+    writer.item(0, old, torch.ones(1 << 20, dtype=torch.uint8))
+    assert writer.abandoned and writer.changed_words == 0
+
+
+def test_a_patch_claiming_more_entries_than_its_item_has_words_is_refused_unread():
+    _, payload = encode_changes(np.array([0], dtype=np.int64), np.array([1], dtype=np.uint16))
+    with pytest.raises(PatchError, match="entries for 10 words"):
+        decode_changes(payload, 1 << 40, 2, 10)
+
+
+def test_a_patchs_chunks_are_marked_otherwise_than_its_versions():
+    from tensorhub.core.stripes import progress_tag
+    for v in (1, 2, 127, 128, 254, 255, 1000):
+        assert progress_tag(v, patch=True) not in {progress_tag(u) for u in (v - 1, v, v + 1)}
+        assert progress_tag(v, patch=True) != 0
+
+
+def test_after_a_failed_publish_the_next_version_moves_whole(coordinator, monkeypatch):
+    """The failed attempt left other bytes in the trainer's buffers than its last version:
+    a patch from them would be labelled with the wrong base."""
+    from tensorhub.core.data_types import Publish
+    from tensorhub.core.errors import CoordinatorUnavailable
+
+    w = weights()
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(w)
+        step(w, 0.01, seed=13)
+        real = pub.session.call_patiently
+
+        def lost(request, wait):
+            if isinstance(request, Publish) and request.model == "policy":
+                raise CoordinatorUnavailable("the coordinator did not answer")
+            return real(request, wait)
+
+        monkeypatch.setattr(pub.session, "call_patiently", lost)
+        with pytest.raises(CoordinatorUnavailable):
+            pub.publish(w)
+        monkeypatch.setattr(pub.session, "call_patiently", real)
+        step(w, 0.01, seed=14)
+        pub.last_patch = None
+        assert pub.publish(w) == 2 and pub.last_patch is None
+        step(w, 0.01, seed=15)
+        assert pub.publish(w) == 3 and pub.last_patch.base == 2
+
+
+def test_a_trainer_tells_a_restarted_coordinator_its_newest_patch_too(coordinator):
+    w = weights()
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(w)
+        step(w, 0.01, seed=16)
+        pub.publish(w)
+        assert pub.session.published() == {"policy": 2, "policy.patch": 2}
+
+
+def test_a_reader_whose_buffers_took_a_late_read_pulls_the_next_version_whole(coordinator,
+                                                                              monkeypatch):
+    """A read given up earlier that landed later may have written bytes no patch touches:
+    only a whole pull rewrites them all."""
+    w = weights()
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
+            Replica(coordinator.address, "policy", zeros_like(w), name="r",
+                    transport="zmq") as r:
+        pub.publish(w)
+        r.pull(1)
+        step(w, 0.01, seed=17)
+        pub.publish(w)
+        monkeypatch.setattr(type(r.session.transport), "late_reads",
+                            property(lambda self: 1))
+        assert r.pull(2) == 2
+        assert r.last_pull_patches == [] and sums(r.tensors) == sums(w)

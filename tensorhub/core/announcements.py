@@ -22,9 +22,12 @@ from tensorhub.core.wire import WireError, decode_announcement
 HEARD = 16  # versions and patches remembered
 
 
-def _keep_newest(seen: dict | set, count: int) -> None:
+def _keep_newest(seen: dict[int, Announcement] | set[int], count: int) -> None:
     for old in sorted(seen)[:-count]:
-        seen.remove(old) if isinstance(seen, set) else seen.pop(old)
+        if isinstance(seen, set):
+            seen.discard(old)
+        else:
+            del seen[old]
 
 
 class VersionWatcher:

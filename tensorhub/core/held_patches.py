@@ -37,6 +37,11 @@ class HeldPatches:
         self.model = patch_model(model)
         self.keep = keep
         self._held: dict[int, BoundLayout] = {}
+        self._retiring: dict[int, BoundLayout] = {}  # withdrawn while reads were in flight
+
+    @property
+    def newest(self) -> int:
+        return max(self._held, default=0)
 
     def __contains__(self, version: int) -> bool:
         return version in self._held
@@ -68,24 +73,30 @@ class HeldPatches:
         return True
 
     def hold(self, version: int, layout: BoundLayout, checksums: list[str]) -> None:
-        """A reader holds the patch it pulled and applied, and serves it."""
-        self.session.offer(Hold(
-            worker_id=self.session.worker_id, model=self.model, version=version,
-            layout_id=layout.layout_id, memory=layout.memory(), manifest=layout.manifest,
-            checksums=checksums, endpoint=self.session.transport.endpoint()), layout)
+        """A reader holds the patch it pulled (verified), and serves it."""
+        self.session.hold(self.model, version, layout, checksums)
         self._keep(version, layout)
 
-    def drop(self, layout: BoundLayout) -> None:
-        """Give back the buffers of a patch pulled but not held."""
-        self.session.transport.deregister(layout.item_bytes)
+    def drop(self, version: int, layout: BoundLayout) -> None:
+        """Give back the buffers of a patch whose pull failed: first stop serving the chunks
+        of it we relayed and let reads of them end."""
+        self._retire(version, layout)
 
     def _keep(self, version: int, layout: BoundLayout) -> None:
         self._held[version] = layout
         for old in sorted(self._held)[:-self.keep]:
-            stale = self._held.pop(old)
-            try:
-                self.session.withdraw(self.model, old, settings.PATCH_WITHDRAW_S, force=True)
-            except TensorHubError as exc:  # reads still in flight: keep the buffers
-                log.warning("%s v%d: %s; its buffers stay registered", self.model, old, exc)
-                continue
-            self.session.transport.deregister(stale.item_bytes)
+            self._retire(old, self._held.pop(old))
+        for old, stale in list(self._retiring.items()):
+            self._retire(old, stale)
+
+    def _retire(self, version: int, layout: BoundLayout) -> None:
+        """Withdraw a patch and give its buffers back once no read of it is in flight; with
+        reads still in flight after `PATCH_WITHDRAW_S`, try again at the next patch."""
+        self._retiring.pop(version, None)
+        try:
+            self.session.withdraw(self.model, version, settings.PATCH_WITHDRAW_S, force=True)
+        except TensorHubError as exc:
+            log.info("%s v%d: %s; its buffers are given back later", self.model, version, exc)
+            self._retiring[version] = layout
+            return
+        self.session.transport.deregister(layout.item_bytes)

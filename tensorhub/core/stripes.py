@@ -34,10 +34,12 @@ def holding_of(plan: ReadPlan) -> set[str]:
     return set(plan.holding or ())
 
 
-def progress_tag(version: int) -> int:
+def progress_tag(version: int, patch: bool = False) -> int:
     """The byte a worker writes for a chunk of `version` it has: never 0 (cleared), and
-    different for consecutive versions, so a byte left from an older pull never passes."""
-    return version % 255 + 1
+    different for consecutive versions, so a byte left from an older pull never passes. A
+    patch's chunks (`core/patch.py`: version v of the patch model) are marked otherwise
+    than v's own, so a reader of v never takes a chunk of the patch for one of v."""
+    return (version + (128 if patch else 0)) % 255 + 1
 
 
 @dataclass(frozen=True)
@@ -92,16 +94,18 @@ class StripedPull:
 
     def __init__(self, nchunks: int, stripes: int, version: int, *, batch: int = 1,
                  poll_min: float = 0.001, poll_max: float = 0.05, stall: float = 5.0,
-                 confirming: bool = False):
+                 confirming: bool = False, tag: int | None = None):
         """`batch`: chunks one read may take from a complete source; `poll_min`..`poll_max`:
         the gap between polls of a parent with nothing new (doubling while nothing comes);
         `stall`: seconds without a new chunk from a parent before it counts as behind;
         `confirming`: a pull begun with no plan (from parents it knew), whose confirming
-        plan request is under way: it is not done before that answer (`confirmed`)."""
+        plan request is under way: it is not done before that answer (`confirmed`). `tag`:
+        the progress byte of a chunk landed (default `progress_tag(version)`)."""
         if nchunks > PROGRESS_BYTES:
             raise ValueError(f"{nchunks} chunks: at most {PROGRESS_BYTES} fit the progress "
                              f"region (use larger chunks)")
-        self.nchunks, self.version, self.tag = nchunks, version, progress_tag(version)
+        self.nchunks, self.version = nchunks, version
+        self.tag = progress_tag(version) if tag is None else tag
         self.batch, self.poll_min, self.poll_max, self.stall = batch, poll_min, poll_max, stall
         self.stripes = [_Stripe(s, list(range(s, nchunks, stripes))) for s in range(stripes)]
         self.landed: set[int] = set()

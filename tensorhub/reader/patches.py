@@ -14,15 +14,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from tensorhub import settings
 from tensorhub.core.announcements import VersionWatcher
-from tensorhub.core.data_types import GetManifest, Manifest, ReadDone, StripedRequest
-from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.data_types import (
+    Announcement,
+    GetManifest,
+    LatestRequest,
+    Manifest,
+    ReadDone,
+    ReadPlan,
+    StripedRequest,
+)
+from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
-from tensorhub.core.patch import base_of, patch_model
-from tensorhub.core.puller import Verifier
+from tensorhub.core.patch import PatchError, apply_patch, base_of, patch_model
+from tensorhub.core.puller import Verifier, check_item
 from tensorhub.core.session import WorkerSession
 from tensorhub.reader.session import PullSession, Reader
 from tensorhub.reader.striped import StripedReader
@@ -62,6 +72,26 @@ def choose_chain(held: int, target: int, links: dict[int, Link], whole_nbytes: i
     return chain[::-1]
 
 
+def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.Tensor],
+                layout_id: str, held_checksums: list[str], target: Announcement) -> None:
+    """Apply the chain's patches (oldest first) to `dest`, which holds the chain's base,
+    and prove the result is `target`: every item a patch touched has the target's checksum,
+    every other had it already. `PatchError` / `IntegrityError` otherwise (`dest` is then
+    no version at all)."""
+    touched: set[int] = set()
+    for link, layout in zip(chain, patches, strict=True):
+        touched.update(apply_patch(memoryview(layout.tensors[0].numpy()), dest,
+                                   base=link.base, layout_id=layout_id, version=link.version))
+    expected = ReadPlan.model_construct(model=target.model, version=target.version,
+                                        checksums=target.checksums)
+    for k, buf in enumerate(dest):
+        if k in touched:
+            check_item(expected, k, buf)
+        elif held_checksums[k] != target.checksums[k]:
+            raise PatchError(f"item {k} differs in v{target.version}, and no patch of the "
+                             f"chain changes it")
+
+
 class PatchPuller:
     """Finds and pulls the patches of one model for a replica that shares its session."""
 
@@ -70,10 +100,29 @@ class PatchPuller:
     def __init__(self, session: WorkerSession, model: str, plan: PlanCall,
                  end: Callable[[list[ReadDone]], None]):
         self.session = session
+        self.main_model = model
         self.model = patch_model(model)
         self.held = HeldPatches(session, model)
         self._plan = plan
         self._end = end
+
+    def target(self, version: int | str, held: int, layout_id: str,
+               watcher: VersionWatcher | None) -> Announcement | None:
+        """The announcement of the version a pull of `version` wants, if patches could make
+        it from `held`: newer, whole, in our layout, its checksums known. The newest is
+        asked for (an announcement heard may already be superseded)."""
+        a = watcher.announcement(version) \
+            if watcher is not None and version != "latest" else None
+        if a is None:
+            try:
+                a = self.session.call(LatestRequest(model=self.main_model))
+            except TensorHubError:
+                return None
+            if version != "latest" and a.version != version:
+                return None
+        usable = a.checksums is not None and a.parts == 1 and a.layout_id == layout_id \
+            and a.version > held
+        return a if usable else None
 
     def chain(self, held: int, target: int, whole_nbytes: int,
               watcher: VersionWatcher | None = None) -> list[Link] | None:
@@ -133,7 +182,8 @@ class PatchPuller:
             ok = True
         finally:
             if not ok:
-                self.session.progress.zero_()
-                self.held.drop(layout)
+                self.session.progress.zero_()  # our children stop reading from us
             self._end(pull.end(ok=ok))
+            if not ok:
+                self.held.drop(link.version, layout)
         return layout

@@ -42,8 +42,17 @@ from tensorhub.core.data_types import (
 from tensorhub.core.errors import CoordinatorError, TransferError
 from tensorhub.core.layout import plan_items
 from tensorhub.core.memory import regions_digest
+from tensorhub.core.patch import is_patch_model
 from tensorhub.core.puller import PullStats
-from tensorhub.core.stripes import Poll, Read, Replan, StripedPull, holding_of, warm_lease_id
+from tensorhub.core.stripes import (
+    Poll,
+    Read,
+    Replan,
+    StripedPull,
+    holding_of,
+    progress_tag,
+    warm_lease_id,
+)
 
 
 @dataclass(frozen=True)
@@ -343,7 +352,8 @@ class PullSession:
             # a relay marks a chunk once its read ends: one chunk a read, or its children
             # would wait for whole batches
             batch=1 if relay else max(1, CHUNK_BYTES // chunk_bytes),
-            confirming=self.warm, **self._timing)
+            confirming=self.warm,
+            tag=progress_tag(plan.version, patch=is_patch_model(plan.model)), **self._timing)
         self.stripes.assign(list(plan.stripes), holding_of(plan), now, plan.retry_after)
 
     # ------------------------------------------------------------------ a striped pull

@@ -271,8 +271,9 @@ STANDBY_RETRY: float = 5.0
 # follows a chain of them only if they add up to at most that share (else it pulls whole).
 PATCH_KEEP: int = 3
 PATCH_MAX_RATIO: float = 0.25
-# How long withdrawing a patch older than the kept ones waits for reads of it to end.
-PATCH_WITHDRAW_S: float = 5.0
+# How long withdrawing a patch older than the kept ones waits for reads of it to end before
+# it is left to the next patch (a trainer's publish waits this long at most).
+PATCH_WITHDRAW_S: float = 0.5
 
 # engines (`engines/`, the plugins)
 # A version no copy was left of is tried again after this long if nothing newer came (its
