@@ -3,6 +3,9 @@ verified and served like version data; whole versions wherever a patch cannot se
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -49,6 +52,18 @@ def step(w: dict[str, torch.Tensor], density: float, seed: int) -> None:
 
 def zeros_like(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in w.items()}
+
+
+@contextlib.contextmanager
+def trainer_and_reader(address: str, w: dict[str, torch.Tensor],
+                       **replica: object) -> Iterator[tuple[Publisher, Replica]]:
+    """A trainer that published `w` as v1 and a replica (zmq) that pulled it."""
+    with Publisher(address, "policy", transport="zmq") as pub, \
+            Replica(address, "policy", zeros_like(w), name="r", transport="zmq",
+                    **replica) as r:
+        pub.publish(w)
+        r.pull(1)
+        yield pub, r
 
 
 # ------------------------------------------------------------------ the encoding
@@ -183,11 +198,7 @@ def test_readers_take_each_version_as_a_patch_bit_exact_and_serve_it(coordinator
 
 def test_a_reader_that_missed_a_version_follows_two_patches(coordinator):
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         for seed in (3, 4):
             step(w, 0.01, seed=seed)
             pub.publish(w)
@@ -197,11 +208,7 @@ def test_a_reader_that_missed_a_version_follows_two_patches(coordinator):
 
 def test_a_chain_longer_than_retention_pulls_the_version_whole(coordinator):
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         for seed in range(5, 9):  # v2..v5: the trainer keeps the patches of v3..v5
             step(w, 0.01, seed=seed)
             pub.publish(w)
@@ -212,11 +219,7 @@ def test_a_chain_longer_than_retention_pulls_the_version_whole(coordinator):
 
 def test_a_dense_step_publishes_no_patch_and_readers_pull_it_whole(coordinator):
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         step(w, 0.9, seed=9)
         pub.publish(w)
         assert pub.last_patch is None
@@ -229,11 +232,7 @@ def test_a_patch_made_from_other_bytes_is_refused_and_the_version_pulled_whole(
     """The trainer's copy of v1 was damaged after readers took it: its patch to v2 is made
     from those bytes, so applied to the true v1 it gives bytes v2's checksums refuse."""
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq", staging=staging) as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w, staging=staging) as (pub, r):
         pub._layout.item_bytes[1][:2] ^= 0x55  # the base it diffs against is not v1
         step(w, 0.01, seed=10)
         pub.publish(w)
@@ -247,11 +246,7 @@ def test_a_patch_whose_holder_fails_mid_read_leaves_the_version_pulled_whole(
     """Stands in for the peer serving the patch dying mid-read (its real death is the
     failover tests' subject): the patch pull fails, the version is pulled whole."""
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         step(w, 0.01, seed=11)
         pub.publish(w)
 
@@ -267,11 +262,7 @@ def test_a_patch_whose_holder_fails_mid_read_leaves_the_version_pulled_whole(
 def test_patches_off_moves_every_version_whole(coordinator, monkeypatch):
     monkeypatch.setenv("TENSORHUB_PATCHES", "0")
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         step(w, 0.01, seed=12)
         pub.publish(w)
         assert pub.last_patch is None and patch_model("policy") not in coordinator.table.models
@@ -353,11 +344,7 @@ def test_a_reader_whose_buffers_took_a_late_read_pulls_the_next_version_whole(co
     """A read given up earlier that landed later may have written bytes no patch touches:
     only a whole pull rewrites them all."""
     w = weights()
-    with Publisher(coordinator.address, "policy", transport="zmq") as pub, \
-            Replica(coordinator.address, "policy", zeros_like(w), name="r",
-                    transport="zmq") as r:
-        pub.publish(w)
-        r.pull(1)
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
         step(w, 0.01, seed=17)
         pub.publish(w)
         monkeypatch.setattr(type(r.session.transport), "late_reads",

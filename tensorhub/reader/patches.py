@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,15 @@ def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.
                                    base=link.base, layout_id=layout_id, version=link.version))
     expected = ReadPlan.model_construct(model=target.model, version=target.version,
                                         checksums=target.checksums)
-    for k, buf in enumerate(dest):
-        if k in touched:
-            check_item(expected, k, buf)
-        elif held_checksums[k] != target.checksums[k]:
+    for k in range(len(dest)):
+        if k not in touched and held_checksums[k] != target.checksums[k]:
             raise PatchError(f"item {k} differs in v{target.version}, and no patch of the "
                              f"chain changes it")
+    # (checksums run without the GIL: the whole version is hashed again, on every core
+    # same-host copies may use)
+    with ThreadPoolExecutor(settings.copy_threads(), "tensorhub-patch-check") as pool:
+        for done in [pool.submit(check_item, expected, k, dest[k]) for k in sorted(touched)]:
+            done.result()
 
 
 class PatchPuller:
