@@ -260,6 +260,8 @@ class SwarmSim:
         self.coordinator = CoordinatorState(
             CoordinatorConfig(worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
                               stripes=stripes, pending_retry=max(0.002, chunk_time / 4),
+                              # (readers closer than a chunk time apart are one burst)
+                              pending_settle=max(0.004, chunk_time),
                               planner=PlannerConfig(
                                   max_readers_per_holder=config.planner.max_readers_per_holder,
                                   chunk_bytes=config.chunk_bytes, min_chunks=1)),
