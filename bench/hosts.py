@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if "dc" in args.only:
         dc_mb = args.size_mb / 4
         cross_dc(report, 4, dc_mb, "1gbit", args.chunk_mib and args.chunk_mib / 4, logs)
-    report.write()
+    report.write(keep_earlier=set(args.only) != {"fanout", "arrival", "join", "dc"})
     return 0
 
 
