@@ -278,12 +278,15 @@ def _publish(args: argparse.Namespace) -> int:
         for k in range(args.versions):
             if k:  # a new version: new bytes (one small change is enough to differ)
                 first.view(-1)[0] += 1
+            # (checksummed before it is published: afterwards the trainer's cores serve
+            # its first readers, and the event says when it was published)
+            sums = {n: checksum(t) for n, t in state.items()} if args.checksums else None
             started = time.monotonic()
             version = pub.publish(state)
             event = {"event": "published", "name": args.name, "version": version,
                      "nbytes": sum(t.numel() * t.element_size() for t in state.values())}
-            if args.checksums:
-                event["checksums"] = {n: checksum(t) for n, t in state.items()}
+            if sums is not None:
+                event["checksums"] = sums
             print(json.dumps(event) if args.json else
                   f"{args.name}: published {args.model} v{version} "
                   f"({event['nbytes'] / 2**20:.1f} MiB)", flush=True)
