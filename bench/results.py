@@ -63,20 +63,38 @@ class Report:
             if baseline_value else ""
         print(f"{name:<48} {value:10.3f} {unit}{base}", flush=True)
 
-    def write(self) -> Path:
+    def write(self, keep_earlier: bool = False) -> Path:
+        """Append this run's figures to the JSON lines and write the Markdown table of
+        them; `keep_earlier` (a run of some of the benchmark's parts): the table also
+        lists, apart and dated, the latest figure of each name this run did not measure."""
         RESULTS.mkdir(exist_ok=True)
         path = RESULTS / f"{self.bench}.jsonl"
+        earlier: dict[str, dict] = {}
+        if keep_earlier and path.exists():
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                earlier[row["name"]] = row
         with path.open("a") as f:
             for row in self.rows:
                 f.write(json.dumps(row) + "\n")
         md = RESULTS / f"{self.bench}.md"
         lines = [f"# {self.bench} ({self.notes['date']}, load {self.notes['load_1min']})", "",
-                 "| figure | value | baseline | baseline value | ratio |",
-                 "|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r['name']} | {r['value']} {r['unit']} | {r['baseline'] or ''} | "
-                         f"{'' if r['baseline_value'] is None else r['baseline_value']} | "
-                         f"{'' if r['ratio'] is None else r['ratio']} |")
+                 *_table(self.rows)]
+        measured = {r["name"] for r in self.rows}
+        if rest := [r for name, r in earlier.items() if name not in measured]:
+            lines += ["", "Not measured in this run: the latest figures of earlier runs.", "",
+                      *_table(rest, dated=True)]
         md.write_text("\n".join(lines) + "\n")
         print(f"wrote {path} and {md}")
         return path
+
+
+def _table(rows: list[dict], dated: bool = False) -> list[str]:
+    lines = ["| figure | value | baseline | baseline value | ratio |"
+             + (" date |" if dated else ""), "|---|---|---|---|---|" + ("---|" if dated else "")]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['value']} {r['unit']} | {r['baseline'] or ''} | "
+                     f"{'' if r['baseline_value'] is None else r['baseline_value']} | "
+                     f"{'' if r['ratio'] is None else r['ratio']} |"
+                     + (f" {r['machine']['date'][:10]} |" if dated else ""))
+    return lines

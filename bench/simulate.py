@@ -5,7 +5,10 @@ beside a star, a ring and the binomial-pipeline optimum; also 1 TiB. Writes
 bench/results/simulate.{jsonl,md} and simulate.png.
 `python -m bench.simulate [--max N] [--tib-readers N]`; `--tib-only`
 runs the 1 TiB fan-out alone (bench/results/simulate_tib.{jsonl,md}: 1024 readers take
-about half an hour here)."""
+about half an hour here); `--arrivals` runs the arrival patterns alone on a fleet like the
+emulated hosts' (512 MiB, 800 Mbit/s NICs; bench/results/simulate_arrivals.{jsonl,md}):
+readers on standby, told at once, told one by one over 2 s, or after one that can reach
+no one, each timed from when it asked."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import replace
 from bench.results import RESULTS, Report
 from tensorhub.sim.config import SimConfig
 from tensorhub.sim.coordinator_queue import measure_socket_cost
-from tensorhub.sim.sweep import plot, run_sweep
+from tensorhub.sim.sweep import plot, run_arrivals, run_sweep
 
 
 def _report(report: Report, rows, label: str = "") -> None:
@@ -55,6 +58,24 @@ def _report(report: Report, rows, label: str = "") -> None:
         report.add(f"{n} deepest stripe tree", r.depth, "hops")
 
 
+def arrivals(sizes: list[int], socket_cost: float) -> None:
+    base = SimConfig(model_bytes=512 << 20, tensor_bytes=32 << 20, chunk_bytes=8 << 20,
+                     nic_gbps=0.8)
+    report = Report("simulate_arrivals")
+    rows = run_arrivals(base, sizes, socket_cost=socket_cost)
+    by_key = {(r.workers, r.arrival, r.version): r for r in rows}
+    for (n, arrival, version), r in by_key.items():
+        if version != 2:
+            continue
+        first = by_key[(n, arrival, 1)]
+        name = f"N={n}, 512 MiB, 800 Mbit/s, readers {arrival}"
+        report.add(f"{name}: worst reader / bound, 2nd version", r.worst, "x",
+                   "1st version", first.worst, higher_is_better=False)
+        report.add(f"{name}: trainer egress / model bytes, 2nd version", r.trainer_copies,
+                   "x", "1st version", first.trainer_copies, higher_is_better=False)
+    report.write()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max", type=int, default=4096, help="largest fleet (power of two)")
@@ -63,11 +84,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="readers of the 1 TiB fan-out (0: skip it)")
     parser.add_argument("--tib-only", action="store_true",
                         help="run only the 1 TiB fan-out, into simulate_tib.{jsonl,md}")
+    parser.add_argument("--arrivals", action="store_true",
+                        help="run only the arrival patterns (4 to 512 readers), into "
+                             "simulate_arrivals.{jsonl,md}")
     args = parser.parse_args(argv)
     sizes = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= args.max]
     base = SimConfig(model_bytes=int(args.model_gib * 2**30))
     measured = measure_socket_cost()
     socket_cost = measured.saturated
+    if args.arrivals:
+        arrivals([n for n in (4, 8, 64, 512) if n <= args.max], socket_cost)
+        return
     report = Report("simulate_tib" if args.tib_only else "simulate")
     report.add("coordinator socket cost per message, saturated loop (measured; charged)",
                socket_cost * 1e6, "us", "half a round trip less the handler",

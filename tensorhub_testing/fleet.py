@@ -10,6 +10,7 @@ cluster has several (the one setting a process cannot guess; see `core/topology.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,11 +57,12 @@ class Fleet:
         return {**labels, **self.env, **(env or {})}
 
     def _start(self, host: Host, name: str, args: list[str],
-               env: dict[str, str] | None = None) -> ChildProcess:
+               env: dict[str, str] | None = None, stdin: bool = False) -> ChildProcess:
         proc = host.popen([sys.executable, "-m", "tensorhub.tools.cli", "--log-level", "INFO",
                            *args],
                           env=self.host_env(host, env), name=name,
-                          log_path=str(self.log_dir / f"{name}.log"))
+                          log_path=str(self.log_dir / f"{name}.log"),
+                          stdin=subprocess.PIPE if stdin else None)
         self.procs.append(proc)
         return proc
 
@@ -75,13 +77,15 @@ class Fleet:
 
     def replica(self, host: Host, *, name: str | None = None, versions: int = 1,
                 env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
-                pull_timeout: float = 120.0) -> ChildProcess:
-        """`tensorhub replica` on `host`: JSON events with checksums, lingers."""
+                pull_timeout: float = 120.0, on_demand: bool = False) -> ChildProcess:
+        """`tensorhub replica` on `host`: JSON events with checksums, lingers; `on_demand`:
+        it pulls the versions named by `send_line` (`--on-demand`)."""
         name = name or host.name
         return self._start(host, name, [
             "replica", "--coordinator", self.address, "--name", name, "--json",
             "--checksums", "--versions", str(versions), "--linger", "--timeout", "600",
-            "--pull-timeout", str(pull_timeout), *extra], env)
+            "--pull-timeout", str(pull_timeout), *(["--on-demand"] if on_demand else []),
+            *extra], env, stdin=on_demand)
 
     def status(self) -> dict:
         """`tensorhub status --json`, asked from the coordinator's host."""

@@ -126,6 +126,22 @@ def test_a_sparse_step_crosses_the_wan_once_as_a_patch_and_lands_bit_exact(tmp_p
         assert crossed < 1.5 * patch + (64 << 10), (crossed, patch)
 
 
+def test_readers_that_pull_on_demand_one_after_another_take_one_copy_from_the_trainer(
+        tmp_path):
+    with Cluster(4, egress="800mbit") as cluster, \
+            Fleet(cluster, log_dir=tmp_path) as fleet:
+        h0, *hosts = cluster.hosts
+        readers = [fleet.replica(h, on_demand=True) for h in hosts]
+        trainer = fleet.trainer(h0, 64)
+        published = trainer.next_json(60)
+        sent = h0.traffic().sent
+        for r in readers:  # each told once the one before holds it (`pull(version=1)`)
+            r.send_line(str(published["version"]))
+            assert _pulled(r)["checksums"] == published["checksums"]
+        # the later ones read from those that hold it; the trainer again would be 3 copies
+        assert h0.traffic().sent - sent < 1.5 * published["nbytes"]
+
+
 def test_a_pull_in_flight_survives_a_coordinator_kill_and_restart(tmp_path):
     with Cluster(3, egress="200mbit") as cluster, Fleet(cluster, log_dir=tmp_path) as fleet:
         _, h1, h2 = cluster.hosts  # the coordinator's host, the trainer's, the reader's

@@ -38,3 +38,17 @@ def test_a_reader_killed_on_standby_mid_pull_leaves_the_others_to_finish():
     result = simulate_swarm(config)
     assert sorted(result.killed) == ["w0", "w5"]
     assert not result.unfinished and len(result.finished) == 30
+
+
+def test_readers_told_one_by_one_after_the_last_one_finished_get_one_trainer_copy():
+    config = SimConfig(**{**SMALL.__dict__, "workers": 4, "spread": 1.0})  # 12x the bound
+    result = simulate_swarm(config)
+    assert sorted(result.finished) == ["w0", "w1", "w2", "w3"]
+    assert result.trainer_copies == 1.0  # the later ones read from those that hold it
+
+
+def test_a_reader_that_reaches_no_one_asking_first_costs_no_second_trainer_copy():
+    result = simulate_swarm(SimConfig(**{**SMALL.__dict__, "workers": 8,
+                                         "failing_first": True}))
+    assert sorted(result.finished) == sorted(f"w{i}" for i in range(8))
+    assert result.trainer_copies == 1.0

@@ -19,18 +19,28 @@ Online, readers arrive one by one and a leaf must not take a slot that a later i
 reader needs near the root: the forest is told how many readers to expect (the replicas
 registered in the datacenter) and a leaf takes a free slot only while more slots are free
 than interior readers are still to come, the deepest one. A leaf refused for now is told to
-ask again (`pending`); after `grace` seconds it takes any slot, or the least-loaded parent.
+ask again (`pending`), but only while readers keep arriving (one within `settle` of the
+last: a burst, as when a fleet hears of a version at once) and for `grace` at most: a reader
+that asks alone (rollout workers told to sync one by one, readers that come after one that
+failed) does not wait for readers that may come seconds later. It takes the deepest free
+slot, even one an interior reader would have needed; that interior reader, finding no slot,
+is handed its stripe by a reader ahead of it that receives the stripe without forwarding it
+(`_relay`), in place of a slot of that reader's own home stripe: each reader still uploads
+at most one model's worth, and the publisher keeps one child per stripe.
 
 Complete holders (the publisher, replicas that hold the version) are roots: they have
-every chunk, so they serve any stripe, `fanout // stripes` children in each. Each
-datacenter has a forest of its own; the first reader of a datacenter with no root in it
-becomes its gateway, pulling every stripe from across the WAN once and feeding its
-datacenter as a root would. No I/O here: the coordinator and the simulator both drive it.
+every chunk, so they serve any stripe, `fanout // stripes` children in each; of equal depth,
+the publisher's slots are taken last (a reader that comes once others hold the version
+reads from them, not from the trainer a second time). Each datacenter has a forest of its
+own; the first reader of a datacenter with no root in it becomes its gateway, pulling every
+stripe from across the WAN once and feeding its datacenter as a root would. No I/O here:
+the coordinator and the simulator both drive it.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -52,6 +62,9 @@ class Member:
     depth: list[int] = field(default_factory=list)  # per stripe
     children: list[int] = field(default_factory=list)  # per stripe
     since: float = 0.0  # when it joined (a pending stripe waits `grace` from here)
+    # Children it serves in stripes other than its home (`_relay`): each takes one of its
+    # home stripe's slots, so that it still uploads at most one model's worth.
+    handed: int = 0
     # The parents it read each stripe from last (kept when it completes): the next
     # version's forest starts from these (`adopt`).
     used: list[str | None] = field(default_factory=list)
@@ -61,12 +74,18 @@ class Forest:
     """One forest per (model, version, layout): every datacenter's trees in it. Choosing a
     parent costs O(log readers) (heaps of free slots per datacenter and stripe)."""
 
-    def __init__(self, stripes: int = 2, fanout: int = 2, grace: float = 0.5):
+    def __init__(self, stripes: int = 2, fanout: int = 2, grace: float = 0.5,
+                 settle: float = 0.1):
+        """`grace`: the longest a leaf waits for a slot kept for interior readers still to
+        come; `settle`: it waits only while readers keep arriving, one within this long of
+        the last (`math.inf`: always up to `grace`, where waiting costs nothing)."""
         if stripes < 1 or fanout < 1:
             raise ValueError("stripes and fanout must be at least 1")
         self.stripes = stripes
         self.fanout = fanout
         self.grace = grace
+        self.settle = settle
+        self._last_join: dict[str, float] = {}  # dc -> when its latest reader joined
         self.members: dict[str, Member] = {}
         self._homes: dict[str, list[int]] = {}  # dc -> interior readers per stripe so far
         self._gateways: dict[str, int] = {}  # dc -> gateways
@@ -95,7 +114,8 @@ class Forest:
 
     def add_root(self, worker_id: str, dc: str = "", reader: bool = True) -> None:
         """A complete holder (the publisher, or a reader that now holds everything);
-        `reader=False`: one not counted among the readers `join` expects (a publisher)."""
+        `reader=False`: one not counted among the readers `join` expects (a publisher).
+        Set `publisher` first: its slots are offered after every other root's."""
         m = self.members.get(worker_id)
         if m is None:
             m = self._new(worker_id, dc, root=True)
@@ -140,6 +160,7 @@ class Forest:
             return self.fill(worker_id, now, expected)
         homes = self._homes.setdefault(dc, [0] * self.stripes)
         self._arrived[dc] = self._arrived.get(dc, 0) + 1
+        self._last_join[dc] = max(now, self._last_join.get(dc, now))
         local = any(self._free.get((dc, s), 0) for s in range(self.stripes)) \
             or self._gateways.get(dc, 0) or sum(homes)
         m = self._new(worker_id, dc, root=False, since=now)
@@ -167,17 +188,24 @@ class Forest:
         return list(m.parents)
 
     def replace(self, worker_id: str, stripe: int, avoid: set[str], now: float) -> str | None:
-        """A new parent for `stripe`: the old one failed or fell behind. Only a member
-        shallower than this reader qualifies (never one of its own descendants): the
-        shallowest free slot, else the least-loaded such member."""
+        """A new parent for `stripe`: the old one failed or fell behind. Never one of the
+        reader's own descendants (a loop), and a shallower member first (it is ahead in
+        the pipeline): the shallowest free slot, a shallower reader that hands the stripe
+        down (`_relay`); then a free slot or a hand-down deeper; only then the least-loaded
+        shallower member, one slot over its share (the orphans of a failed parent are
+        more than the slots above them)."""
         m = self.members[worker_id]
         old = m.parents[stripe]
         limit = m.depth[stripe]
         self._detach(m, stripe)
         avoid = avoid | ({old} if old else set())
         best = self._top(m.dc, stripe, deep=False)
-        if best is None or best is m or best.worker_id in avoid or best.depth[stripe] >= limit:
-            best = self._scan(m, stripe, avoid, limit)
+        if best is None or best is m or best.worker_id in avoid or best.depth[stripe] >= limit \
+                or self._descends(best, m, stripe):
+            best = self._relay(m, stripe, avoid, limit) \
+                or self._scan(m, stripe, avoid, UNSET, free_only=True) \
+                or self._relay(m, stripe, avoid, UNSET) \
+                or self._scan(m, stripe, avoid, limit)
         if best is not None:
             self._attach(m, stripe, best)
         return m.parents[stripe]
@@ -258,7 +286,7 @@ class Forest:
     def _capacity(self, m: Member, stripe: int) -> int:
         if m.root or m.gateway:
             return max(1, self.fanout // self.stripes)
-        return self.fanout if m.home == stripe else 0
+        return self.fanout - m.handed if m.home == stripe else 0
 
     def _assign(self, m: Member, stripe: int, expected: int, now: float,
                 avoid: Collection[str] = ()) -> None:
@@ -270,19 +298,42 @@ class Forest:
                        default=None) or self._scan(m, stripe, set(), UNSET, any_dc=True)
         elif m.home == stripe:
             best = self._top(m.dc, stripe, deep=False, besides=besides) \
+                or self._relay(m, stripe, set(avoid), UNSET) \
                 or self._scan(m, stripe, set(), UNSET)
         else:
-            late = now - m.since >= self.grace
+            # A leaf leaves the slots interior readers still to come need, while readers
+            # keep arriving (a burst: they come within a chunk time or so, and the forest
+            # stays shallow); a reader that came alone, or last, does not wait for readers
+            # that may come much later: it takes a slot now, and an interior reader that
+            # finds none is handed the stripe by a reader that has it (`_relay`).
+            waiting = now - m.since < self.grace \
+                and now - self._last_join.get(m.dc, -math.inf) < self.settle
             best = None
-            if self._free.get((m.dc, stripe), 0) > self._reserve(m.dc, stripe, expected):
+            if not waiting or \
+                    self._free.get((m.dc, stripe), 0) > self._reserve(m.dc, stripe, expected):
                 best = self._top(m.dc, stripe, deep=True, besides=besides)
-            if best is None and late:
-                best = self._top(m.dc, stripe, deep=True, besides=besides) \
+            if best is None and not waiting:
+                best = self._relay(m, stripe, set(avoid), UNSET) \
                     or self._scan(m, stripe, set(), UNSET)
-        if best is not None and best.worker_id in avoid:
-            best = self._scan(m, stripe, set(avoid), UNSET, any_dc=m.gateway)
+        if best is not None and (best.worker_id in avoid or self._descends(best, m, stripe)):
+            best = self._relay(m, stripe, set(avoid), UNSET) \
+                or self._scan(m, stripe, set(avoid), UNSET, any_dc=m.gateway)
         if best is not None:
             self._attach(m, stripe, best)
+
+    def _descends(self, p: Member, m: Member, stripe: int) -> bool:
+        """`p` reads `stripe` through `m`: it may not be `m`'s parent there (a loop, which
+        no byte enters). Only a reader that kept children while it had no parent (its
+        parent failed, or left) has descendants to check."""
+        if not m.children[stripe]:
+            return False
+        for _ in range(len(self.members)):
+            if p is m:
+                return True
+            parent = p.parents[stripe]
+            if p.root or parent is None or (p := self.members.get(parent)) is None:
+                return False
+        return False
 
     def _reserve(self, dc: str, stripe: int, expected: int) -> int:
         """Interior readers of `stripe` still to come in `dc` (each needs a slot). Homes go
@@ -297,7 +348,8 @@ class Forest:
              besides: tuple[str | None, ...] = ()) -> Member | None:
         """The shallowest (or deepest) member of `dc` with a free slot in `stripe`, one not
         in `besides` if there is such (a reader's parents in its other stripes: two
-        parents share the load, and one death costs one stripe)."""
+        parents share the load, and one death costs one stripe), unless that one is the
+        publisher (one upload out of the trainer comes first)."""
         heap = (self._deep if deep else self._shallow).get((dc, stripe))
         skipped, found = [], None
         while heap:
@@ -313,22 +365,46 @@ class Forest:
                 break
         for entry in skipped:
             heapq.heappush(heap, entry)
-        if found is None and skipped:
+        if skipped and (found is None or found.worker_id == self.publisher):
             found = self.members[skipped[0][2]]
         return found
 
+    def _relay(self, m: Member, stripe: int, avoid: set[str], limit: int) -> Member | None:
+        """A reader that receives `stripe` without forwarding it (its home is another)
+        and has a slot to spare in its home stripe: it hands `stripe` on to `m`, in place of
+        that slot (`handed`). Where a leaf took the slot an interior reader of `stripe`
+        needed (one that did not wait, or came before it), this keeps the publisher to one
+        child per stripe: the leaf, ahead of `m`, passes the stripe down. The shallowest,
+        then the earliest; O(members), only when no slot is free."""
+        best_key, best = None, None
+        besides = set(m.parents)
+        for p in self.members.values():
+            if p is m or p.root or p.gateway or p.home is None or p.home == stripe \
+                    or p.dc != m.dc or p.worker_id in avoid or p.depth[stripe] >= limit \
+                    or p.children[p.home] >= self._capacity(p, p.home) \
+                    or self._descends(p, m, stripe):
+                continue
+            key = (p.depth[stripe], p.worker_id in besides, p.seq)
+            if best_key is None or key < best_key:
+                best_key, best = key, p
+        return best
+
     def _scan(self, m: Member, stripe: int, avoid: set[str], limit: int,
-              any_dc: bool = False) -> Member | None:
-        """Any member shallower than `limit` serving `stripe`, free slots first, then the
-        least loaded (a slot over its share): the fallback, O(members)."""
+              any_dc: bool = False, free_only: bool = False) -> Member | None:
+        """Any member shallower than `limit` serving `stripe` (not below `m`), free slots
+        first, then (unless `free_only`) the least loaded (a slot over its share), the
+        publisher last (every stripe needs its one upload): the fallback, O(members)."""
         best_key, best = None, None
         for p in self.members.values():
             if p is m or p.worker_id in avoid or p.depth[stripe] >= limit:
                 continue
-            if (not any_dc and p.dc != m.dc) or self._capacity(p, stripe) == 0:
+            if (not any_dc and p.dc != m.dc) or self._capacity(p, stripe) == 0 \
+                    or (free_only and p.children[stripe] >= self._capacity(p, stripe)) \
+                    or self._descends(p, m, stripe):
                 continue
             over = p.children[stripe] - self._capacity(p, stripe)
-            key = (max(0, over + 1), p.dc != m.dc, p.depth[stripe], p.seq)
+            key = (max(0, over + 1), over >= 0 and p.worker_id == self.publisher,
+                   p.dc != m.dc, p.depth[stripe], p.seq)
             if best_key is None or key < best_key:
                 best_key, best = key, p
         return best
@@ -338,12 +414,28 @@ class Forest:
         key = (m.dc, stripe)
         self._free[key] = self._free.get(key, 0) + delta
         if m.children[stripe] < self._capacity(m, stripe) and m.depth[stripe] < UNSET:
-            heapq.heappush(self._shallow.setdefault(key, []), (m.depth[stripe], m.seq,
-                                                               m.worker_id))
+            # (of equal depth, the oldest first, but the publisher last: a reader that
+            # comes once others hold the version reads from them, not from the trainer
+            # again)
+            publisher = m.worker_id == self.publisher
+            heapq.heappush(self._shallow.setdefault(key, []),
+                           (m.depth[stripe], (publisher, m.seq), m.worker_id))
             # (the deepest, newest first: a leaf leaves the old, shallow slots, and the
             # publisher's, to others)
-            heapq.heappush(self._deep.setdefault(key, []), (-m.depth[stripe], -m.seq,
-                                                            m.worker_id))
+            heapq.heappush(self._deep.setdefault(key, []),
+                           (-m.depth[stripe], (publisher, -m.seq), m.worker_id))
+
+    def _handed(self, p: Member, stripe: int, delta: int) -> None:
+        """`p` serves one child more (or fewer) in `stripe`, not its home: one slot fewer
+        (more) in its home stripe."""
+        if p.root or p.gateway or p.home is None or p.home == stripe:
+            return
+        home = p.home
+        before = max(0, self._capacity(p, home) - p.children[home])
+        p.handed = max(0, p.handed + delta)
+        change = max(0, self._capacity(p, home) - p.children[home]) - before
+        if change and p.depth[home] < UNSET:
+            self._offer(p, home, change)
 
     def _attach(self, m: Member, stripe: int, parent: Member) -> None:
         if not m.used:
@@ -352,6 +444,7 @@ class Forest:
         m.parents[stripe] = parent.worker_id
         m.depth[stripe] = parent.depth[stripe] + 1
         self.deepest = max(self.deepest, m.depth[stripe])
+        self._handed(parent, stripe, +1)
         parent.children[stripe] += 1
         if parent.children[stripe] <= self._capacity(parent, stripe):
             self._free[(parent.dc, stripe)] -= 1
@@ -367,3 +460,4 @@ class Forest:
         if p is not None:
             p.children[stripe] -= 1
             self._offer(p, stripe, 1 if p.children[stripe] < self._capacity(p, stripe) else 0)
+            self._handed(p, stripe, -1)

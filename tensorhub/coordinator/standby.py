@@ -22,6 +22,7 @@ when they confirm). No I/O here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,9 +65,11 @@ class StandingForests:
         only when the forest is new."""
         standing = self._by_key.get((model, layout_id))
         if standing is None:
-            forest = Forest(self.stripes, self.fanout, self.grace)
-            forest.add_root(PUBLISHER, publisher_dc(), reader=False)
+            # (no version yet, so no reader is kept waiting by a leaf's wait for the
+            # interior readers to come: it waits up to `grace` whenever they are owed)
+            forest = Forest(self.stripes, self.fanout, self.grace, settle=math.inf)
             forest.publisher = PUBLISHER
+            forest.add_root(PUBLISHER, publisher_dc(), reader=False)
             standing = self._by_key[(model, layout_id)] = Standing(forest, sizes)
         elif sizes != standing.sizes:
             raise ValueError(f"regions of {len(sizes)} items ({sum(sizes)} bytes) do not fit "

@@ -60,10 +60,12 @@ class CoordinatorConfig:
     busy_retry: float = 0.05  # the longest a busy reader waits; less on links seen faster
     # Striped pulls (`forest.py`): stripes per version, and how a reader with no parent yet
     # for a stripe is told to wait (`pending_retry`), and for how long at most before it
-    # takes any slot (`pending_grace`).
+    # takes any slot (`pending_grace`): only while readers keep arriving, one within
+    # `pending_settle` of the last.
     stripes: int = 2
     pending_retry: float = 0.02
     pending_grace: float = 0.5
+    pending_settle: float = 0.1
     # A sharded version (`Publish.parts`) is given up if its parts are not all in by then.
     part_wait: float = 120.0
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -209,14 +211,15 @@ class CoordinatorState:
         there are as roots."""
         if layout.forest is None:
             layout.forest = Forest(self.config.stripes, self.config.planner.max_readers_per_holder,
-                                   self.config.pending_grace)
-            for h in layout.holders.values():
-                worker = self.table.workers.get(h.worker_id)
-                if worker is not None and not h.withdrawn:
-                    layout.forest.add_root(h.worker_id, worker.labels.get("dc", ""),
-                                           reader=worker.role == "replica")
-                    if worker.role == "trainer" and layout.forest.publisher is None:
-                        layout.forest.publisher = h.worker_id
+                                   self.config.pending_grace, self.config.pending_settle)
+            roots = [(h.worker_id, worker) for h in layout.holders.values()
+                     if (worker := self.table.workers.get(h.worker_id)) is not None
+                     and not h.withdrawn]
+            layout.forest.publisher = next(
+                (wid for wid, worker in roots if worker.role == "trainer"), None)
+            for wid, worker in roots:
+                layout.forest.add_root(wid, worker.labels.get("dc", ""),
+                                       reader=worker.role == "replica")
         return layout.forest
 
     def finish_withdrawals(self, holders, model: str, version: int) -> None:

@@ -85,6 +85,9 @@ class StripedReader:
     def _send(self, ask: Ask) -> Future:
         """The re-ask on a thread of its own: reads go on meanwhile."""
         future: Future = Future()
+        log.debug("%s: asking for stripes %s (failed %s, behind %s)", self.session.name,
+                  list(ask.replan.stripes) or "none: confirming", list(ask.replan.failed),
+                  list(ask.replan.behind))
 
         def send() -> None:
             try:
@@ -109,6 +112,7 @@ class StripedReader:
             if self.pull.ended:
                 return
             raise
+        log.debug("%s: parents now %s", self.session.name, plan.stripes)
         done = self.pull.answered(ask, plan, now)
         if done is not None:
             self.end(done)

@@ -40,6 +40,13 @@ class SimConfig:
     # Readers stand by before the first version exists (placed ahead in its forest), and
     # pull it as the next ones, from the parents they were told.
     standby: bool = False
+    # Readers ask for each version at moments spread evenly over this many seconds after
+    # it is announced (0: all at once), as rollout workers told to sync one by one; each
+    # reader's time counts from its own moment.
+    spread: float = 0.0
+    # One more reader, whose transport reaches no other worker (every read and poll by it
+    # or of it fails), asks first; it is in no figure.
+    failing_first: bool = False
 
     @property
     def lower_bound(self) -> float:

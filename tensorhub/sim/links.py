@@ -35,6 +35,7 @@ class Transfer:
     on_done: Callable[[Transfer], None]
     on_fail: Callable[[Transfer], None]
     tag: object = None
+    nbytes: float = 0.0
     rate: float = 0.0
     since: float = 0.0
     generation: int = 0
@@ -66,13 +67,15 @@ class Network:
         self.loop = loop
         self.wan_rate = wan_rate
         self.nics: dict[str, Nic] = {}
+        self.sent: dict[str, float] = {}  # bytes each worker sent, in transfers that ended
 
     def add(self, name: str, nic: Nic) -> None:
         self.nics[name] = nic
 
     def start(self, src: str, dst: str, nbytes: float, on_done, on_fail, tag=None) -> None:
         """Begin moving `nbytes` from `src` to `dst` now; a dead source fails it at once."""
-        t = Transfer(src, dst, float(nbytes), on_done, on_fail, tag, since=self.loop.now)
+        t = Transfer(src, dst, float(nbytes), on_done, on_fail, tag, since=self.loop.now,
+                     nbytes=float(nbytes))
         if not self.nics[src].alive or not self.nics[dst].alive:
             self.loop.at(self.loop.now, lambda: on_fail(t))
             return
@@ -117,6 +120,7 @@ class Network:
             return
         self._remove(t)
         self._retime(t.src, t.dst)
+        self.sent[t.src] = self.sent.get(t.src, 0.0) + t.nbytes
         t.on_done(t)
 
     def _remove(self, t: Transfer) -> None:

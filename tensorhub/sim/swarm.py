@@ -15,7 +15,9 @@ queue as the plans.
 With `SimConfig.standby` the readers stand by before the first version exists
 (`coordinator/standby.py`): each is placed through the same queue, the version is
 published once all are, and the clock of the figures starts there; the placing is
-reported apart (`standby_seconds`, `standby_busy`).
+reported apart (`standby_seconds`, `standby_busy`). With `SimConfig.spread` readers ask at
+moments spread after the announcement, each timed from its own; with
+`SimConfig.failing_first` a reader that can reach no one asks first.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class SwarmResult(Completions):
     reader_messages: dict[str, int] = field(default_factory=dict)
     standby_seconds: float = 0.0  # placing every reader ahead (standby), before the version
     standby_busy: float = 0.0  # the coordinator's busy time in it
+    trainer_copies: float = 0.0  # what the trainer sent for the version, in models
 
     @property
     def busy_fraction(self) -> float:
@@ -84,8 +87,11 @@ class _Reader:
     """A simulated reader: a `PullSession` (what `Replica` runs) driven on the simulated
     clock, links and coordinator queue."""
 
-    def __init__(self, sim: SwarmSim, name: str, labels: dict[str, str]):
-        self.sim, self.name = sim, name
+    def __init__(self, sim: SwarmSim, name: str, labels: dict[str, str],
+                 broken: bool = False, delay: float = 0.0):
+        """`broken`: its transport reaches no one; `delay`: it asks for each version this
+        long after the announcement."""
+        self.sim, self.name, self.broken, self.delay = sim, name, broken, delay
         reply = sim.queue.call_now(Register(name=name, role="replica", endpoint=sim.endpoint,
                                             labels=labels, progress=sim.progress))
         self.id = reply.worker_id
@@ -113,7 +119,7 @@ class _Reader:
     def start(self) -> None:
         """A cold pull: the announcement carried the manifest, so its buffers are allocated
         at once and its first plan request carries them."""
-        self.finished, self._wake = None, None
+        self.finished, self._wake, self.failed = None, None, None
         self.pull = self._new_pull()
         self._ask_plan()
 
@@ -158,7 +164,7 @@ class _Reader:
         if warm is None:
             self.start()
             return
-        self.finished, self._wake = None, None
+        self.finished, self._wake, self.failed = None, None, None
         self.pull = self._new_pull(warm)
         self.step()
 
@@ -260,6 +266,8 @@ class SwarmSim:
         self.coordinator = CoordinatorState(
             CoordinatorConfig(worker_ttl=5.0, heartbeat_interval=1.0, lease_ttl=600.0,
                               stripes=stripes, pending_retry=max(0.002, chunk_time / 4),
+                              # (readers closer than a chunk time apart are one burst)
+                              pending_settle=max(0.004, chunk_time),
                               planner=PlannerConfig(
                                   max_readers_per_holder=config.planner.max_readers_per_holder,
                                   chunk_bytes=config.chunk_bytes, min_chunks=1)),
@@ -286,13 +294,22 @@ class SwarmSim:
                                 memory=self.memory)
         self.readers: list[_Reader] = []
         self.by_id: dict[str, _Reader] = {}
+        self.broken: _Reader | None = None
+        if config.failing_first:  # (registered first, so on no node of the others)
+            self.broken = _Reader(self, "broken", {"dc": "dc0", "node": "broken"},
+                                  broken=True)
+            self.net.add(self.broken.id, Nic(nic, nic, "dc0", "broken"))
+            self.by_id[self.broken.id] = self.broken
+        lead = config.rpc if config.failing_first else 0.0  # (after the broken one)
         for i in range(config.workers):
             labels = {"dc": f"dc{i % config.dcs}",
                       "node": f"n{i // config.dcs // config.per_node}"}
-            r = _Reader(self, f"w{i}", labels)
+            r = _Reader(self, f"w{i}", labels,
+                        delay=lead + i * config.spread / max(1, config.workers - 1))
             self.net.add(r.id, Nic(nic, nic, labels["dc"], labels["node"]))
             self.readers.append(r)
             self.by_id[r.id] = r
+        self.trainer_sent = 0.0  # what the trainer had sent when the measured version came
         self.version = 1  # the version published last
         self.done_count = 0
         self.measured_from = 0.0  # when the measured version was published
@@ -304,9 +321,17 @@ class SwarmSim:
         far = self.net.nics[a].dc != self.net.nics[b].dc
         return self.config.wan_latency if far else self.config.latency
 
+    def _unreachable(self, reader: _Reader, source: str) -> bool:
+        """A broken transport at either end: the read or poll fails."""
+        src = self.by_id.get(source)
+        return reader.broken or (src is not None and src.broken)
+
     def read(self, reader: _Reader, action: Read) -> None:
         nbytes = sum(self.chunks[c].nbytes for c in action.chunks)
         start = self.loop.now + self._latency(action.source, reader.id)
+        if self._unreachable(reader, action.source):
+            self.loop.at(start, lambda: reader.read_done(action, False))
+            return
 
         def begin() -> None:
             self.net.start(action.source, reader.id, nbytes,
@@ -321,7 +346,8 @@ class SwarmSim:
 
         def look() -> None:
             src = self.by_id.get(action.source)
-            if not self.net.nics[action.source].alive:
+            if not self.net.nics[action.source].alive or self._unreachable(reader,
+                                                                          action.source):
                 self.loop.at(self.loop.now + one_way, lambda: reader.polled(action, None))
                 return
             if src is None:  # the trainer: it has everything of the newest version
@@ -376,6 +402,7 @@ class SwarmSim:
             self.loop.at(self.loop.now + 0.01, self._publish_next)
             return
         self.measured_from = self.loop.now
+        self.trainer_sent = self.net.sent.get(self.trainer, 0.0)
         self.queue.busy, self.queue.longest_wait = 0.0, 0.0
         self.queue.messages.clear()
         self.reader_messages.clear()
@@ -387,9 +414,13 @@ class SwarmSim:
         """The version's announcement, as the coordinator's PUB socket carries it to every
         reader."""
         announcement = self.queue.call_now(LatestRequest(model="m"))
-        for r in self.readers:
-            self.loop.at(self.loop.now + self.config.rpc / 2,
+        for r in self._askers():
+            self.loop.at(self.loop.now + self.config.rpc / 2 + r.delay,
                          lambda r=r: r.start_warm(self.version, announcement))
+
+    def _askers(self) -> list[_Reader]:
+        """Every reader, the broken one (if any) first."""
+        return [self.broken, *self.readers] if self.broken is not None else self.readers
 
     def _schedule_kills(self, start: float) -> None:
         """`SimConfig.kill` at `kill_at` of the lower bound after `start` (the publish)."""
@@ -407,8 +438,9 @@ class SwarmSim:
                 self.loop.at(0.0, r.stand_by)
         else:
             self.queue.send(self._publish,
-                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2,
-                                                    r.start) for r in self.readers])
+                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2
+                                                    + r.delay, r.start)
+                                       for r in self._askers()])
         for wid in [self.trainer, *self.by_id]:
             self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
         self.loop.at(settings.EXPIRY_PERIOD, self._expire)
@@ -419,7 +451,7 @@ class SwarmSim:
             self.coordinator.table.models["m"].versions[self.version].layouts.values()))
         return SwarmResult(
             self.config,
-            finished={r.name: r.finished - self.measured_from for r in self.readers
+            finished={r.name: r.finished - self.measured_from - r.delay for r in self.readers
                       if r.finished is not None and r.version == self.config.version},
             killed=[r.name for r in self.readers if not r.alive],
             unfinished=[r.name for r in self.readers if r.alive and r.finished is None],
@@ -428,7 +460,9 @@ class SwarmSim:
             max_depth=layout.forest.deepest if layout.forest else 0,
             replans=self.replans, polls=self.polls,
             reader_messages=dict(self.reader_messages),
-            standby_seconds=self.standby_seconds, standby_busy=self.standby_busy)
+            standby_seconds=self.standby_seconds, standby_busy=self.standby_busy,
+            trainer_copies=(self.net.sent.get(self.trainer, 0.0) - self.trainer_sent)
+            / self.config.model_bytes)
 
 
 def simulate_swarm(config: SimConfig, socket_cost: float = 0.0, **kwargs) -> SwarmResult:

@@ -56,6 +56,46 @@ class SweepRow:
     standby_placing_busy: float | None = None  # the coordinator's busy time in it
 
 
+# How readers ask for each version (`SimConfig`): the fleet's bench (`bench.hosts`) has the
+# same patterns on emulated hosts; following and being told at once are one here.
+ARRIVALS: dict[str, dict] = {
+    "standby": {"standby": True},
+    "at once": {},
+    "staggered": {"spread": 2.0},
+    "failing-first": {"failing_first": True},
+}
+
+
+@dataclass(frozen=True)
+class ArrivalRow:
+    workers: int
+    arrival: str
+    version: int  # 1: the fleet's first; 2: the next, pulled from the same parents
+    worst: float  # the worst reader's time from when it asked, over the lower bound
+    trainer_copies: float  # what the trainer sent for the version, in models
+    unfinished: int
+
+
+def run_arrivals(base: SimConfig, sizes: list[int], patterns: list[str] | None = None,
+                 echo=print, socket_cost: float = 0.0) -> list[ArrivalRow]:
+    """Each arrival pattern at each fleet size, the first version and the next."""
+    import logging
+
+    logging.getLogger("tensorhub.coordinator").setLevel(logging.ERROR)
+    rows = []
+    for n in sizes:
+        for name in patterns or list(ARRIVALS):
+            for version in (1, 2):
+                r = simulate_swarm(replace(base, workers=n, version=version, **ARRIVALS[name]),
+                                   socket_cost)
+                rows.append(ArrivalRow(n, name, version, r.ratio, r.trainer_copies,
+                                       len(r.unfinished)))
+                echo(f"N={n:4d} {name:14s} version {version}: worst / bound {r.ratio:.3f}, "
+                     f"trainer egress {r.trainer_copies:.2f} models, "
+                     f"{len(r.unfinished)} unfinished")
+    return rows
+
+
 def star_time(c: SimConfig) -> float:
     return c.workers * c.model_bytes * 8 / (c.nic_gbps * GB) + c.latency + c.rpc
 

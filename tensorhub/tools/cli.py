@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import queue
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -123,7 +125,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _replica(args: argparse.Namespace) -> int:
-    """A replica process with no weights of its own: allocate from the manifest, follow."""
+    """A replica process with no weights of its own: allocate from the manifest (or from the
+    declared first version, `--standby`), then follow announcements or, `--on-demand`, pull
+    each version named on stdin."""
     from tensorhub.core.checksum import checksum
     from tensorhub.core.errors import TensorHubError
     from tensorhub.replica import Replica
@@ -133,12 +137,21 @@ def _replica(args: argparse.Namespace) -> int:
                       whole_items=args.whole_items, coordinator_wait=min(120.0, args.timeout))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    asked = _stdin_lines(stop) if args.on_demand else None
     pulled = 0
     try:
+        if args.standby and _stand_by(replica, deadline, stop) and args.json:
+            print(json.dumps({"event": "standing_by", "name": args.name}), flush=True)
         while not stop and (args.versions == 0 or pulled < args.versions):
-            newer = replica.wait_for_newer(timeout=min(1.0, max(0.0,
-                                                                 deadline - time.monotonic())))
-            if newer is None:
+            left = min(1.0, max(0.0, deadline - time.monotonic()))
+            if asked is not None:  # as an RL driver tells its rollout workers at a sync
+                try:
+                    target: int | str | None = int(asked.get(timeout=left))
+                except queue.Empty:
+                    target = None
+            else:
+                target = "latest" if replica.wait_for_newer(timeout=left) is not None else None
+            if target is None:
                 if time.monotonic() > deadline:
                     print(json.dumps({"event": "timeout"}) if args.json else "timed out",
                           flush=True)
@@ -146,9 +159,10 @@ def _replica(args: argparse.Namespace) -> int:
                 continue
             started_at = time.time()  # wall clock: comparable across processes and hosts
             try:
-                version = replica.pull(timeout=args.pull_timeout)
+                version = replica.pull(version=target, timeout=args.pull_timeout)
             except TensorHubError as exc:
-                print(json.dumps({"event": "error", "code": exc.code, "message": str(exc)})
+                print(json.dumps({"event": "error", "code": exc.code, "message": str(exc),
+                                  "started_at": started_at, "ended_at": time.time()})
                       if args.json else f"pull failed: {exc}", flush=True)
                 continue
             pulled += 1
@@ -157,7 +171,8 @@ def _replica(args: argparse.Namespace) -> int:
                 event = {"event": "pulled", "name": args.name, "version": version,
                          "sources": s.sources, "by_source": s.by_source, "nbytes": s.nbytes,
                          "seconds": s.seconds, "gbps": s.gbps, "started_at": started_at,
-                         "ended_at": time.time(), "patches": replica.last_pull_patches}
+                         "ended_at": time.time(), "planned": replica.last_pull_planned,
+                         "patches": replica.last_pull_patches}
                 if args.checksums:
                     event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
                 print(json.dumps(event), flush=True)
@@ -171,6 +186,42 @@ def _replica(args: argparse.Namespace) -> int:
     finally:
         replica.close()
     return 0
+
+
+def _stdin_lines(stop: list) -> queue.Queue[str]:
+    """Lines of stdin as they come, read on a thread (the main one stays free to stop);
+    end of input stops the process."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                lines.put(line.strip())
+        stop.append(1)
+
+    threading.Thread(target=read, daemon=True, name="tensorhub-stdin").start()
+    return lines
+
+
+def _stand_by(replica, deadline: float, stop: list) -> bool:
+    """Allocate buffers from the declared first version once the trainer declared it, and
+    stand by in its forest (`Replica.stand_by`); False if a version came out first (the
+    follow loop pulls it) or the time ran out."""
+    from tensorhub.core.data_types import GetDeclared
+    from tensorhub.core.errors import CoordinatorError
+
+    while not stop and time.monotonic() < deadline:
+        if replica.layout is None:
+            try:
+                replica.allocate(replica.session.call(GetDeclared(model=replica.model)).manifest)
+            except CoordinatorError as exc:
+                if exc.code != "unknown_model":
+                    raise
+        if replica.layout is not None and replica.stand_by():
+            return True
+        if replica.wait_for_newer(timeout=0.1, than=None) is not None:
+            return False
+    return False
 
 
 def _load_weights(path: str) -> dict:
@@ -251,11 +302,19 @@ def _publish(args: argparse.Namespace) -> int:
     pub = Publisher(args.coordinator, args.model, name=args.name, transport=args.transport,
                     min_replicas=args.wait_replicas, retain_timeout=args.timeout)
     try:
+        if args.declare is not None and pub.declare(state):
+            # readers allocate from the declaration and stand by before the version exists
+            print(json.dumps({"event": "declared"}) if args.json else
+                  f"{args.name}: declared {args.model}'s first version", flush=True)
+            time.sleep(args.declare)
         for k in range(args.versions):
             if k and trainer is not None:
                 trainer.step()
             elif k:
                 _change(state, args.density, g)
+            # (checksummed before it is published: afterwards the trainer's cores serve
+            # its first readers)
+            sums = {n: checksum(t) for n, t in state.items()} if args.checksums else None
             started, at = time.monotonic(), time.time()
             version = pub.publish(state)
             event = {"event": "published", "name": args.name, "version": version,
@@ -264,8 +323,8 @@ def _publish(args: argparse.Namespace) -> int:
             if pub.last_patch is not None and pub.last_patch.version == version:
                 event["patch"] = {"nbytes": pub.last_patch.nbytes,
                                   "density": pub.last_patch.density}
-            if args.checksums:
-                event["checksums"] = {n: checksum(t) for n, t in state.items()}
+            if sums is not None:
+                event["checksums"] = sums
             print(json.dumps(event) if args.json else
                   f"{args.name}: published {args.model} v{version} "
                   f"({event['nbytes'] / 2**20:.1f} MiB)", flush=True)
@@ -380,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replica", help="a replica process: pull each new version, serve it on",
                        description="Allocate buffers from the model's manifest, pull every new "
-                       "version as it is announced, and serve it to other readers.")
+                       "version as it is announced (or as stdin names it: --on-demand), and "
+                       "serve it to other readers.")
     p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
     p.add_argument("--model", default="policy")
     p.add_argument("--name", default="replica")
@@ -393,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the last pull, keep serving until SIGTERM")
     p.add_argument("--json", action="store_true", help="one JSON line per pull")
     p.add_argument("--checksums", action="store_true", help="with --json: per-tensor checksums")
+    p.add_argument("--on-demand", action="store_true",
+                   help="pull the versions named on stdin, one a line, when each is named "
+                        "(as an RL framework's rollout workers sync), instead of following")
+    p.add_argument("--standby", action="store_true",
+                   help="allocate from the trainer's declared first version and stand by in "
+                        "its forest before it is published (publish --declare)")
     p.add_argument("--whole-items", action="store_true",
                    help="ask for whole-item plans from one holder (no pipelining: peers are "
                         "used only once they hold the whole version); default: striped "
@@ -435,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replicas hold the current one (default 0: do not wait)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="longest wait for --wait-replicas (default 300 s)")
+    p.add_argument("--declare", type=float, default=None, metavar="SECONDS",
+                   help="declare the first version's tensors (Publisher.declare) and publish "
+                        "it this many seconds later, so that readers stand by for it")
     p.add_argument("--linger", action="store_true",
                    help="after the last version, keep serving it until SIGTERM")
     p.add_argument("--json", action="store_true", help="one JSON line per event")

@@ -46,7 +46,8 @@ def _ephemeral_low() -> int:
 class ChildProcess:
     """A child in its own process group (a session), so stopping it stops everything it
     started. With ``stdout=PIPE`` (the default) its stdout is read line by line into
-    `lines`; its stderr goes to `log_path` if given, else to ``stderr``.
+    `lines`; its stderr goes to `log_path` if given, else to ``stderr``. With
+    ``stdin=PIPE`` it is told things line by line (`send_line`).
 
     ``popen`` starts it: `subprocess.Popen` by default; another launcher with the same
     signature (`tensorhub_testing.cluster.Host` passes one) starts it elsewhere, e.g. on an
@@ -56,12 +57,13 @@ class ChildProcess:
                  name: str = "child", log_path: str | None = None, *,
                  cwd: str | None = None, stdout: int | IO | None = subprocess.PIPE,
                  stderr: int | IO | None = subprocess.DEVNULL,
+                 stdin: int | IO | None = None,
                  popen: Callable[..., subprocess.Popen] = subprocess.Popen):
         self.name = name
         self.lines: queue.Queue[str] = queue.Queue()
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop
         self.proc = popen(
-            list(argv), stdout=stdout, stderr=self._log or stderr, cwd=cwd,
+            list(argv), stdin=stdin, stdout=stdout, stderr=self._log or stderr, cwd=cwd,
             env={**os.environ, **(env or {})}, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         if stdout == subprocess.PIPE:
@@ -89,6 +91,12 @@ class ChildProcess:
             line = self.next_line(max(0.01, deadline - time.monotonic()))
             if line.startswith("{"):
                 return json.loads(line)
+
+    def send_line(self, text: str) -> None:
+        """Write one line to its stdin (started with ``stdin=PIPE``)."""
+        assert self.proc.stdin is not None, f"{self.name}: started without stdin=PIPE"
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
 
     @property
     def pid(self) -> int:

@@ -183,14 +183,15 @@ class Host:
     def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
               cwd: str | None = None, stdout: int | IO | None = subprocess.PIPE,
               stderr: int | IO | None = subprocess.DEVNULL, name: str | None = None,
-              log_path: str | None = None) -> ChildProcess:
+              log_path: str | None = None, stdin: int | IO | None = None) -> ChildProcess:
         """Start a program on this host, in its own process group, as a `ChildProcess`:
         ``.pid`` is the program's PID (in the root namespace), ``.stop()`` SIGTERMs its
-        group then SIGKILLs, ``.kill()``, ``.wait()``, and with ``stdout=PIPE`` (default)
-        ``.next_line()`` / ``.next_json()``. `env` is added to this process's environment;
-        `cwd` defaults to ours."""
+        group then SIGKILLs, ``.kill()``, ``.wait()``, with ``stdout=PIPE`` (default)
+        ``.next_line()`` / ``.next_json()``, with ``stdin=PIPE`` ``.send_line()``. `env` is
+        added to this process's environment; `cwd` defaults to ours."""
         return ChildProcess(argv, env=env, name=name or self.name, log_path=log_path,
-                            cwd=cwd, stdout=stdout, stderr=stderr, popen=self.spawn)
+                            cwd=cwd, stdout=stdout, stderr=stderr, stdin=stdin,
+                            popen=self.spawn)
 
     def tensorhub(self, *args: str, **kw) -> ChildProcess:
         """`tensorhub` CLI on this host (like `ChildProcess.tensorhub`)."""
