@@ -101,14 +101,20 @@ def test_a_striped_reader_takes_each_stripe_from_a_different_holder(transport):
                 Replica(coordinator.address, "policy", transport=transport,
                         name="first") as first, \
                 Replica(coordinator.address, "policy", transport=transport,
-                        name="second") as second:
+                        name="second") as second, \
+                Replica(coordinator.address, "policy", transport=transport,
+                        name="third") as third:
             version = pub.publish(state)
             assert first.pull(timeout=30) == version
+            # a reader that comes once a replica holds it reads from that one, not from
+            # the trainer a second time
             assert second.pull(timeout=30) == version
-            assert _equal(second.tensors, state)
-            # one stripe from each holder; every byte read once, from one of them
-            assert set(second.last_pull.sources) == {"first", "trainer"}
-            assert sum(second.last_pull.by_source.values()) == \
-                sum(b.numel() for b in second.layout.item_bytes)
+            assert set(second.last_pull.sources) == {"first"}
+            assert third.pull(timeout=30) == version
+            assert _equal(third.tensors, state)
+            # one stripe from each replica; every byte read once, from one of them
+            assert set(third.last_pull.sources) == {"first", "second"}
+            assert sum(third.last_pull.by_source.values()) == \
+                sum(b.numel() for b in third.layout.item_bytes)
     finally:
         coordinator.stop()
