@@ -138,4 +138,6 @@ def test_a_version_withdrawn_before_anyone_held_it_fails_a_pull_by_its_old_paren
         assert lost.value.code == "no_holder" and not reader.last_pull_planned
         assert reader.version is None
         assert pub.publish(v2) == 3
+        # (heard first: "latest" by an announcement not yet heard would be v2, gone now)
+        assert reader.wait_for_newer(timeout=10, than=2) == 3
         assert reader.pull() == 3 and sums(reader.tensors) == sums(v2)
