@@ -180,13 +180,13 @@ class Publisher:
         self._drop_current()  # buffers are about to change: end reads of the old version first
         tensors = [t for _, t in named]
         patch: PatchWriter | None = None
-        if self._layout is None or self._layout.manifest != manifest:
-            self._buffers_version = 0  # (new buffers: no base to patch from)
+        # (from here until the version is published, our buffers hold no version whole)
+        base, self._buffers_version = self._buffers_version, 0
         if self.zero_copy:
             layout = BoundLayout(manifest, tensors)
         elif self._layout is not None and self._layout.manifest == manifest:
             layout = self._layout
-            patch = self._copy_making_patch(layout, tensors, version)
+            patch = self._copy_making_patch(layout, tensors, base, version)
         else:
             if self._layout is not None:
                 self.session.transport.deregister(self._layout.item_bytes)
@@ -230,12 +230,11 @@ class Publisher:
         return version
 
     def _copy_making_patch(self, layout: BoundLayout, tensors: list[torch.Tensor],
-                           version: int) -> PatchWriter | None:
-        """Copy the large tensors into our buffers (which hold our newest version), and
-        make the patch from that version to this one on the way (the compact region's
-        part is added once it is packed). None when patches are off or cannot be made
-        (a sharded trainer; a first version)."""
-        base, self._buffers_version = self._buffers_version, 0
+                           base: int, version: int) -> PatchWriter | None:
+        """Copy the large tensors into our buffers (which hold version `base` whole; 0:
+        no version), and make the patch from it to this one on the way (the compact
+        region's part is added once it is packed). None when patches are off or cannot be
+        made (a sharded trainer; no whole base)."""
         if not self._patches or not base or self.part.parts > 1:
             layout.copy_large_from(tensors)
             return None
