@@ -7,7 +7,8 @@ import pytest
 
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.holder import TornLoad
-from tensorhub.engines.restore import outcome_in, restore_after
+from tensorhub.engines.outcome import outcome_in
+from tensorhub.engines.restore import restore_after
 
 
 def test_the_version_served_before_is_loaded_again():
@@ -15,7 +16,7 @@ def test_the_version_served_before_is_loaded_again():
     with pytest.raises(TensorHubError) as caught:
         restore_after(TornLoad(3, RuntimeError("a bug")), 2, loaded.append, None)
     assert loaded == [2]
-    assert caught.value.code == "restored" and outcome_in(str(caught.value)) == "restored"
+    assert caught.value.code == "restored" and outcome_in(repr(caught.value)) == "restored"
     assert "loading v3 failed half-way: a bug" in str(caught.value)
 
 
@@ -23,7 +24,7 @@ def test_an_engine_that_applied_no_version_reloads_its_checkpoint():
     from_disk = []
     with pytest.raises(TensorHubError) as caught:
         restore_after(TornLoad(1), None, lambda v: None, lambda: from_disk.append(True))
-    assert from_disk == [True] and caught.value.code == "restored"
+    assert from_disk == [True] and caught.value.code == "restored_checkpoint"
     assert outcome_in(str(caught.value)) == "restored_checkpoint"
 
 

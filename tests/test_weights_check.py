@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 
 from tensorhub import Publisher, TensorHubError
 from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.outcome import InstallFailed, LoadOutcome, refusal_in
 from tensorhub.engines.weights_check import (
     from_checkpoint,
     from_tensors,
-    refusal_in,
     tied_optional,
 )
 
@@ -66,11 +66,14 @@ def test_a_tied_lm_head_may_come_or_not():
     assert loadable.refusal(2, STATE.items()) is None
 
 
-def test_a_refusal_is_found_in_the_words_an_engine_wraps_it_in():
-    wrapped = ("RuntimeError: Worker failed: TensorHubError(\"v9 does not fit the engine's "
-               "model (x): tensor 'a' is missing\")\nTraceback ...")
-    assert refusal_in(wrapped).startswith("v9 does not fit the engine's model (x): tensor 'a'")
+def test_a_refusal_is_found_typed_in_the_words_an_engine_wraps_it_in():
+    refusal = InstallFailed.of("unloadable", 9, "v9 does not fit the engine's model (x): "
+                               "tensor 'a' is missing")
+    wrapped = f"RuntimeError: Worker failed: {refusal!r}\nTraceback ..."
+    assert refusal_in(wrapped) == "v9 does not fit the engine's model (x): tensor 'a' is missing"
+    assert LoadOutcome.found_in(wrapped) == refusal.outcome
     assert refusal_in("some other failure") is None
+    assert refusal_in("v9 does not fit the engine's model, said by someone") is None
 
 
 def test_a_copy_refuses_an_unloadable_version_and_takes_the_next(coordinator):

@@ -4,17 +4,18 @@ engine imports here. Plugins import from this package (the names below) and from
 
 from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
-from tensorhub.engines.follow import FollowLoop, Update
+from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
 from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone, versions_to_release
 from tensorhub.engines.logs import show_tensorhub_logs
-from tensorhub.engines.restore import outcome_in, restore_after
+from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in, refusal_in
+from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared, one_copy_per_engine
+from tensorhub.engines.swap import SwapController, SwapSteps
 from tensorhub.engines.votes import RankVote
 from tensorhub.engines.weights_check import (
     checkpoint_tensors,
     from_checkpoint,
-    refusal_in,
     tied_optional,
 )
 
@@ -25,9 +26,14 @@ __all__ = [
     "FleetView",
     "FollowLoop",
     "Holdings",
+    "InstallFailed",
     "LayoutHolders",
+    "LoadOutcome",
+    "PendingPulls",
     "RankVote",
     "SharedCopyReader",
+    "SwapController",
+    "SwapSteps",
     "TornLoad",
     "Update",
     "alone",

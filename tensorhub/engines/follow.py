@@ -50,6 +50,22 @@ async def _done(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+class PendingPulls:
+    """Whether an engine's copy is pulling a version newer than it holds, for at most
+    `settings.POLL_PENDING_FOR` seconds per version (a copy that cannot get a version must
+    not have its front end ask the coordinator at the fast rate for ever)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, float] | None = None  # (newest version, when first seen)
+
+    def pending(self, latest: int, held: int | None) -> bool:
+        if latest <= (held or 0):
+            return False
+        if self._seen is None or self._seen[0] != latest:
+            self._seen = (latest, time.monotonic())
+        return time.monotonic() - self._seen[1] < settings.POLL_PENDING_FOR
+
+
 class FollowLoop:
     def __init__(self, engine: Followed, poll_interval: float):
         self.engine = engine
@@ -90,7 +106,11 @@ class FollowLoop:
             engine.last_error = str(exc)
 
     async def run(self, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Look every `poll_interval` seconds until `stopped()` (or cancelled)."""
+        """Look every `poll_interval` seconds until `stopped()` (or cancelled); while the
+        engine's copy is pulling a newer version (`engine.pending`), every
+        `settings.POLL_PENDING` seconds, so that the swap follows the pull closely."""
         while not stopped():
             await self.step()
-            await asyncio.sleep(self.poll_interval)
+            pending = getattr(self.engine, "pending", False)
+            await asyncio.sleep(min(self.poll_interval, settings.POLL_PENDING) if pending
+                                else self.poll_interval)

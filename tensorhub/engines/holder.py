@@ -31,6 +31,7 @@ import torch
 from tensorhub import settings
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.fleet import FleetView
+from tensorhub.engines.outcome import InstallFailed
 from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
 from tensorhub.parted import PartedReplica
 
@@ -77,6 +78,7 @@ class CheckpointHolder:
         # a version unlike it is refused before the model is touched (`tensors_of`).
         self.loadable: LoadableWeights | None = None
         self.unloadable: dict | None = None  # the last version refused so: {version, reason}
+        self._verified: int | None = None  # verified whole by `check`, not yet applied
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,6 +110,7 @@ class CheckpointHolder:
     def pull(self, version: int | str = "latest") -> int:
         """Pull now (blocking) into the checkpoint copy; the engine keeps serving meanwhile."""
         with self._lock:
+            self._verified = None
             got = self.replica.pull(version, timeout=self.pull_timeout)
             self.last_error = None
             return got
@@ -227,7 +230,8 @@ class CheckpointHolder:
             return TensorHubError(
                 f"asked to apply v{version} but this worker holds "
                 f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
-        return self._unloadable(version) or self._reverified()
+        verified, self._verified = self._verified == version, None
+        return self._unloadable(version) or self._reverified(always=not verified)
 
     def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
         """What the engine loads, as the published tensors of `version`, a version it
@@ -242,26 +246,28 @@ class CheckpointHolder:
         return from_manifests(manifests, f"v{version}, the last version it applied", optional)
 
     def check(self, version: int) -> None:
-        """Raise the refusal if the copy holds `version` and the engine cannot load it (the
-        front end asks before it pauses generation). A pull in progress holds the lock:
-        the check is then left to `tensors_of`."""
+        """Before generation pauses for `version`: raise the refusal if the copy holds it
+        and the engine cannot load it, and verify every byte of the copy again, so that
+        the install (`tensors_of`) verifies only what a late read may have changed since.
+        A pull in progress holds the lock: both are then left to `tensors_of`."""
         if not self._lock.acquire(timeout=1.0):
             return
         try:
             if self.replica.version == version:
-                problem = self._unloadable(version)
+                problem = self._unloadable(version) or self._reverified(always=True)
                 if problem is not None:
                     self.refused = version  # nobody applies it: the copy may move on
                     raise problem
+                self._verified = version
         finally:
             self._lock.release()
 
-    def _reverified(self) -> TensorHubError | None:
-        """What is applied is what was verified: every byte checked again just before the
-        engine reads the copy (a late read, or a peer's one-sided write, may have landed in
-        it since it was pulled; ~1 s per 13 GB, beside a pull of the same bytes)."""
+    def _reverified(self, always: bool) -> TensorHubError | None:
+        """What is applied is what was verified: every byte checked again before the
+        engine reads the copy (`always`: a peer's one-sided write may have landed in it
+        since it was pulled), or only if a late read landed since the last check."""
         try:
-            self.replica.reverify(always=True)
+            self.replica.reverify(always=always)
         except TensorHubError as exc:
             return exc
         return None
@@ -276,7 +282,7 @@ class CheckpointHolder:
         if (self.unloadable or {}).get("version") != version:
             log.error("%s: refusing %s; still serving the version it has", self.name, reason)
         self.unloadable = {"version": version, "reason": reason}
-        return TensorHubError(reason, code="unloadable")
+        return InstallFailed.of("unloadable", version, reason)
 
     def close(self) -> None:
         self._stop.set()

@@ -27,10 +27,11 @@ class EngineSettings(BaseModel):
         default="follow",
         description="follow: pull and apply every announced version; manual: only on "
                     "POST /tensorhub/update (or the trainer driving the engine's endpoints)")
-    pause: Literal["wait", "abort", "keep"] = Field(
-        default="wait",
-        description="how generation pauses while weights are swapped: wait (in-flight "
-                    "requests finish on the old version), abort, keep (freeze and resume)")
+    pause: Literal["keep", "wait", "abort"] = Field(
+        default="keep",
+        description="what a swap does to requests in flight: keep (they freeze for the "
+                    "install and go on with the new weights), wait (they finish on the old "
+                    "version first), abort")
     name: str = Field(default="", description="worker name in `tensorhub status`")
     transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
     join_timeout: float = Field(default=300.0, gt=0,

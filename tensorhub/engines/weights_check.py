@@ -75,16 +75,6 @@ class LoadableWeights:
         return f"v{version} {MARK} ({self.source}): {'; '.join(found[:SHOWN])}{more}"
 
 
-def refusal_in(message: str) -> str | None:
-    """The refusal an error message carries (an engine re-raises a worker's error in its own
-    words around it), or None."""
-    at = message.find(MARK)
-    if at < 0:
-        return None
-    start = message.rfind("v", 0, at)
-    return message[start:].splitlines()[0] if start >= 0 else message
-
-
 def from_tensors(named: Iterable[tuple[str, torch.Tensor]], source: str,
                  optional: set[str] | None = None) -> LoadableWeights:
     return LoadableWeights({name: spec_of(t) for name, t in named}, source,

@@ -118,9 +118,9 @@ MODE = _setting(
     "TENSORHUB_MODE", Literal["follow", "manual"], "follow",
     "engines: `follow` takes every version, `manual` only `POST /tensorhub/update`")
 PAUSE = _setting(
-    "TENSORHUB_PAUSE", Literal["wait", "abort", "keep"], "wait",
-    "engines: how generation pauses for a swap (in-flight requests finish, are aborted, "
-    "or freeze and resume)")
+    "TENSORHUB_PAUSE", Literal["keep", "wait", "abort"], "keep",
+    "engines: what a swap does to requests in flight: `keep` freezes them and they go on "
+    "with the new weights; `wait` lets them finish first; `abort` ends them")
 NAME = _setting("TENSORHUB_NAME", str, "",
                 "an engine's worker name (a random suffix is added)",
                 shown="`vllm-HOST:PORT` / `sglang-HOST:PORT`")
@@ -279,6 +279,12 @@ PATCH_WITHDRAW_S: float = 0.5
 # A version no copy was left of is tried again after this long if nothing newer came (its
 # holders may have been re-registering with a restarted coordinator).
 LOST_RETRY: float = 15.0
+# Seconds between an engine front end's looks at its copy's holdings while the copy pulls a
+# newer version (otherwise `TENSORHUB_POLL_INTERVAL`): the swap follows the pull by at most
+# this, at the cost of a holdings request this often per engine only while versions move.
+POLL_PENDING: float = 0.03
+POLL_PENDING_FOR: float = 10.0
+
 # Seconds before a front end tries again a version whose swap failed: each try pauses
 # generation, so a version the engine refuses must not be tried at every poll.
 RETRY_REFUSED: float = 5.0

@@ -52,7 +52,6 @@ from tensorhub.engines import (
     from_checkpoint,
     load_settings,
     one_copy_per_engine,
-    outcome_in,
     restore_after,
     tied_optional,
 )
@@ -303,9 +302,9 @@ class Scheduler:
         try:
             restore_after(torn, previous, load_version, load_disk)
         except TensorHubError as exc:
-            if exc.code == "restored":
+            if exc.code in ("restored", "restored_checkpoint"):
                 self.torn = False
-                if outcome_in(str(exc)) == "restored_checkpoint":
+                if exc.code == "restored_checkpoint":
                     self.applied = None
                 elif self.native is not None and previous is not None:
                     self.native.hold_applied(previous)

@@ -1,0 +1,146 @@
+"""The swap sequence both engine plugins run (`engines.SwapController`), with an engine
+stand-in that records its calls: the order of the steps, what each outcome leaves served,
+and that the stall is the pause alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tensorhub.core.errors import TensorHubError
+from tensorhub.engines import FollowLoop, InstallFailed, LoadOutcome, PendingPulls
+from tensorhub.engines.swap import SwapController
+
+
+class Engine:
+    def __init__(self, check: InstallFailed | None = None,
+                 install: BaseException | None = None, check_s: float = 0.0):
+        self.calls: list[str] = []
+        self._check, self._install, self.check_s = check, install, check_s
+        self.serving = None
+        self.torn = None
+        self.last_error = None
+
+    async def check(self, version: int) -> None:
+        self.calls.append(f"check {version}")
+        await asyncio.sleep(self.check_s)
+        if self._check is not None:
+            raise self._check
+
+    async def pause(self) -> None:
+        self.calls.append("pause")
+
+    async def install(self, version: int, path: str, fetch: bool) -> str | None:
+        self.calls.append(f"install {version}")
+        if self._install is not None:
+            raise self._install
+        return None
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+
+    def next_update(self):
+        return None
+
+
+def controller(engine: Engine) -> SwapController:
+    return SwapController("policy", engine, FollowLoop(engine, 0.1), swap_timeout=5.0)
+
+
+def swap(ctl: SwapController, version: int, **kw) -> dict:
+    return asyncio.run(ctl.swap(version, **kw))
+
+
+def test_a_swap_checks_before_it_pauses_and_the_stall_leaves_the_check_out():
+    engine = Engine(check_s=0.3)
+    ctl = controller(engine)
+    got = swap(ctl, 2)
+    assert engine.calls == ["check 2", "pause", "install 2", "resume"]
+    assert ctl.serving == 2 and got["changed"]
+    assert ctl.last_update["check_ms"] >= 300
+    assert ctl.last_update["stall_ms"] < ctl.last_update["check_ms"]
+
+
+def test_a_version_the_model_cannot_load_is_refused_before_the_pause_and_never_again():
+    engine = Engine(check=InstallFailed.of("unloadable", 3, "v3 does not fit the engine's model"))
+    ctl = controller(engine)
+    with pytest.raises(TensorHubError) as caught:
+        swap(ctl, 3)
+    assert caught.value.code == "unloadable"
+    assert engine.calls == ["check 3"]  # generation never paused
+    assert ctl.unloadable == {"version": 3, "reason": "v3 does not fit the engine's model"}
+    assert ctl.follow._retry_at[3] == float("inf")
+
+
+def test_a_load_undone_serves_the_version_before_and_is_never_tried_again():
+    engine = Engine()
+    ctl = controller(engine)
+    swap(ctl, 3)
+    engine._install = InstallFailed.of("restored", 4, "loading v4 failed half-way")
+    with pytest.raises(InstallFailed):
+        swap(ctl, 4)
+    assert engine.calls[-3:] == ["pause", "install 4", "resume"]
+    assert ctl.serving == 3 and ctl.torn is None
+    assert ctl.follow._retry_at[4] == float("inf")
+
+
+def test_a_restored_checkpoint_means_no_version_is_served():
+    engine = Engine()
+    ctl = controller(engine)
+    swap(ctl, 3)
+    engine._install = InstallFailed.of("restored_checkpoint", 4, "half-way")
+    with pytest.raises(InstallFailed):
+        swap(ctl, 4)
+    assert ctl.serving is None
+
+
+def test_torn_weights_keep_generation_paused_until_a_whole_version_is_installed():
+    engine = Engine()
+    ctl = controller(engine)
+    swap(ctl, 3)
+    engine._install = InstallFailed.of("torn", 4, "restoring v3 failed")
+    with pytest.raises(InstallFailed):
+        swap(ctl, 4)
+    assert engine.calls[-2:] == ["pause", "install 4"]  # no resume
+    assert ctl.torn["version"] == 4
+    engine._install = None
+    swap(ctl, 3, fetch=True)  # the repair: the version served before, whole
+    assert engine.calls[-3:] == ["check 3", "install 3", "resume"]  # (paused already)
+    assert ctl.torn is None and ctl.serving == 3
+
+
+def test_an_install_that_does_not_finish_in_time_counts_as_torn():
+    engine = Engine(install=TensorHubError("applying v5 did not finish", code="timeout"))
+    ctl = controller(engine)
+    with pytest.raises(TensorHubError):
+        swap(ctl, 5)
+    assert ctl.torn is not None and "resume" not in engine.calls
+
+
+def test_a_refused_install_may_be_tried_again_later():
+    engine = Engine(install=InstallFailed.of("refused", 6, "another rank holds v7"))
+    ctl = controller(engine)
+    with pytest.raises(InstallFailed):
+        swap(ctl, 6)
+    assert 6 not in ctl.follow._retry_at  # (the follow loop sets its own back-off)
+    assert engine.calls[-1] == "resume"
+
+
+def test_an_outcome_crosses_processes_inside_any_words_around_it():
+    outcome = LoadOutcome(kind="torn", version=7, reason="it said \"no\" and 'never'\nthen")
+    words = f"RuntimeError('Worker 1 failed: {InstallFailed(outcome)!r}')"
+    assert LoadOutcome.found_in(words) == outcome
+    assert LoadOutcome.found_in("Worker failed: [tensorhub-outcome:bm90IGpzb24=]") is None
+
+
+def test_a_copy_counts_as_pulling_a_newer_version_for_a_bounded_time(monkeypatch):
+    from tensorhub import settings
+
+    pulls = PendingPulls()
+    assert not pulls.pending(3, 3)
+    assert pulls.pending(4, 3)
+    monkeypatch.setattr(settings, "POLL_PENDING_FOR", 0.0)
+    time.sleep(0.01)
+    assert not pulls.pending(4, 3)  # it cannot get it: back to the slow rate
