@@ -7,10 +7,22 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from integration.engine_server import EngineServer, base_env, free_port
+
+_started = itertools.count()
+
+
+def _next_core() -> str:
+    """A core of its own for each engine started here, in turn. vLLM's CPU build binds its
+    worker to core 0 of any machine by default, and its workers spin for a second after
+    every message they read (`shm_broadcast.SpinCondition`): two engines bound to one core
+    delay each other's messages by up to that second (seen as ~1 s swaps)."""
+    return str(next(_started) % (os.cpu_count() or 1))
 
 
 class VLLMServer(EngineServer):
@@ -33,7 +45,8 @@ class VLLMServer(EngineServer):
         args = [str(python), *cmd, "--dtype", dtype, "--max-model-len", str(max_model_len),
                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *extra_args]
         env = base_env({"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; default reserves most of RAM
-                        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **(env or {})})
+                        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                        "VLLM_CPU_OMP_THREADS_BIND": _next_core(), **(env or {})})
         super().__init__(args, env, port, log_path)
 
     def reload_from_disk(self, model_dir) -> None:

@@ -4,8 +4,11 @@ The front end decides *when* the engine switches version; the workers' `TensorHu
 do the pulling and the swap. It learns what its workers hold from the coordinator (they
 report every version they hold, which is how other engines find them too), and swaps only
 to a version that every rank already holds: pause → swap → reset prefix cache → resume,
-so the stall is the swap alone, never the transfer. Every step of a swap has a bound
-(`swap_timeout`). A load that fails half-way is undone by the workers (`engines/restore.py`);
+so the stall is the install alone, never the transfer. The sequence (check, pause, install,
+resume) is `engines.SwapController`'s; this module gives it vLLM's calls. In the default
+pause mode `keep`, requests in flight freeze for the install and go on with the new weights
+(their KV recomputed), and every answer's tokens carry the version that produced them
+(`versions.py`). A load that fails half-way is undone by the workers (`engines/restore.py`);
 if they cannot undo it, generation stays paused until a whole version is loaded.
 """
 
@@ -28,13 +31,16 @@ from tensorhub.engines import (
     EngineSettings,
     FleetView,
     FollowLoop,
+    InstallFailed,
+    LoadOutcome,
+    PendingPulls,
+    SwapController,
     Update,
     authorized,
     load_settings,
-    outcome_in,
-    refusal_in,
     versions_to_release,
 )
+from tensorhub_plugins.vllm import versions
 from tensorhub_plugins.vllm.commands import Check, Command, Init, Prefetch, Release
 from tensorhub_plugins.vllm.copies import one_copy_per_engine
 
@@ -58,17 +64,21 @@ class Frontend:
         if one_copy:
             self.workers = self.workers[:1]  # rank 0 holds the engine's one copy
         self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
-        self.serving: int | None = None
-        self.last_update: dict | None = None
-        self.updates = 0
         self.last_error: str | None = None
-        self.unloadable: dict | None = None  # the last version refused: {version, reason}
-        self.torn: dict | None = None  # {version, reason}: generation paused until repaired
-        self._swap = asyncio.Lock()
+        self.pending = False  # the copy is pulling a version newer than it holds
+        self.pulls = PendingPulls()
         self._task: asyncio.Task | None = None
         self.follow = FollowLoop(self, settings.poll_interval)  # run in follow mode
+        self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
+
+    # what the controller keeps (follow mode and the status read them here)
+    serving = property(lambda self: self.swaps.serving)
+    torn = property(lambda self: self.swaps.torn)
+    unloadable = property(lambda self: self.swaps.unloadable)
+    updates = property(lambda self: self.swaps.updates)
+    last_update = property(lambda self: self.swaps.last_update)
 
     # ------------------------------------------------------------------ coordinator
     async def holdings(self) -> tuple[int, int | None]:
@@ -109,110 +119,60 @@ class Frontend:
             await asyncio.sleep(self.settings.poll_interval)
 
     # ------------------------------------------------------------------ swapping
-    async def _bounded(self, step, what: str):
-        """Await one step of a swap for at most `swap_timeout` seconds."""
+    # (the steps `SwapController` runs, in this order; it bounds and times them)
+    async def check(self, version: int) -> None:
+        """Before the pause: every rank checks that its model can load `version` and
+        verifies the copy it will load from."""
         try:
-            return await asyncio.wait_for(step, self.settings.swap_timeout)
-        except TimeoutError:
-            raise TensorHubError(f"{what} did not finish within {self.settings.swap_timeout:.0f}"
-                                 f" s (a rank may hang: see the workers' log)",
-                                 code="timeout") from None
+            await self._tell_workers(Check(version=version))
+        except Exception as exc:
+            outcome = LoadOutcome.found_in(str(exc))
+            if outcome is None:
+                raise
+            raise InstallFailed(outcome) from None
+
+    async def pause(self) -> None:
+        if self.settings.pause == "keep" and hasattr(self.engine, "engine_core"):
+            # The scheduler's own pause: requests freeze where they are. (`pause_generation`
+            # would add a fixed sleep meant for requests that finish or abort.)
+            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            # clear_cache=False: the prefix cache is reset after the install.
+            await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
+
+    async def install(self, version: int, path: str, fetch: bool) -> str | None:
+        await self.engine.start_weight_update()
+        try:
+            await self.engine.update_weights(WeightTransferUpdateRequest(
+                update_info={"version": version, "fetch": fetch}))
+        except BaseException as exc:
+            # Close vLLM's update session (it refuses to start the next one otherwise),
+            # keeping the weight version label as it was. (A rank that raised has closed
+            # its own: that answer is not the news.)
+            try:
+                await self.engine.finish_weight_update()
+            except Exception as close_exc:
+                log.debug("closing the update session: %s", close_exc)
+            outcome = LoadOutcome.found_in(str(exc))
+            if outcome is not None:
+                if outcome.kind == "restored_checkpoint":
+                    await self.engine.update_weight_version("default")
+                raise InstallFailed(outcome) from None
+            raise
+        await self.engine.finish_weight_update(weight_version=str(version))
+        # KV computed with the old weights must not serve the new version: requests kept
+        # through the pause recompute theirs (on resume, with the new weights), and the
+        # prefix cache starts empty.
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        return None
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
 
     async def swap(self, version: int, pause: bool = True, fetch: bool = False) -> dict:
         """Make the engine serve `version`, which every rank holds (`fetch`: or pulls from
-        its peers first). Returns timings. Generation stays paused after a swap that left
-        the weights torn, until one succeeds."""
-        async with self._swap:
-            if self.serving == version and self.torn is None:
-                return {"version": version, "stall_ms": 0.0, "changed": False}
-            started = time.perf_counter()
-            marks: dict[str, float] = {}
-            await self._check(version)
-            was_torn = self.torn is not None  # (then generation is paused already)
-            try:
-                if pause and not was_torn:
-                    # clear_cache=False: we reset the prefix cache ourselves after the swap.
-                    await self._bounded(self.engine.pause_generation(
-                        mode=self.settings.pause, clear_cache=False), "pausing generation")
-                    marks["pause"] = time.perf_counter()
-                await self._bounded(self.engine.start_weight_update(), "starting the update")
-                try:
-                    await self._bounded(self.engine.update_weights(WeightTransferUpdateRequest(
-                        update_info={"version": version, "fetch": fetch})),
-                        f"applying v{version}")
-                    marks["swap"] = time.perf_counter()
-                except BaseException as exc:
-                    self._failed(version, exc)
-                    # Close vLLM's update session (it refuses to start the next one
-                    # otherwise), keeping the weight version label as it was. (A rank
-                    # that raised has closed its own: that answer is not the news.)
-                    try:
-                        await self._bounded(self.engine.finish_weight_update(),
-                                            "closing the update")
-                    except Exception as close_exc:
-                        log.debug("closing the update session: %s", close_exc)
-                    raise
-                await self._bounded(self.engine.finish_weight_update(
-                    weight_version=str(version)), "closing the update")
-                await self._bounded(self.engine.reset_prefix_cache(), "resetting the cache")
-                marks["finish"] = time.perf_counter()
-                if was_torn:
-                    log.warning("TensorHub: v%d loaded whole; generation resumes", version)
-                self.torn = None
-            finally:
-                if (pause or was_torn) and self.torn is None:
-                    await self._bounded(self.engine.resume_generation(), "resuming generation")
-            marks["resume"] = time.perf_counter()
-            steps, last = [], started
-            for step, t in marks.items():
-                steps.append(f"{step} {(t - last) * 1e3:.1f}")
-                last = t
-            stall_ms = (time.perf_counter() - started) * 1e3
-            self.serving = version
-            metrics.switched(self.settings.model, version, stall_ms / 1e3)
-            self.updates += 1
-            self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
-                                "at": time.time()}
-            log.info("now serving %s v%d (stall %.1f ms: %s ms)", self.settings.model, version,
-                     stall_ms, ", ".join(steps))
-            return {"version": version, "stall_ms": stall_ms, "changed": True}
-
-    def _failed(self, version: int, exc: BaseException) -> None:
-        """Record a swap that failed: a version whose load failed half-way (undone, or not)
-        is never tried again; torn weights keep generation paused."""
-        metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-        # A load that did not finish in time may have stopped half-way: as torn.
-        outcome = "torn" if getattr(exc, "code", None) == "timeout" else outcome_in(str(exc))
-        if outcome is not None:
-            self.follow.never_again(version)
-        if outcome == "restored_checkpoint":
-            self.serving = None  # the weights it started with, loaded again
-        if outcome == "torn":
-            self.torn = {"version": version, "reason": str(exc).splitlines()[0][:500]}
-            log.error("swap to v%d left the weights torn: generation stays paused until a "
-                      "whole version is loaded (%s)", version, self.torn["reason"])
-        else:
-            log.error("swap to v%d failed; still serving %s%s", version,
-                      f"v{self.serving}" if self.serving else "the weights loaded at start",
-                      " (restored after a load that failed half-way)"
-                      if outcome in ("restored", "restored_checkpoint") else "")
-
-    async def _check(self, version: int) -> None:
-        """Refuse `version` before generation pauses if the model cannot load it (its
-        tensors' names, shapes or dtypes are unlike the model's): it is never tried again."""
-        try:
-            await self._bounded(self._tell_workers(Check(version=version)),
-                                f"checking v{version}")
-        except Exception as exc:
-            reason = refusal_in(str(exc))
-            if reason is None:
-                raise
-            if (self.unloadable or {}).get("version") != version:
-                metrics.refused_unloadable(self.settings.model)
-                log.error("TensorHub: refusing %s; still serving v%s", reason, self.serving)
-            self.unloadable = {"version": version, "reason": reason}
-            self.follow.never_again(version)
-            raise TensorHubError(reason, code="unloadable") from None
+        its peers first). Returns timings."""
+        return await self.swaps.swap(version, pause=pause, fetch=fetch)
 
     async def update(self, version: int | None, timeout: float) -> dict:
         """Manual update: pull (if needed) then swap; the stall covers the swap only."""
@@ -230,7 +190,8 @@ class Frontend:
     # ------------------------------------------------------------------ follow mode
     async def next_update(self) -> Update | None:
         """The newest version every rank holds, if newer than the one served."""
-        _, held = await self.holdings()
+        latest, held = await self.holdings()
+        self.pending = self.pulls.pending(latest, held)  # (the follow loop looks sooner)
         await self._release_stale()
         if held is not None and (self.serving is None or held > self.serving):
             return held, "checkpoint"
@@ -298,6 +259,7 @@ async def start_frontend(engine_client, args) -> Frontend | None:
     if wt is None or wt.backend != "tensorhub":
         raise RuntimeError("TensorHub needs --weight-transfer-config '{\"backend\": "
                            "\"tensorhub\"}' (and VLLM_PLUGINS=tensorhub)")
+    versions.install()
     frontend = Frontend(settings, engine_client, settings.instance_name(
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
         one_copy_per_engine(config.parallel_config))

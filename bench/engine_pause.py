@@ -1,0 +1,178 @@
+"""What an update costs an engine's users: a client streams greedy completions back to back
+while the trainer publishes whole versions and 1 %-density steps of a bf16 model.
+
+Measured in one run, for one engine (vLLM or SGLang, TP=1 or TP=2):
+  quiet:     the client's p99 gap between two tokens it received, over a quiet stretch;
+  per swap:  the worst gap across the swap (publish -> serving + 0.5 s), and what the swap
+             added to it (worst gap - quiet p99); failed or aborted requests; the stall the
+             engine reports; publish -> serving;
+  baselines: a memcpy of the model's bytes (this process, torch), and the engine's own
+             reload of the same weights from disk while the client streams (vLLM:
+             `reload_weights` between `/pause` (keep) and `/resume`, dev-mode routes;
+             SGLang: `/update_weights_from_disk`), what it added to the worst gap.
+
+Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+
+import torch
+
+from bench.results import Report
+from bench.workdir import make_scratch, tear_down
+from integration.engine_venvs import engine_python
+from integration.sglang_server import SGLangServer
+from integration.stream_client import StreamingClient, percentile
+from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+from tensorhub.tools.cli import _change as next_version
+from tensorhub.tools.processes import coordinator_process
+
+ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
+QUIET_S = 8.0
+AFTER_S = 0.5  # a swap's window ends this long after the engine serves the version
+TOKENS = 48
+
+
+def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def start_engine(kind: str, tp: int, model_dir, address: str, work) -> VLLMServer | SGLangServer:
+    env = {"TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy"}
+    if kind == "vllm":
+        extra = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
+        if tp > 1:
+            extra += ["--tensor-parallel-size", str(tp)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        return VLLMServer(engine_python("vllm"), model_dir, dtype="bfloat16", extra_args=extra,
+                          env={**env, "VLLM_PLUGINS": "tensorhub", "VLLM_SERVER_DEV_MODE": "1"},
+                          log_path=work / "engine.log").start(timeout=900)
+    extra = ["--custom-weight-loader", "tensorhub_plugins.sglang.loader.apply"]
+    if tp > 1:
+        extra += ["--tp-size", str(tp)]
+    return SGLangServer(engine_python("sglang"), model_dir, dtype="bfloat16", extra_args=extra,
+                        env={**env, "SGLANG_PLUGINS": "tensorhub"},
+                        log_path=work / "engine.log").start(timeout=900)
+
+
+def own_reload(engine, kind: str, folder) -> None:
+    """The engine's own update from a checkpoint folder, as its users would run it."""
+    if kind == "vllm":
+        engine.request("/pause", {"mode": "keep"})
+        engine.request("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(folder)}})
+        engine.request("/reset_prefix_cache", {})
+        engine.request("/resume", {})
+    else:
+        engine.request("/update_weights_from_disk", {"model_path": str(folder)})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--updates", type=int, default=3, help="swaps of each kind (default 3)")
+    p.add_argument("--layers", type=int, default=ARCH["layers"])
+    args = p.parse_args()
+    from safetensors.torch import save_file
+
+    report = Report("engine_pause")
+    work = make_scratch("pause")
+    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16,
+                                 **{**ARCH, "layers": args.layers})
+    state = load_state_dict(model_dir)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    label = f"{args.engine} TP={args.tp}, {nbytes / 2**20:.0f} MiB bf16"
+    print(f"{label}: building done", flush=True)
+    coordinator, address = coordinator_process()
+    servers, publisher = [], None
+    try:
+        coordinator.next_line(timeout=60)
+        publisher = Publisher(address, "policy", name="trainer")
+        version = publisher.publish(state)
+        engine = start_engine(args.engine, args.tp, model_dir, address, work)
+        servers.append(engine)
+        engine.wait_serving(version, timeout=600)
+        client = StreamingClient(engine.url, engine.model, make_prompts(4, 16, ARCH["vocab"]),
+                                 TOKENS).start()
+        time.sleep(2.0)  # (warm)
+        quiet_from = time.perf_counter()
+        time.sleep(QUIET_S)
+        quiet = percentile(client.gaps(quiet_from, time.perf_counter()), 0.99)
+        g = torch.Generator().manual_seed(0)
+        got: dict[str, dict[str, list[float]]] = {}
+        for kind, density in (("whole", 1.0), ("1 %", 0.01)) * args.updates:
+            next_version(state, density, g)
+            published = time.perf_counter()
+            version = publisher.publish(state)
+            status = engine.wait_serving(version, timeout=600, interval=0.01)
+            serving = time.perf_counter()
+            time.sleep(AFTER_S + 0.5)
+            row = got.setdefault(kind, {"gap": [], "stall": [], "serving": []})
+            row["gap"].append(client.worst_gap(published, serving + AFTER_S))
+            row["stall"].append((status.get("last_update") or {}).get("stall_ms", 0.0) / 1e3)
+            row["serving"].append(serving - published)
+            print(f"{kind} v{version}: worst gap {row['gap'][-1] * 1e3:.0f} ms, reported stall "
+                  f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s",
+                  flush=True)
+        # the engine's own reload of the same weights, from disk
+        folder = work / "reload"
+        shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+        own = []
+        for _ in range(args.updates):
+            started = time.perf_counter()
+            own_reload(engine, args.engine, folder)
+            ended = time.perf_counter()
+            time.sleep(AFTER_S + 0.5)
+            own.append(client.worst_gap(started, ended + AFTER_S))
+            print(f"own reload: worst gap {own[-1] * 1e3:.0f} ms", flush=True)
+        answers = client.stop()
+        failed = len(client.failed())
+        copy = memcpy_seconds(state)
+        med = statistics.median
+        whole_adds = med(got["whole"]["gap"]) - quiet
+        step_adds = med(got["1 %"]["gap"]) - quiet
+        own_adds = med(own) - quiet
+        ms = 1e3
+        report.add(f"{label}: client's quiet p99 gap between tokens", quiet * ms, "ms")
+        report.add(f"{label}: a whole swap adds to the client's worst gap", whole_adds * ms, "ms",
+                   "a memcpy of the model's bytes", copy * ms, higher_is_better=False)
+        report.add(f"{label}: a whole swap adds (against the engine's own reload from disk)",
+                   whole_adds * ms, "ms", "the engine's own reload adds", own_adds * ms,
+                   higher_is_better=False)
+        report.add(f"{label}: a 1 % step adds to the client's worst gap", step_adds * ms, "ms",
+                   "a whole swap adds", whole_adds * ms, higher_is_better=False)
+        report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
+                   "ms", "worst gap across it", med(got["whole"]["gap"]) * ms,
+                   higher_is_better=False)
+        report.add(f"{label}: stall the engine reports, 1 % step",
+                   med(got["1 %"]["stall"]) * ms, "ms", "worst gap across it",
+                   med(got["1 %"]["gap"]) * ms, higher_is_better=False)
+        report.add(f"{label}: publish to serving, whole", med(got["whole"]["serving"]), "s")
+        report.add(f"{label}: publish to serving, 1 % step", med(got["1 %"]["serving"]), "s")
+        report.add(f"{label}: requests that failed or were aborted (of {len(answers)})",
+                   failed, "")
+        report.write(keep_earlier=True)
+    finally:
+        tear_down(servers, publisher, coordinator, work)
+
+
+if __name__ == "__main__":
+    main()
