@@ -11,6 +11,8 @@ Measured in one run, for one engine (vLLM or SGLang, TP=1 or TP=2):
              `reload_weights` between `/pause` (keep) and `/resume`, dev-mode routes;
              SGLang: `/update_weights_from_disk`), what it added to the worst gap.
 
+Ratios are our figure over the baseline (a swap that adds 2 memcpys reads 2.0).
+
 Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
 """
 
@@ -32,6 +34,8 @@ from integration.stream_client import StreamingClient, percentile
 from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import StatusRequest
 from tensorhub.tools.cli import _change as next_version
 from tensorhub.tools.processes import coordinator_process
 
@@ -39,6 +43,14 @@ ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, voca
 QUIET_S = 8.0
 AFTER_S = 0.5  # a swap's window ends this long after the engine serves the version
 TOKENS = 48
+
+
+def coordinator_status(address: str):
+    client = CoordinatorClient(address)
+    try:
+        return client.call(StatusRequest())
+    finally:
+        client.close()
 
 
 def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
@@ -73,7 +85,7 @@ def start_engine(kind: str, tp: int, model_dir, address: str, work) -> VLLMServe
 def own_reload(engine, kind: str, folder) -> None:
     """The engine's own update from a checkpoint folder, as its users would run it."""
     if kind == "vllm":
-        engine.request("/pause", {"mode": "keep"})
+        engine.request("/pause?mode=keep", {})  # (a query parameter: a body is ignored)
         engine.request("/collective_rpc", {"method": "reload_weights",
                                            "kwargs": {"weights_path": str(folder)}})
         engine.request("/reset_prefix_cache", {})
@@ -121,16 +133,22 @@ def main() -> None:
             next_version(state, density, g)
             published = time.perf_counter()
             version = publisher.publish(state)
+            returned = time.perf_counter()
             status = engine.wait_serving(version, timeout=600, interval=0.01)
             serving = time.perf_counter()
             time.sleep(AFTER_S + 0.5)
             row = got.setdefault(kind, {"gap": [], "stall": [], "serving": []})
             row["gap"].append(client.worst_gap(published, serving + AFTER_S))
-            row["stall"].append((status.get("last_update") or {}).get("stall_ms", 0.0) / 1e3)
+            last = status.get("last_update") or {}
+            row["stall"].append(last.get("stall_ms", 0.0) / 1e3)
             row["serving"].append(serving - published)
+            pulls = [t for t in coordinator_status(address).transfers
+                     if t.version == version and t.ok and t.reader != "trainer"]
             print(f"{kind} v{version}: worst gap {row['gap'][-1] * 1e3:.0f} ms, reported stall "
-                  f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s",
-                  flush=True)
+                  f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s "
+                  f"(publish {returned - published:.2f} s, the copy's pull "
+                  f"{sum(t.seconds for t in pulls):.2f} s of {sum(t.nbytes for t in pulls)} B, "
+                  f"check {last.get('check_ms', 0.0):.0f} ms)", flush=True)
         # the engine's own reload of the same weights, from disk
         folder = work / "reload"
         shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -145,6 +163,9 @@ def main() -> None:
             print(f"own reload: worst gap {own[-1] * 1e3:.0f} ms", flush=True)
         answers = client.stop()
         failed = len(client.failed())
+        for a in client.failed():
+            print(f"failed request (started {a.started - quiet_from:.1f} s after the quiet "
+                  f"stretch began, {len(a.token_ids)} tokens): {a.error}", flush=True)
         copy = memcpy_seconds(state)
         med = statistics.median
         whole_adds = med(got["whole"]["gap"]) - quiet
@@ -153,18 +174,16 @@ def main() -> None:
         ms = 1e3
         report.add(f"{label}: client's quiet p99 gap between tokens", quiet * ms, "ms")
         report.add(f"{label}: a whole swap adds to the client's worst gap", whole_adds * ms, "ms",
-                   "a memcpy of the model's bytes", copy * ms, higher_is_better=False)
+                   "a memcpy of the model's bytes", copy * ms)
         report.add(f"{label}: a whole swap adds (against the engine's own reload from disk)",
-                   whole_adds * ms, "ms", "the engine's own reload adds", own_adds * ms,
-                   higher_is_better=False)
+                   whole_adds * ms, "ms", "the engine's own reload adds", own_adds * ms)
         report.add(f"{label}: a 1 % step adds to the client's worst gap", step_adds * ms, "ms",
-                   "a whole swap adds", whole_adds * ms, higher_is_better=False)
+                   "a whole swap adds", whole_adds * ms)
         report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
-                   "ms", "worst gap across it", med(got["whole"]["gap"]) * ms,
-                   higher_is_better=False)
+                   "ms", "worst gap across it", med(got["whole"]["gap"]) * ms)
         report.add(f"{label}: stall the engine reports, 1 % step",
                    med(got["1 %"]["stall"]) * ms, "ms", "worst gap across it",
-                   med(got["1 %"]["gap"]) * ms, higher_is_better=False)
+                   med(got["1 %"]["gap"]) * ms)
         report.add(f"{label}: publish to serving, whole", med(got["whole"]["serving"]), "s")
         report.add(f"{label}: publish to serving, 1 % step", med(got["1 %"]["serving"]), "s")
         report.add(f"{label}: requests that failed or were aborted (of {len(answers)})",

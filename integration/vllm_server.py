@@ -53,7 +53,7 @@ class VLLMServer(EngineServer):
         """vLLM's own update, the baseline of the update benchmarks: pause, `reload_weights`
         from the safetensors in `model_dir`, reset the prefix cache, resume (dev-mode
         routes: start the server with `VLLM_SERVER_DEV_MODE=1`)."""
-        self.request("/pause", {"mode": "wait"})
+        self.request("/pause?mode=wait", {})  # (a query parameter: a body is ignored)
         self.request("/collective_rpc", {"method": "reload_weights",
                                          "kwargs": {"weights_path": str(model_dir)}})
         self.request("/reset_prefix_cache", {})

@@ -239,7 +239,8 @@ class Publisher:
             layout.copy_large_from(tensors)
             return None
         patch = PatchWriter(base, version, layout.layout_id,
-                            budget=int(settings.PATCH_MAX_RATIO * layout.nbytes))
+                            budget=int(settings.PATCH_MAX_RATIO * layout.nbytes),
+                            total_bytes=layout.nbytes)
         for k, item in enumerate(layout.items):
             if item.kind == "tensor":
                 ours = layout.tensors[item.tensors[0]]

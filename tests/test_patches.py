@@ -289,6 +289,25 @@ def test_a_dense_step_is_given_up_after_one_count_of_its_changes():
     assert writer.abandoned and writer.changed_words == 0
 
 
+def test_a_dense_first_item_gives_the_patch_up_before_anything_is_encoded():
+    """Of a version of 4 items, the first changed whole: more than its share of the
+    budget, although the whole budget would cover it. The writer stops there."""
+    size = 1 << 20
+    writer = PatchWriter(1, 2, "L", budget=size, total_bytes=4 * size)
+    writer.item(0, torch.zeros(size, dtype=torch.uint8), torch.ones(size, dtype=torch.uint8))
+    assert writer.abandoned and writer.nbytes() == 64
+
+
+def test_a_sparse_step_keeps_its_patch_item_after_item():
+    size = 1 << 20
+    writer = PatchWriter(1, 2, "L", budget=size, total_bytes=4 * size)
+    for k in range(4):
+        new = torch.zeros(size, dtype=torch.uint8)
+        new[::100] = 1
+        writer.item(k, torch.zeros(size, dtype=torch.uint8), new)
+    assert not writer.abandoned and round(writer.density, 3) == 0.02
+
+
 def test_a_patch_claiming_more_entries_than_its_item_has_words_is_refused_unread():
     _, payload = encode_changes(np.array([0], dtype=np.int64), np.array([1], dtype=np.uint16))
     with pytest.raises(PatchError, match="entries for 10 words"):

@@ -178,12 +178,17 @@ class PatchWriter:
     overwrites its buffers: `item(k, old, new)` before item k's buffer takes the new bytes."""
 
     def __init__(self, base: int, version: int, layout_id: str,
-                 budget: int | None = None):
+                 budget: int | None = None, total_bytes: int | None = None):
         """`budget`: the most bytes the patch may take; once its changes alone would
         exceed it (at the least one might encode them in), the writer gives up and
-        `abandoned` is True (the version then moves whole)."""
+        `abandoned` is True (the version then moves whole). With `total_bytes` (the
+        version's), it gives up as soon as the items seen so far changed more than their
+        share of that budget: a dense step is given up after counting its first item,
+        before any is encoded."""
         self.base, self.version, self.layout_id = base, version, layout_id
         self.budget = budget
+        self.total_bytes = total_bytes
+        self._bytes_seen = 0
         self._items: list[_Encoded] = []
         self.changed_words = 0
         self.words = 0
@@ -198,8 +203,13 @@ class PatchWriter:
             return
         word = _word(old.numel())
         self.words += old.numel() // word
-        left = None if self.budget is None else \
-            int(self.budget / MIN_BYTES_PER_CHANGE) - self.changed_words
+        self._bytes_seen += old.numel()
+        left = None
+        if self.budget is not None:
+            allowed = self.budget / MIN_BYTES_PER_CHANGE
+            if self.total_bytes:
+                allowed *= min(1.0, self._bytes_seen / self.total_bytes)
+            left = int(allowed) - self.changed_words
         try:
             found = changes(old, new, left)
         except (PatchError, RuntimeError):
