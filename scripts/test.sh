@@ -14,6 +14,7 @@ venv=$(bash "$here/scripts/setup.sh" core)
 if [ "${TENSORHUB_TEST_ENGINES:-1}" != 0 ]; then
   for engine in vllm sglang verl; do bash "$here/scripts/setup.sh" "$engine" >/dev/null; done
 fi
-echo "test.sh: set-up done in $((SECONDS - started)) s; running the tests" >&2
+echo "test.sh: set-up done in $((SECONDS - started)) s; linting, then running the tests" >&2
 cd "$here"
+"$venv/bin/ruff" check .
 exec "$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider "$@"
