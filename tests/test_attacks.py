@@ -271,3 +271,92 @@ def test_a_declaration_larger_than_memory_is_refused_before_anything_is_allocate
         pub.publish(STATE)
         assert copy.pull(timeout=20) == 1
         assert torch.equal(copy.tensors["w"], STATE["w"])
+
+
+def test_a_token_holder_that_did_not_publish_a_model_cannot_number_its_versions(guarded):
+    """A token holder registers as a trainer and publishes v10^9 of a model another trainer
+    published first: refused (`unauthorized`), and the numbering is the real trainer's:
+    its explicit v2 lands, its default numbering goes on at 3."""
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Publisher(guarded.address, "policy", transport="zmq", name="mallory") as mallory, \
+            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+        assert pub.publish(STATE) == 1
+        with pytest.raises(CoordinatorError, match="belongs to the trainer") as err:
+            mallory.publish({k: t * 7 for k, t in STATE.items()}, version=10**9)
+        assert err.value.code == "unauthorized"
+        # ... a credential of its own (for another model) does not help either
+        mallory.session.owners["policy"] = pub.session.owners["policy"][:-4] + "0000"
+        with pytest.raises(CoordinatorError, match="belongs to the trainer"):
+            mallory.publish({k: t * 7 for k, t in STATE.items()}, version=10**9)
+        assert guarded.table.models["policy"].latest == 1
+        assert pub.publish({k: t * 2 for k, t in STATE.items()}, version=2) == 2
+        assert pub.publish({k: t * 3 for k, t in STATE.items()}) == 3
+        assert rep.pull(timeout=20) == 3
+        assert torch.equal(rep.tensors["w"], STATE["w"] * 3)
+
+
+def test_a_claim_of_versions_of_a_model_nobody_published_creates_nothing_and_blocks_nobody(
+        guarded):
+    """A token holder registers as a trainer saying it published v10^9 of a model no one has
+    published: nothing is created, and the model's real trainer publishes v1."""
+    from tensorhub.core.transport.zmq import ZmqTransport
+
+    mallory = CoordinatorClient(guarded.address, timeout=5.0)
+    transport = ZmqTransport()
+    try:
+        mallory.call(Register(name="mallory", role="trainer", endpoint=transport.endpoint(),
+                              published={"policy": 10**9}, owners={"policy": "0.1.2.3"}))
+        assert "policy" not in guarded.table.models
+        with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+                Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+            assert pub.publish(STATE) == 1
+            assert rep.pull(timeout=20) == 1
+            assert torch.equal(rep.tensors["w"], STATE["w"])
+    finally:
+        mallory.close()
+        transport.close()
+
+
+def test_a_model_stays_its_publishers_across_a_coordinator_restart(monkeypatch):
+    """With a persistent coordinator key (a CURVE keypair), a model's credential outlives a
+    restart: a token holder that publishes the model first after the restart binds it only
+    until the real trainer registers again with its older credential; then the token
+    holder's version is dropped, its publishes refused, and the trainer numbers on."""
+    import socket
+
+    from tensorhub.core import curve
+    from tensorhub_testing.waits import wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    public, secret = curve.generate_keypair()
+    for var in ("TENSORHUB_TOKEN", "TENSORHUB_TOKEN_FILE", "TENSORHUB_CURVE_SERVER_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TENSORHUB_CURVE_SERVER_KEY", public)
+    config = CoordinatorConfig(bind=f"tcp://127.0.0.1:{port}", curve_secret=secret,
+                               heartbeat_interval=0.2, worker_ttl=2.0)
+    first = Coordinator(config).start()
+    address, later = first.address, None
+    try:
+        with Publisher(address, "policy", transport="zmq") as pub:
+            assert pub.publish(STATE) == 1
+            first.stop()
+            later = Coordinator(config).start()
+            with Publisher(address, "policy", transport="zmq", name="mallory") as mallory:
+                try:  # before the trainer is back (taken, then dropped), or after (refused)
+                    mallory.publish({k: t * 7 for k, t in STATE.items()}, version=50)
+                except CoordinatorError as refused:
+                    assert refused.code == "unauthorized"
+                wait_for(lambda: pub.session.registrations == 2, 10,
+                         "the trainer registering again")
+                wait_for(lambda: 50 not in later.table.models["policy"].versions, 10,
+                         "the token holder's version dropped")
+                with pytest.raises(CoordinatorError, match="belongs to the trainer"):
+                    mallory.publish({k: t * 7 for k, t in STATE.items()}, version=51)
+            assert pub.publish({k: t * 2 for k, t in STATE.items()}) == 2
+    finally:
+        first.stop()
+        if later is not None:
+            later.stop()
+

@@ -89,6 +89,11 @@ def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> 
                      f"model {req.model!r} has no version {req.version}: its trainer "
                      f"publishes versions (latest {mrec.latest}), a holder cannot "
                      f"bring one it never published")
+    claimed = state.claims.get(req.model)
+    if claimed is not None and req.version > claimed and not (mrec and mrec.published):
+        raise Reject("unknown_version",
+                     f"model {req.model!r} has no version {req.version}: its trainer "
+                     f"said it published up to v{claimed}")
     lid, layout = state.new_layout(req.manifest, req.checksums)
     return VersionRec(req.version, lid if req.part == 0 else "", {lid: layout},
                       parts=None if req.parts == 1 else
@@ -98,8 +103,12 @@ def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> 
 def withdraw(state: CoordinatorState, req: Withdraw) -> Withdrawn:
     """A holder stops offering a version (reads in flight may finish); the last holder of
     the newest version may not, unless forced."""
-    state.worker(req.worker_id)
+    worker = state.worker(req.worker_id)
     state.end_probation(req.worker_id, req.model, req.version)  # nothing left to offer
+    if req.damaged:
+        log.warning("%s found its copy of %s v%d damaged (its checksums fail) and "
+                    "withdraws it", worker.name, req.model, req.version)
+        state.metrics.evictions.labels("damaged").inc()
     mrec = state.table.models.get(req.model)
     vrec = mrec.versions.get(req.version) if mrec else None
     if vrec is not None and req.version == mrec.latest and not req.force:

@@ -43,6 +43,14 @@ def _sockets_closed(router: zmq.Socket, pub: zmq.Socket, ctx: zmq.Context,
     ctx.term()
 
 
+def _peer_address(frame: zmq.Frame) -> str:
+    """The address a message's connection came from ("" where the transport has none)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
+
+
 def announce_address_for(bind: str) -> str:
     head, _, port = bind.rpartition(":")
     return f"{head}:{int(port) + 1}"
@@ -185,7 +193,12 @@ class Coordinator:
         last_turn = state.clock()
         while not self._stop.is_set():
             try:
-                frames = router.recv_multipart()
+                # The routing frame is kept as a frame: the address its connection came
+                # from is asked of it (a registration's witness, `trust.py`), lazily.
+                first = router.recv(copy=False)
+                frames = [first.bytes, *router.recv_multipart()] if first.more \
+                    else [first.bytes]
+                state.peer = lambda first=first: _peer_address(first)
             except zmq.Again:
                 frames = None
             now = state.clock()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.metrics import CoordinatorMetrics
+from tensorhub.coordinator.owners import Owners, owner_key
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.standby import StandingForests
@@ -105,6 +106,10 @@ class CoordinatorState:
         self.fleet_measured_at: float | None = None  # None: no metrics served, never
         # Announcements made, for the socket loop to publish (topic, bytes), oldest first.
         self.outbox: list[tuple[bytes, bytes]] = []
+        self.owner_key = owner_key(config.curve_secret)  # (`owners.py`)
+        # The address the request being handled came from, as the socket saw it (the
+        # socket loop sets it per request; asked only by a registration): "" unknown.
+        self.peer: Callable[[], str] = lambda: ""
         self.start_over()
 
     def start_over(self) -> None:
@@ -112,10 +117,19 @@ class CoordinatorState:
         the soft state derived from it, together (state left from an earlier table would
         name workers the new one does not know)."""
         self.table = Table(clock=self.clock)
+        if not self.owner_key[1]:  # (a new process's key: older credentials fail)
+            self.owner_key = owner_key(None)
+        self.owners = Owners(*self.owner_key)  # who published each model first
+        # model -> the newest version a trainer said it published, where nobody could show
+        # the model's credential and no version was there to judge it by: holders may not
+        # bring back versions past it (`holdings._brought_back`); it numbers nothing
+        self.claims: dict[str, int] = {}
         self.trust = Trust(self.config.trust, self.clock)
         # holder -> {(model, version): until when}: a holder dropped on readers' reports
         # may not offer that version again before then; it is told in heartbeat replies
         self.probation: dict[str, dict[tuple[str, int], float]] = {}
+        # (holder, model, version) on probation because readers found its bytes bad
+        self.bad_bytes: set[tuple[str, str, int]] = set()
         self.stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self.workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
         # model -> its newest announcement and its bytes (made once, asked for by every
@@ -127,6 +141,12 @@ class CoordinatorState:
         self.standby = StandingForests(self.config.stripes,
                                        self.config.planner.max_readers_per_holder,
                                        self.config.pending_grace)
+
+    @staticmethod
+    def witness(worker: WorkerRec) -> str:
+        """What a worker is as a witness against a holder (`trust.py`): the address the
+        coordinator saw it register from; else (no sockets: the simulator) its node."""
+        return worker.peer or worker.labels.get("node", "") or worker.worker_id
 
     def worker(self, worker_id: str) -> WorkerRec:
         worker = self.table.workers.get(worker_id)
@@ -237,6 +257,7 @@ class CoordinatorState:
 
     def end_probation(self, worker_id: str, model: str, version: int) -> None:
         dropped = self.probation.get(worker_id)
+        self.bad_bytes.discard((worker_id, model, version))
         if dropped is not None:
             dropped.pop((model, version), None)
             if not dropped:

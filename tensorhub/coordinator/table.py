@@ -72,6 +72,9 @@ class WorkerRec:
     pull: PullProgress | None = None  # its pull in flight, as of its last heartbeat
     secret: str = ""  # what its requests must show (`Envelope.secret`)
     grant_key: str | None = None  # what its readers' grants are made with
+    # The address its registration came from, as the coordinator's socket saw it ("" in
+    # the simulator): what it is as a witness against a holder (`trust.py`).
+    peer: str = ""
 
 
 class _PackedMemory:

@@ -266,6 +266,9 @@ UNKNOWN_GRACE: float = 15.0
 UNKNOWN_RETRY: float = 0.2
 # Seconds before standing by again after the coordinator could not place us.
 STANDBY_RETRY: float = 5.0
+# Items that failed their checksums are read again from another holder up to this many times
+# (each from a holder not tried yet, the publisher last) before the pull fails.
+REREAD_TRIES: int = 3
 # Patches (`core/patch.py`): each worker keeps and serves the newest PATCH_KEEP; a trainer
 # publishes one only if it is at most PATCH_MAX_RATIO of the version's bytes, and a reader
 # follows a chain of them only if they add up to at most that share (else it pulls whole).
@@ -299,6 +302,9 @@ PAUSE_FORGIVEN: float = 1.0
 BUSY_RETRY_MIN: float = 0.005
 # Aborted sharded versions remembered, for ranks that ask late.
 ABORTED_KEPT: int = 256
+# Models a trainer may say it published with no credential to show and no version to judge
+# the word by (after a restart, with no persistent key: `coordinator/owners.py`) remembered.
+MAX_CLAIMS: int = 4096
 
 # --- the README's table -------------------------------------------------------------------
 
