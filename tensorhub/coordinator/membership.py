@@ -8,7 +8,7 @@ import uuid
 
 from tensorhub import settings
 from tensorhub.coordinator import status
-from tensorhub.coordinator.state import ACK, CoordinatorState, log
+from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log
 from tensorhub.coordinator.table import ModelRec, WorkerRec
 from tensorhub.core.data_types import (
     Ack,
@@ -23,11 +23,20 @@ from tensorhub.core.data_types import (
 
 def register(state: CoordinatorState, req: Register) -> Registered:
     """A new worker: an id, the secret its requests must show, and the timings it keeps."""
+    peer = state.peer()
+    if peer and state.peer_workers[peer] >= settings.MAX_WORKERS_PER_PEER:
+        raise Reject("bad_request", f"{state.peer_workers[peer]} workers are registered from "
+                     f"{peer} already (at most {settings.MAX_WORKERS_PER_PEER} from one "
+                     f"address)")
     worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
     secret = secrets.token_hex(16)
-    state.table.workers[worker_id] = WorkerRec(
+    worker = WorkerRec(
         worker_id, req.name, req.role, req.endpoint, dict(req.labels), state.clock(),
-        progress=req.progress, secret=secret, grant_key=req.grant_key, peer=state.peer())
+        progress=req.progress, secret=secret, grant_key=req.grant_key, peer=peer)
+    state.account_metadata(worker, req.endpoint)
+    state.table.workers[worker_id] = worker
+    if peer:
+        state.peer_workers[peer] += 1
     if req.role == "replica":
         state.workers_in_dc[req.labels.get("dc", "")] += 1
     log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
@@ -120,6 +129,7 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
     worker = state.table.workers.pop(worker_id, None)
     if worker is None:
         return
+    state.release_metadata(worker)
     state.metrics.evictions.labels(reason).inc()
     if worker.role == "replica":
         state.workers_in_dc[worker.labels.get("dc", "")] -= 1

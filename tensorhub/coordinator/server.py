@@ -43,6 +43,28 @@ def _sockets_closed(router: zmq.Socket, pub: zmq.Socket, ctx: zmq.Context,
     ctx.term()
 
 
+def raise_open_files(most: int | None = None) -> tuple[int, int]:
+    """Raise this process's soft open-file limit to its hard one (at most
+    `settings.OPEN_FILES`): every connection holds a descriptor, and many hosts still
+    default to 1024. Returns the (soft, hard) limits now."""
+    try:
+        import resource
+    except ImportError:  # (not on this platform)
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(settings.OPEN_FILES if most is None else most,
+               hard if hard != resource.RLIM_INFINITY else settings.OPEN_FILES)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open-file limit raised from %d to %d", soft, want)
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d (%s): a thousand idle "
+                        "connections may starve the coordinator of descriptors", soft, exc)
+    return soft, hard
+
+
 def _peer_address(frame: zmq.Frame) -> str:
     """The address a message's connection came from ("" where the transport has none)."""
     try:
@@ -99,6 +121,9 @@ class Coordinator:
         # Larger messages are dropped by libzmq, which also drops the sender's connection.
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
+        for sock in (self._router, self._pub):  # (a stranger's idle connection: closed soon)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, settings.HANDSHAKE_MS)
+        raise_open_files()
         self.curve_public_key = None  # an explicit keypair's, which clients must be given
         secret = config.curve_secret or (
             curve.token_server_secret(config.token) if config.token else None)

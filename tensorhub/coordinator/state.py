@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tensorhub import settings
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.owners import Owners, owner_key
@@ -132,6 +133,10 @@ class CoordinatorState:
         self.bad_bytes: set[tuple[str, str, int]] = set()
         self.stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self.workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
+        # what each address's registrations make us hold (`settings.MAX_*_PER_PEER`)
+        self.peer_workers: Counter[str] = Counter()
+        self.peer_metadata: Counter[str] = Counter()
+        self.metadata_total = 0
         # model -> its newest announcement and its bytes (made once, asked for by every
         # idle watcher's fallback)
         self.announcements: dict[str, tuple[Announcement, bytes]] = {}
@@ -215,7 +220,39 @@ class CoordinatorState:
         if endpoint is not None:
             if endpoint.transport != worker.endpoint.transport:
                 raise Reject("bad_request", "a worker cannot change transport")
+            self.account_metadata(worker, endpoint)
             worker.endpoint = endpoint
+
+    def account_metadata(self, worker: WorkerRec, endpoint) -> None:
+        """`worker`'s transport metadata becomes `endpoint`'s: refused past the caps on
+        what one address, and all workers, may make the coordinator hold."""
+        new = len(endpoint.agent_metadata or b"")
+        delta = new - worker.meta_bytes
+        if delta > 0:
+            peer = worker.peer
+            if peer and self.peer_metadata[peer] + delta > settings.MAX_METADATA_PER_PEER:
+                raise Reject("bad_request", f"workers registered from {peer} hold "
+                             f"{self.peer_metadata[peer] / 2**20:.0f} MiB of transport "
+                             f"metadata already (at most "
+                             f"{settings.MAX_METADATA_PER_PEER / 2**20:.0f} MiB an address)")
+            if self.metadata_total + delta > settings.MAX_METADATA_TOTAL:
+                raise Reject("bad_request", "the coordinator holds its most of workers' "
+                             "transport metadata")
+        if worker.peer:
+            self.peer_metadata[worker.peer] += delta
+        self.metadata_total += delta
+        worker.meta_bytes = new
+
+    def release_metadata(self, worker: WorkerRec) -> None:
+        """A worker is forgotten: what it counted against its address goes."""
+        self.metadata_total -= worker.meta_bytes
+        if worker.peer:
+            self.peer_metadata[worker.peer] -= worker.meta_bytes
+            self.peer_workers[worker.peer] -= 1
+            if self.peer_workers[worker.peer] <= 0:
+                del self.peer_workers[worker.peer]
+                self.peer_metadata.pop(worker.peer, None)
+        worker.meta_bytes = 0
 
     def held_layout(self, req: Publish | Hold, worker: WorkerRec) -> tuple[str, LayoutRec]:
         """The layout `req` describes, checked against the memory it registers, with

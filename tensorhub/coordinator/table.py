@@ -75,6 +75,7 @@ class WorkerRec:
     # The address its registration came from, as the coordinator's socket saw it ("" in
     # the simulator): what it is as a witness against a holder (`trust.py`).
     peer: str = ""
+    meta_bytes: int = 0  # its endpoint's transport metadata (counted against its address)
 
 
 class _PackedMemory:
