@@ -214,6 +214,7 @@ def announce(state: CoordinatorState, model: str, version: int, lid: str, layout
         source=source_of(state.table.workers[publisher], memory,
                          state.table.workers[publisher].progress, ANY_READER)
         if parts == 1 else None)
-    msg = encode(announcement)
+    manifest, checksums = layout.packed_manifest()  # (encoded once: plans carry them too)
+    msg = encode(announcement, {("manifest",): manifest, ("checksums",): checksums})
     state.announcements[model] = (announcement, msg)
     state.outbox.append((model.encode(), msg))

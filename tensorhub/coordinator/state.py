@@ -20,6 +20,7 @@ from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.owners import Owners, owner_key
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.planner import PlannerConfig
+from tensorhub.coordinator.prepare import Prepared
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.coordinator.table import (
     HolderRec,
@@ -75,6 +76,18 @@ class CoordinatorConfig:
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
 
 
+@dataclass(frozen=True, slots=True)
+class Spliced:
+    """A reply with parts encoded beforehand (`wire.encode`'s `packed`, by path): the
+    socket sends them as they are; as a model (`model`) it is the reply itself."""
+
+    reply: object
+    packed: dict
+
+    def model(self):
+        return self.reply
+
+
 class Reject(Exception):
     """Raised by a handler to answer with a typed error."""
 
@@ -111,6 +124,9 @@ class CoordinatorState:
         # The address the request being handled came from, as the socket saw it (the
         # socket loop sets it per request; asked only by a registration): "" unknown.
         self.peer: Callable[[], str] = lambda: ""
+        # A large request's manifest work, done beside the socket loop (`prepare.py`): set
+        # while its handler runs
+        self.prepared: Prepared | None = None
         self.start_over()
 
     def start_over(self) -> None:
@@ -208,13 +224,20 @@ class CoordinatorState:
             raise Reject("bad_request", f"manifest: {exc}") from None
 
     def new_layout(self, manifest, checksums) -> tuple[str, LayoutRec]:
-        self.check_manifest(manifest)
-        items = plan_items(manifest)
+        prepared = self.prepared
+        if prepared is not None and prepared.manifest is manifest:  # (done beside the loop)
+            items, lid = prepared.items, prepared.layout_id
+        else:
+            self.check_manifest(manifest)
+            items, lid, prepared = plan_items(manifest), None, None
         if checksums is None or len(checksums) != len(items):
             raise Reject("bad_request",
                          f"need one checksum per item ({len(items)}), got "
                          f"{0 if checksums is None else len(checksums)}")
-        return layout_id(manifest), LayoutRec(manifest, items, list(checksums))
+        layout = LayoutRec(manifest, items, list(checksums))
+        if prepared is not None and prepared.packed is not None:
+            layout._packed = prepared.packed
+        return lid or layout_id(manifest), layout
 
     def update_endpoint(self, worker: WorkerRec, endpoint) -> None:
         if endpoint is not None:

@@ -312,6 +312,11 @@ OPEN_FILES: int = 1 << 20
 MAX_WORKERS_PER_PEER: int = 1024
 MAX_METADATA_PER_PEER: int = 256 << 20
 MAX_METADATA_TOTAL: int = 2 << 30
+# A request larger than this (bytes) is decoded, and its manifest's work done, on a thread
+# beside the coordinator's loop (`coordinator/prepare.py`), which looks for it every
+# PREPARED_POLL_MS while one is under way.
+PREPARE_BYTES: int = 1 << 20
+PREPARED_POLL_MS: int = 5
 # Aborted sharded versions remembered, for ranks that ask late.
 ABORTED_KEPT: int = 256
 # Models a trainer may say it published with no credential to show and no version to judge
