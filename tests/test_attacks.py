@@ -567,3 +567,41 @@ def test_a_large_request_made_ready_beside_the_loop_is_the_request_decoded_whole
     bad = payload.replace(b"bfloat16", b"bfloat17", 1)
     refused, work = prepare(bad)
     assert isinstance(refused, ErrorReply) and refused.code == "bad_request" and work is None
+
+
+def test_a_token_holder_that_holds_a_native_layout_first_cannot_make_an_engine_load_its_bytes(
+        guarded):
+    """A token holder holds v1 in an engine-style layout (other names, other order) first,
+    with bytes and checksums of its own (every weight 7.0); the real engine's hold of the
+    same layout disagrees. The layout is untrusted from then on: no plan reads from it, the
+    engines' fleet view shows nobody to read it from, and a joining engine takes the
+    publisher's layout: the trainer's bytes."""
+    from tensorhub.engines.fleet import FleetView
+
+    native = {"b.native": STATE["b"], "w.native": STATE["w"]}  # (an engine's own names)
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", {k: t.clone() for k, t in native.items()},
+                    transport="zmq", name="mallory") as mallory, \
+            Replica(guarded.address, "policy", {k: t.clone() for k, t in native.items()},
+                    transport="zmq", name="engine") as engine:
+        pub.publish(STATE)
+        assert mallory.layout.layout_id != pub.layout_id
+        for t in mallory.tensors.values():
+            t.fill_(7.0)
+        mallory.layout.pack()
+        mallory.session.hold("policy", 1, mallory.layout, mallory.layout.checksums())
+        engine.layout.pack()
+        with pytest.raises(CoordinatorError, match="untrusted"):
+            engine.session.hold("policy", 1, engine.layout, engine.layout.checksums())
+        lid = engine.layout.layout_id
+        assert not FleetView(engine.session, "policy").in_layout(lid).held_by_others(1, [])
+        with Replica(guarded.address, "policy", {k: torch.zeros_like(t)
+                                                 for k, t in native.items()},
+                     transport="zmq", name="joining-native") as joining:
+            with pytest.raises(CoordinatorError, match="untrusted") as err:
+                joining.pull(1, timeout=20)
+            assert err.value.code == "layout_mismatch"
+            assert not any(t.eq(7.0).any() for t in joining.tensors.values())
+        with Replica(guarded.address, "policy", transport="zmq", name="joining") as joining:
+            assert joining.pull(1, timeout=20) == 1  # the publisher's layout
+            assert torch.equal(joining.tensors["w"], STATE["w"])

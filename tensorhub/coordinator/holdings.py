@@ -58,8 +58,20 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
             raise Reject("layout_mismatch", "layout id does not match the manifest")
         new_layout = lid
     elif req.checksums is not None and list(req.checksums) != layout.checksums:
+        if req.layout_id not in vrec.part_ids and not layout.untrusted:
+            # Nobody but its holders vouches for a layout other than the publisher's: two
+            # that disagree make it untrusted (one of them holds bytes the trainer never
+            # published), and readers fall back to the publisher's layout.
+            layout.untrusted = True
+            log.warning("%s v%d: holders disagree on the bytes of layout %s (%s, and %s "
+                        "now): it is no longer served; readers take the publisher's layout",
+                        req.model, req.version, req.layout_id,
+                        ", ".join(sorted(_names(state, layout.holders))) or "a holder gone",
+                        worker.name)
         raise Reject("layout_mismatch",
-                     f"checksums differ from version {req.version}'s: not the same bytes")
+                     f"checksums differ from version {req.version}'s: not the same bytes"
+                     + (" (the layout is untrusted now: holders disagree)"
+                        if layout.untrusted else ""))
     state.check_memory(layout, req.memory)
     state.update_endpoint(worker, req.endpoint)
     if new_layout is not None:
@@ -77,6 +89,10 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
     if layout.forest is not None:
         layout.forest.add_root(worker.worker_id, worker.labels.get("dc", ""))
     return ACK
+
+
+def _names(state: CoordinatorState, holders) -> set[str]:
+    return {w.name for h in holders if (w := state.table.workers.get(h)) is not None}
 
 
 def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> VersionRec:
@@ -208,6 +224,8 @@ def _in_layout(state: CoordinatorState, mrec, layout_id: str | None) -> dict[str
                                   if w.labels.get(LAYOUT_LABEL) == layout_id}
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         layout = vrec.layouts.get(layout_id)
+        if layout is not None and layout.untrusted:  # (nobody to read it from)
+            continue
         for h in layout.holders.values() if layout else []:
             w = state.table.workers.get(h.worker_id)
             if w is not None and not h.withdrawn:

@@ -45,6 +45,11 @@ def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanRepl
         raise Reject("layout_mismatch",
                      f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                      f"known layouts: {', '.join(vrec.layouts)}")
+    if layout.untrusted:
+        raise Reject("layout_mismatch",
+                     f"holders of {req.model!r} v{vrec.version} in layout {lid} disagree on "
+                     f"its bytes: it is untrusted; read the publisher's layout "
+                     f"({vrec.origin_layout})")
     if type(req) is not PlanRequest:
         return plan_striped(state, req, vrec.version, lid, layout)
     avoid = state.trust.avoided(req.worker_id)

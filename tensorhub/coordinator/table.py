@@ -170,6 +170,9 @@ class LayoutRec:
     forest: Forest | None = None
     previous_forest: Forest | None = None  # the last version's, in this layout (`adopt`)
     striped_leases: dict[str, str] = field(default_factory=dict)  # reader -> lease id
+    # Holders disagreed on its checksums (a layout not the publisher's, whose bytes only
+    # its holders vouch for): no reads are planned from it; readers take the publisher's.
+    untrusted: bool = False
 
     @property
     def nbytes(self) -> int:
