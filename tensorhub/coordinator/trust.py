@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TrustConfig:
-    quorum: int = 2  # distinct nodes whose credible readers' failed reads drop a holder
+    quorum: int = 2  # witnesses (addresses) of weight whose reports drop a holder
     window: float = 30.0  # seconds a report counts, and a reader avoids the holder it reported
     broken_after: int = 2  # distinct holders a reader failed on (no good read since): suspect
     liar_after: int = 2  # contradicted reports that take a witness's weight away ...
