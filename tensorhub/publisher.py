@@ -104,9 +104,8 @@ class Publisher:
         self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
-                                     timeout, register_wait=coordinator_wait)
+                                     timeout, register_wait=coordinator_wait, owners=owners)
         self.session.published = self._published
-        self.session.owners.update(owners or {})
         self._layout: BoundLayout | None = None
         self._buffers_version = 0  # the version our buffers hold whole (0: none, or torn)
         self._patches = patches and settings.PATCHES.get()

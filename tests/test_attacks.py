@@ -616,17 +616,22 @@ def test_a_token_holder_that_holds_a_native_layout_first_cannot_make_an_engine_l
 
 
 def test_a_resumed_trainer_shows_the_credential_its_first_run_saved(guarded):
-    """A trainer's job restarts (a new process, a new registration): with the credentials
-    its first run saved it publishes on; a trainer without them is refused."""
+    """While a model's trainer is registered, another trainer's publish of it is refused.
+    Once it left, the next publish binds the model anew; the first trainer's job, resumed
+    with the credentials it saved, wins the model back (the older credential)."""
     with Publisher(guarded.address, "policy", transport="zmq") as first:
         assert first.publish(STATE) == 1
         saved = first.owners
+        with Publisher(guarded.address, "policy", transport="zmq", name="other") as other, \
+                pytest.raises(CoordinatorError, match="belongs to the trainer"):
+            other.publish(STATE, version=2)
     assert set(saved) == {"policy"}
-    with Publisher(guarded.address, "policy", transport="zmq", name="other") as other, \
-            pytest.raises(CoordinatorError, match="belongs to the trainer"):
-        other.publish(STATE, version=2)
-    with Publisher(guarded.address, "policy", transport="zmq", owners=saved) as resumed, \
-            Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
-        assert resumed.publish({k: t * 2 for k, t in STATE.items()}, version=2) == 2
-        assert rep.pull(timeout=20) == 2
-        assert torch.equal(rep.tensors["w"], STATE["w"] * 2)
+    with Publisher(guarded.address, "policy", transport="zmq", name="next") as later:
+        assert later.publish({k: t * 3 for k, t in STATE.items()}, version=2) == 2
+        with Publisher(guarded.address, "policy", transport="zmq", owners=saved) as resumed, \
+                Replica(guarded.address, "policy", transport="zmq", name="eng") as rep:
+            with pytest.raises(CoordinatorError, match="belongs to the trainer"):
+                later.publish(STATE, version=3)
+            assert resumed.publish({k: t * 2 for k, t in STATE.items()}, version=3) == 3
+            assert rep.pull(timeout=20) == 3
+            assert torch.equal(rep.tensors["w"], STATE["w"] * 2)

@@ -43,6 +43,9 @@ def register(state: CoordinatorState, req: Register) -> Registered:
     if req.role == "trainer":
         for model, newest in req.published.items():
             claimed(state, worker_id, model, newest, req.owners.get(model))
+        for model, credential in req.owners.items():
+            if model not in req.published:  # (a resumed job: its credential, no word)
+                state.owners.claim(model, credential, worker_id)
     return Registered(worker_id=worker_id, secret=secret,
                       heartbeat_interval=state.config.heartbeat_interval,
                       worker_ttl=state.config.worker_ttl,
@@ -59,7 +62,7 @@ def claimed(state: CoordinatorState, worker_id: str, model: str, newest: int,
     holders brought versions back; a claim for a model with no versions creates nothing,
     and blocks nobody."""
     owners = state.owners
-    if owners.claim(model, credential):
+    if owners.claim(model, credential, worker_id):
         trainer_newest(state, model, newest, owner=True)
         return
     if owners.persistent or owners.is_bound(model):
@@ -130,6 +133,7 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
     if worker is None:
         return
     state.release_metadata(worker)
+    state.owners.worker_gone(worker_id)
     state.metrics.evictions.labels(reason).inc()
     if worker.role == "replica":
         state.workers_in_dc[worker.labels.get("dc", "")] -= 1

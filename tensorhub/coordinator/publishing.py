@@ -42,12 +42,15 @@ def publish(state: CoordinatorState, req: Publish) -> Published:
                      f"(part {req.part}): only a publish with its credential "
                      f"(`Published.owner`) is taken")
     if binds and owners.valid(req.model, req.part, req.owner):
-        owners.claim(req.model, req.owner)  # (a credential from before a restart)
+        owners.claim(req.model, req.owner, worker.worker_id)  # (from before a restart)
         binds = False
+    elif not binds:
+        owners.shown_by(req.model, req.part, worker.worker_id)
     reply = publish_part(state, req, worker, latest) if req.parts > 1 \
         else _publish_whole(state, req, worker, latest)
     if binds:
-        reply = reply.model_copy(update={"owner": owners.issue(req.model, req.part)})
+        reply = reply.model_copy(update={"owner": owners.issue(req.model, req.part,
+                                                               worker.worker_id)})
         log.info("%s bound %s (part %d): only its trainer publishes it from now on",
                  worker.worker_id, req.model, req.part)
     return reply

@@ -57,9 +57,11 @@ class WorkerSession:
         token: str | None = None,
         timeout: float = 10.0,
         register_wait: float = 0.0,
+        owners: dict[str, str] | None = None,
     ):
         """`register_wait`: how long to keep trying to register while the coordinator does
-        not answer (not up yet, restarting: a lost request is sent again); 0: one try."""
+        not answer (not up yet, restarting: a lost request is sent again); 0: one try.
+        `owners`: a trainer's model credentials, shown from its first registration on."""
         self.name = name
         self.role = role
         self.labels = worker_labels(labels)
@@ -100,7 +102,7 @@ class WorkerSession:
         self.published: Callable[[], dict[str, int]] | None = None
         # model -> the credential its first publish returned (`Publisher` keeps them):
         # shown again at each registration, so a restarted coordinator knows its owner.
-        self.owners: dict[str, str] = {}
+        self.owners: dict[str, str] = dict(owners or {})
         # Checks a held version's bytes again (`Replica` sets it): run when readers report
         # bad bytes of it, before it is offered again (it withdraws if they are bad).
         self.check_held: Callable[[str, int], None] | None = None
