@@ -264,9 +264,12 @@ def _parents(state: CoordinatorState, req: StripedRequest, version: int, layout:
             reader=reader.name, source=source.name if source else failed,
             model=req.model, version=version, nbytes=0, seconds=0.0, ok=False,
             error="a striped read failed; the stripe is planned elsewhere"))
-    for failed in parents_now & set(failed_ids):  # (only a parent it had is its to report)
-        report_failed(state, reader, failed, req.model, version,
-                      "a striped read failed", protected_sources=None)
+    for failed in failed_ids:  # (only a parent it had is its to report; any, to avoid)
+        if failed in parents_now:
+            report_failed(state, reader, failed, req.model, version,
+                          "a striped read failed", protected_sources=None)
+        else:
+            state.trust.steer(req.worker_id, failed)
     gone = set(failed_ids) | set(behind)
     avoid = gone | set(state.trust.avoided(req.worker_id))
     for s in stripes:

@@ -67,6 +67,11 @@ class Trust:
             return ()
         return avoid
 
+    def steer(self, reader: str, holder: str) -> None:
+        """`reader` is not planned onto `holder` for `window` seconds (its word on a holder
+        it cannot report: it steers only itself)."""
+        self._avoid.setdefault(reader, {})[holder] = self.clock() + self.config.window
+
     def credible(self, reader: str) -> bool:
         return len(self._failed.get(reader, ())) < self.config.broken_after
 
