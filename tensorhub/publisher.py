@@ -80,8 +80,12 @@ class Publisher:
         part: int = 0,
         parts: int = 1,
         patches: bool = True,
+        owners: dict[str, str] | None = None,
     ):
-        """`part` of `parts`: this trainer rank publishes one part of each version, and the
+        """`owners`: the credentials of the models an earlier run of this trainer bound
+        (`Publisher.owners`, saved with its checkpoint): a resumed job shows them, else
+        the coordinator keeps the models its first trainer's (`coordinator/owners.py`).
+        `part` of `parts`: this trainer rank publishes one part of each version, and the
         version appears to readers once all `parts` ranks have published theirs (FSDP or
         Megatron ranks, each with the tensors it owns, or row slices; `publish(rows=...)`).
         `release_timeout`: how long `publish` waits for reads of the previous version to end
@@ -100,7 +104,7 @@ class Publisher:
         self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
-                                     timeout, register_wait=coordinator_wait)
+                                     timeout, register_wait=coordinator_wait, owners=owners)
         self.session.published = self._published
         self._layout: BoundLayout | None = None
         self._buffers_version = 0  # the version our buffers hold whole (0: none, or torn)
@@ -109,6 +113,12 @@ class Publisher:
         self.last_patch: PatchStats | None = None
         self.version: int | None = None
         self.layout_id: str | None = None
+
+    @property
+    def owners(self) -> dict[str, str]:
+        """The credentials of the models this trainer bound (its model, and its patches'),
+        to save with a checkpoint: a resumed job passes them back (`owners=`)."""
+        return dict(self.session.owners)
 
     def _published(self) -> dict[str, int]:
         """Our newest version of each model we publish (told at each registration: a

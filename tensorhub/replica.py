@@ -31,6 +31,7 @@ import torch
 
 from tensorhub import metrics, settings
 from tensorhub.core.announcements import VersionWatcher
+from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import (
     Announcement,
     GetManifest,
@@ -122,6 +123,9 @@ class Replica:
         self._patches = PatchPuller(self.session, model, self._plan, self._end) \
             if patches and settings.PATCHES.get() else None
         self.last_pull_patches: list[int] = []  # the versions the last pull took as patches
+        self.session.check_held = self._check_held
+        self.last_pull_reread = 0  # bytes the last pull read again (they failed checksums)
+        self.last_pull_bad_sources: list[str] = []  # names of who served those bad bytes
 
     def _bind(self, layout: BoundLayout) -> None:
         """Register our buffers (and the staging copy) before anyone reads into or from them."""
@@ -160,10 +164,12 @@ class Replica:
         try:
             for k, buf in enumerate(self.layout.item_bytes):
                 check_item(plan, k, buf)
-        except IntegrityError:
+        except IntegrityError as exc:
             version, self.version = self.version, None
+            log.error("%s: its copy of %s v%d is damaged (%s); withdrawing it",
+                      self.session.name, self.model, version, exc)
             try:
-                self.session.withdraw(self.model, version, 10.0, force=True)
+                self.session.withdraw(self.model, version, 10.0, force=True, damaged=True)
             except TensorHubError as exc:
                 log.warning("%s: withdrawing v%d: %s", self.session.name, version, exc)
             raise
@@ -171,6 +177,17 @@ class Replica:
             log.warning("%s: a late read landed; %s v%d verified again: whole",
                         self.session.name, self.model, self.version)
         self._late_seen = late
+
+    def _check_held(self, model: str, version: int) -> None:
+        """Readers found bad bytes of `version` (the heartbeat loop's thread): verify our
+        copy; a damaged one is withdrawn (`reverify`), a whole one offered again later."""
+        if model == self.model and version == self.version:
+            try:
+                self.reverify(always=True)
+            except IntegrityError:
+                return
+            log.info("%s: readers reported bad bytes of %s v%d; our copy verifies whole",
+                     self.session.name, model, version)
 
     # ------------------------------------------------------------------ pulling
     def _reader(self, dest: list[torch.Tensor]) -> Reader:
@@ -199,6 +216,61 @@ class Replica:
             except TensorHubError as exc:  # the lease expires on its own
                 log.warning("could not end read lease %s: %s", done.lease_id, exc)
 
+    def _read_around(self, pull: PullSession, dest: list[torch.Tensor], items: list[int],
+                     first: IntegrityError, deadline: float) -> None:
+        """`items` failed their checksums: read them again from another holder (the
+        publisher only when nobody else holds the version), and name the source whose bytes
+        changed (`PullSession.blame`; the coordinator hears it with the pull's end). Raises
+        the `IntegrityError` only when no other holder gives bytes that pass."""
+        avoid = {src for *_, src in pull.pieces(items)}
+        log.warning("%s: %s v%d: %d item(s) failed their checksums (%s); reading them again "
+                    "from a holder other than %s", self.session.name, self.model,
+                    pull.plan.version, len(items), first,
+                    ", ".join(sorted(pull.sources[s].name for s in avoid if s in pull.sources)))
+        for _ in range(settings.REREAD_TRIES):
+            pieces = pull.pieces(items)
+            before = [checksum(dest[k][o:o + n]) for k, o, n, _ in pieces]
+            try:
+                plan = pull.reread_planned(self.session.call(pull.reread_request(items, avoid)))
+            except CoordinatorError as exc:
+                log.warning("%s: no other holder to read %s v%d's bad items from (%s)",
+                            self.session.name, self.model, pull.plan.version, exc)
+                raise first from None
+            source = plan.ranges[0].source if plan.ranges else None
+            try:
+                read_plan(self.session.transport, plan, dest,
+                          timeout=max(0.001, deadline - time.monotonic()),
+                          stats=pull.stats, on_batch=pull.served)
+            except TransferError as exc:
+                self._end([pull.reread_done(plan, False, str(exc), exc.source)])
+                avoid.add(exc.source or source or "")
+                continue
+            self._end([pull.reread_done(plan, True)])
+            still = []
+            for k in items:
+                try:
+                    check_item(pull.plan, k, dest[k])
+                except IntegrityError:
+                    still.append(k)
+            done = [k for k in items if k not in still]
+            if done:
+                after_pieces = [p for p in pieces if p[0] in done]
+                bad = pull.blame(after_pieces,
+                                 [b for p, b in zip(pieces, before, strict=True) if p[0] in done],
+                                 [checksum(dest[k][o:o + n]) for k, o, n, _ in after_pieces])
+                log.warning("%s: %s v%d: read %d item(s) again from %s and they pass; bad "
+                            "bytes came from %s", self.session.name, self.model,
+                            pull.plan.version, len(done),
+                            pull.sources[source].name if source in pull.sources else source,
+                            ", ".join(sorted(pull.sources[b].name if b in pull.sources else b
+                                             for b in bad)) or "nobody identified")
+            if not still:
+                return
+            items = still
+            if source:
+                avoid.add(source)
+        raise first
+
     def _read_whole(self, pull: PullSession, dest: list[torch.Tensor],
                     verifier: Verifier | None) -> None:
         """Read a whole-item plan; a failed source is reported and the bytes not yet read
@@ -208,7 +280,7 @@ class Replica:
             try:
                 read_plan(self.session.transport, pull.plan, dest,
                           timeout=max(0.001, pull.deadline - time.monotonic()), done=done,
-                          stats=pull.stats, verifier=verifier)
+                          stats=pull.stats, verifier=verifier, on_batch=pull.served)
                 return
             except TransferError as exc:
                 self._end([pull.source_failed(str(exc), exc.source)])
@@ -306,7 +378,12 @@ class Replica:
                     verifier.close()
                 raise
             if verifier is not None:
-                pull.stats.verify_seconds = verifier.finish()
+                try:
+                    pull.stats.verify_seconds = verifier.finish()
+                except IntegrityError as exc:
+                    if not exc.items:
+                        raise
+                    self._read_around(pull, dest, list(exc.items), exc, deadline)
         except BaseException as exc:
             self.session.pulling = None
             if relay:
@@ -333,6 +410,9 @@ class Replica:
             self._end(pull.end(ok=self.version == plan.version))
         stats: PullStats = pull.stats
         self.last_pull = stats
+        self.last_pull_reread = pull.reread_bytes
+        self.last_pull_bad_sources = sorted(
+            pull.sources[s].name if s in pull.sources else s for s in pull.bad_sources)
         metrics.pulled(self.model, plan.version, stats.nbytes, stats.seconds)
         log.info("%s pulled %s v%d from %s: %.1f MiB in %.3fs (%.2f GB/s)", self.session.name,
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,

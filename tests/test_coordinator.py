@@ -52,6 +52,11 @@ def test_a_second_trainer_cannot_go_back_either(coordinator):
         with pytest.raises(CoordinatorError) as err:
             client.call(Publish(worker_id=reg.worker_id, model="policy", version=2,
                                 manifest=manifest, checksums=["0"], memory=[]))
+        assert err.value.code == "unauthorized"  # (the model is the first trainer's)
+        with pytest.raises(CoordinatorError) as err:  # and with its credential, stale
+            client.call(Publish(worker_id=reg.worker_id, model="policy", version=2,
+                                manifest=manifest, checksums=["0"], memory=[],
+                                owner=a.session.owners["policy"]))
         assert err.value.code == "stale_version"
         client.close()
 
@@ -87,7 +92,7 @@ def test_a_publish_repeated_after_a_lost_answer_is_answered_as_the_first(coordin
     assert (again.version, again.layout_id) == (first.version, first.layout_id)
     assert first.version == 1
     with pytest.raises(CoordinatorError) as err:  # other bytes under the same number: no
-        client.call(publish.model_copy(update={"checksums": ["y"]}))
+        client.call(publish.model_copy(update={"checksums": ["y"], "owner": first.owner}))
     assert err.value.code == "stale_version"
     client.close()
 

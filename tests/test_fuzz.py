@@ -199,11 +199,14 @@ class World:
         plan = self.call({"type": "plan", "worker_id": self.refs["@reader"], "model": "policy"})
         assert plan.type == "read_plan", plan
         self.refs.update({"@layout": published.layout_id, "@manifest": manifest,
+                          "@owner": published.owner,
                           "@checksums": checksums, "@memory": memory,
                           "@lease": plan.lease_id, "@my_lease": plan.lease_id,
                           "@ghost": "ghost-00000000", "@token": TOKEN})
 
     def resolve(self, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") == "publish" and "owner" not in value:
+            value = {**value, "owner": "@owner"}  # (the trainer shows its credential)
         if isinstance(value, str) and value.startswith("@"):
             return self.refs.get(value, value)
         if isinstance(value, list):  # (huge lists hold no placeholders: leave them be)

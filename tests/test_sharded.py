@@ -223,8 +223,9 @@ def test_a_sharded_version_comes_back_whole_after_a_coordinator_restart():
 
 
 def test_a_reader_follows_when_the_trainer_changes_how_it_shards(coordinator):
-    """One trainer, then two ranks, then two ranks splitting otherwise: the same reader
-    follows each version whole (new buffers where the layout changed)."""
+    """One trainer, then two ranks, then two ranks splitting otherwise (one job: the model
+    stays its own): the same reader follows each version whole (new buffers where the
+    layout changed)."""
     address = coordinator.address
     with PartedReplica(address, "policy", transport="zmq", name="r") as reader, \
             Publisher(address, "policy", transport="zmq", name="t") as one:
@@ -233,8 +234,11 @@ def test_a_reader_follows_when_the_trainer_changes_how_it_shards(coordinator):
         for version, split in ((2, 3), (3, 1)):
             state = {**rank_state(0, version), **rank_state(1, version)}
             names = sorted(state)
+            # (the same job: its rank 0 shows the credential of part 0, which the one
+            # trainer, still registered, bound)
             ranks = [Publisher(address, "policy", transport="zmq", name=f"rank{r}", part=r,
-                               parts=2) for r in range(2)]
+                               parts=2, owners=one.owners if r == 0 else None)
+                     for r in range(2)]
             try:
                 first = functools.partial(ranks[0].publish,
                                           {n: state[n] for n in names[:split]}, version)

@@ -13,6 +13,12 @@ from tensorhub.core.errors import TransferError
 from tensorhub.tools.demo import synthetic_state_dict
 
 
+def from_address(coordinator: str, source: str) -> str:
+    """`coordinator`'s address, connected to from `source` (a loopback address: another
+    host, as the coordinator sees it)."""
+    return f"tcp://{source}:0;{coordinator.removeprefix('tcp://')}"
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -36,9 +42,38 @@ def test_two_credible_readers_agree_and_the_holder_is_dropped():
 
 def test_readers_on_one_node_are_one_witness():
     trust = Trust(TrustConfig(quorum=2), Clock())
-    trust.report("engine-tp0", "h", protected=False, node="host-a")
-    assert trust.report("engine-tp1", "h", protected=False, node="host-a") is False
-    assert trust.report("other", "h", protected=False, node="host-b") is True
+    trust.report("engine-tp0", "h", protected=False, witness="10.0.0.1")
+    assert trust.report("engine-tp1", "h", protected=False, witness="10.0.0.1") is False
+    assert trust.report("other", "h", protected=False, witness="10.0.0.2") is True
+
+
+def test_a_contradicted_witness_loses_its_weight_and_good_reads_do_not_restore_it():
+    """Liars on two hosts report a holder that others read fine: each contradiction is a
+    strike against the witness; two strikes and its reports steer only itself, whatever
+    good reads it reports meanwhile, until they age out."""
+    clock = Clock()
+    trust = Trust(TrustConfig(quorum=2, window=30.0, liar_after=2, strike_window=600.0), clock)
+    for round_ in range(2):
+        clock.now += 1
+        trust.report(f"liar-a{round_}", "h", protected=False, witness="10.0.0.1")
+        clock.now += 1
+        trust.read_ok("honest", {"h": False}, witness="10.0.0.9", since=clock.now)
+        trust.read_ok(f"liar-a{round_}", {"other": True}, witness="10.0.0.1",
+                      since=clock.now)  # its own good reads
+    assert trust.strikes("10.0.0.1") == 2
+    clock.now += 1
+    trust.report("liar-a2", "h", protected=False, witness="10.0.0.1")
+    assert trust.report("liar-b", "h", protected=False, witness="10.0.0.2") is False
+    clock.now += 601
+    assert trust.strikes("10.0.0.1") == 0
+
+
+def test_a_report_of_bad_bytes_is_contradicted_only_by_a_read_of_the_whole_version():
+    trust = Trust(TrustConfig(quorum=2), Clock())
+    trust.report("r1", "h", protected=False, witness="a", bad_bytes=True)
+    trust.read_ok("r2", {"h": False}, witness="b", since=1.0)  # a stripe of it: no word
+    assert trust.strikes("a") == 0
+    assert trust.report("r3", "h", protected=False, witness="c", bad_bytes=True) is True
 
 
 def test_a_departed_holder_no_longer_counts_against_its_readers():
@@ -125,7 +160,7 @@ class _FailingFrom(_BrokenTransport):
 
 def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_probation(
         caplog):
-    """Readers on two nodes fail to read from a holder: the coordinator stops planning reads
+    """Readers on two hosts fail to read from a holder: the coordinator stops planning reads
     from it and tells it so. An early offer is refused (`probation`, kept on the
     coordinator's clock); once the probation is over it offers the version again itself,
     and serves it bit-exact."""
@@ -158,9 +193,11 @@ def test_a_holder_dropped_on_reports_is_told_and_offers_the_version_again_after_
                                                   labels={"node": "s"}))
             pub.publish(state)
             suspect.pull(timeout=30)
-            for node in ("a", "b"):
-                reader = stack.enter_context(Replica(coordinator.address, "policy",
-                                                     transport="zmq", name=f"reader-{node}",
+            for host, node in (("127.0.0.2", "a"), ("127.0.0.3", "b")):
+                # two hosts, as the coordinator sees them: connections from two addresses
+                reader = stack.enter_context(Replica(from_address(coordinator.address, host),
+                                                     "policy", transport="zmq",
+                                                     name=f"reader-{node}",
                                                      labels={"node": node}))
                 reader.session.transport = _FailingFrom(reader.session.transport,
                                                         suspect.session.worker_id)

@@ -12,11 +12,13 @@ from typing import Any
 from tensorhub.coordinator import declarations, holdings, membership, planning, publishing
 from tensorhub.coordinator import status as fleet_status
 from tensorhub.coordinator.planning import PlanReply
-from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log
+from tensorhub.coordinator.prepare import Prepared
+from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, Spliced, log
 from tensorhub.core.data_types import (
     Announcement,
     ConfirmParents,
     Declare,
+    Envelope,
     ErrorReply,
     GetDeclared,
     GetManifest,
@@ -71,7 +73,7 @@ def answer(state: CoordinatorState, payload: bytes) -> bytes:
 
 def as_model(reply):
     """A handler's reply as a model (a plan's sources with their memory regions)."""
-    return reply.model() if type(reply) is PlanReply else reply
+    return reply.model() if type(reply) in (PlanReply, Spliced) else reply
 
 
 def encode_reply(state: CoordinatorState, reply) -> bytes:
@@ -83,11 +85,27 @@ def encode_reply(state: CoordinatorState, reply) -> bytes:
     kind = type(reply)
     if kind is PlanReply:
         return encode(reply.bare, reply.packed())
+    if kind is Spliced:
+        return encode(reply.reply, reply.packed)
     if kind is Announcement:
         made = state.announcements.get(reply.model)
         if made is not None and made[0] is reply:
             return made[1]
     return encode(reply)
+
+
+def answer_prepared(state: CoordinatorState, envelope: Envelope | ErrorReply,
+                    prepared: Prepared | None) -> bytes:
+    """`answer` for a request decoded (and its manifest's work done) beside the loop
+    (`prepare.py`)."""
+    finish = lambda reply: encode_reply(state, reply)  # noqa: E731
+    if type(envelope) is ErrorReply:
+        return finish(envelope)
+    state.prepared = prepared
+    try:
+        return _respond(state, envelope, finish)
+    finally:
+        state.prepared = None
 
 
 def _answer(state: CoordinatorState, payload: bytes, finish: Callable[[Any], Any]):
@@ -96,6 +114,10 @@ def _answer(state: CoordinatorState, payload: bytes, finish: Callable[[Any], Any
     except WireError as exc:
         return finish(ErrorReply(code="bad_request",
                                  message=foreign(payload, "this worker", "request") or str(exc)))
+    return _respond(state, envelope, finish)
+
+
+def _respond(state: CoordinatorState, envelope: Envelope, finish: Callable[[Any], Any]):
     token = state.config.token
     if token is not None and not hmac.compare_digest((envelope.token or "").encode(),
                                                      token.encode()):

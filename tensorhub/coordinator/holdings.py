@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tensorhub.coordinator import publishing
 from tensorhub.coordinator.parts import PendingPart
-from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log
+from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, Spliced, log
 from tensorhub.coordinator.table import HolderRec, ModelRec, VersionRec, store_memory
 from tensorhub.core.data_types import (
     LAYOUT_LABEL,
@@ -58,8 +58,20 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
             raise Reject("layout_mismatch", "layout id does not match the manifest")
         new_layout = lid
     elif req.checksums is not None and list(req.checksums) != layout.checksums:
+        if req.layout_id not in vrec.part_ids and not layout.untrusted:
+            # Nobody but its holders vouches for a layout other than the publisher's: two
+            # that disagree make it untrusted (one of them holds bytes the trainer never
+            # published), and readers fall back to the publisher's layout.
+            layout.untrusted = True
+            log.warning("%s v%d: holders disagree on the bytes of layout %s (%s, and %s "
+                        "now): it is no longer served; readers take the publisher's layout",
+                        req.model, req.version, req.layout_id,
+                        ", ".join(sorted(_names(state, layout.holders))) or "a holder gone",
+                        worker.name)
         raise Reject("layout_mismatch",
-                     f"checksums differ from version {req.version}'s: not the same bytes")
+                     f"checksums differ from version {req.version}'s: not the same bytes"
+                     + (" (the layout is untrusted now: holders disagree)"
+                        if layout.untrusted else ""))
     state.check_memory(layout, req.memory)
     state.update_endpoint(worker, req.endpoint)
     if new_layout is not None:
@@ -79,6 +91,10 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
     return ACK
 
 
+def _names(state: CoordinatorState, holders) -> set[str]:
+    return {w.name for h in holders if (w := state.table.workers.get(h)) is not None}
+
+
 def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> VersionRec:
     """The record of a version a holder brings back after a coordinator restart (soft
     state), built aside: `hold` stores it once every check has passed."""
@@ -89,6 +105,11 @@ def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> 
                      f"model {req.model!r} has no version {req.version}: its trainer "
                      f"publishes versions (latest {mrec.latest}), a holder cannot "
                      f"bring one it never published")
+    claimed = state.claims.get(req.model)
+    if claimed is not None and req.version > claimed and not (mrec and mrec.published):
+        raise Reject("unknown_version",
+                     f"model {req.model!r} has no version {req.version}: its trainer "
+                     f"said it published up to v{claimed}")
     lid, layout = state.new_layout(req.manifest, req.checksums)
     return VersionRec(req.version, lid if req.part == 0 else "", {lid: layout},
                       parts=None if req.parts == 1 else
@@ -98,8 +119,12 @@ def _brought_back(state: CoordinatorState, req: Hold, mrec: ModelRec | None) -> 
 def withdraw(state: CoordinatorState, req: Withdraw) -> Withdrawn:
     """A holder stops offering a version (reads in flight may finish); the last holder of
     the newest version may not, unless forced."""
-    state.worker(req.worker_id)
+    worker = state.worker(req.worker_id)
     state.end_probation(req.worker_id, req.model, req.version)  # nothing left to offer
+    if req.damaged:
+        log.warning("%s found its copy of %s v%d damaged (its checksums fail) and "
+                    "withdraws it", worker.name, req.model, req.version)
+        state.metrics.evictions.labels("damaged").inc()
     mrec = state.table.models.get(req.model)
     vrec = mrec.versions.get(req.version) if mrec else None
     if vrec is not None and req.version == mrec.latest and not req.force:
@@ -153,16 +178,18 @@ def latest(state: CoordinatorState, req: LatestRequest) -> Announcement:
         lid, layout = state.part_layout(vrec, 0, req.model)
         announcement = Announcement(model=req.model, version=mrec.latest, layout_id=lid,
                                     parts=len(vrec.part_ids), manifest=layout.manifest)
-        announced = state.announcements[req.model] = (announcement, encode(announcement))
+        announced = state.announcements[req.model] = (announcement, encode(
+            announcement, {("manifest",): layout.packed_manifest()[0]}))
     return announced[0]
 
 
-def manifest(state: CoordinatorState, req: GetManifest) -> ManifestReply:
+def manifest(state: CoordinatorState, req: GetManifest) -> Spliced:
     _, vrec = state.resolve(req.model, req.version)
     lid, layout = state.part_layout(vrec, req.part, req.model)
-    return ManifestReply(model=req.model, version=vrec.version, layout_id=lid,
-                         manifest=layout.manifest,
-                         parts=len(vrec.part_ids))
+    # (the manifest as encoded once for plans: one of 150,000 tensors takes ~0.1 s to encode)
+    return Spliced(ManifestReply(model=req.model, version=vrec.version, layout_id=lid,
+                                 manifest=layout.manifest, parts=len(vrec.part_ids)),
+                   {("manifest",): layout.packed_manifest()[0]})
 
 
 def holdings(state: CoordinatorState, req: HoldingsRequest) -> HoldingsReply:
@@ -197,6 +224,8 @@ def _in_layout(state: CoordinatorState, mrec, layout_id: str | None) -> dict[str
                                   if w.labels.get(LAYOUT_LABEL) == layout_id}
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         layout = vrec.layouts.get(layout_id)
+        if layout is not None and layout.untrusted:  # (nobody to read it from)
+            continue
         for h in layout.holders.values() if layout else []:
             w = state.table.workers.get(h.worker_id)
             if w is not None and not h.withdrawn:

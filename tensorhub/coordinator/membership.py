@@ -8,7 +8,7 @@ import uuid
 
 from tensorhub import settings
 from tensorhub.coordinator import status
-from tensorhub.coordinator.state import ACK, CoordinatorState, log
+from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, log
 from tensorhub.coordinator.table import ModelRec, WorkerRec
 from tensorhub.core.data_types import (
     Ack,
@@ -23,17 +23,29 @@ from tensorhub.core.data_types import (
 
 def register(state: CoordinatorState, req: Register) -> Registered:
     """A new worker: an id, the secret its requests must show, and the timings it keeps."""
+    peer = state.peer()
+    if peer and state.peer_workers[peer] >= settings.MAX_WORKERS_PER_PEER:
+        raise Reject("bad_request", f"{state.peer_workers[peer]} workers are registered from "
+                     f"{peer} already (at most {settings.MAX_WORKERS_PER_PEER} from one "
+                     f"address)")
     worker_id = f"{req.name}-{uuid.uuid4().hex[:8]}"
     secret = secrets.token_hex(16)
-    state.table.workers[worker_id] = WorkerRec(
+    worker = WorkerRec(
         worker_id, req.name, req.role, req.endpoint, dict(req.labels), state.clock(),
-        progress=req.progress, secret=secret, grant_key=req.grant_key)
+        progress=req.progress, secret=secret, grant_key=req.grant_key, peer=peer)
+    state.account_metadata(worker, req.endpoint)
+    state.table.workers[worker_id] = worker
+    if peer:
+        state.peer_workers[peer] += 1
     if req.role == "replica":
         state.workers_in_dc[req.labels.get("dc", "")] += 1
     log.info("worker %s registered (%s, %s)", worker_id, req.role, req.endpoint.transport)
     if req.role == "trainer":
         for model, newest in req.published.items():
-            trainer_newest(state, model, newest)
+            claimed(state, worker_id, model, newest, req.owners.get(model))
+        for model, credential in req.owners.items():
+            if model not in req.published:  # (a resumed job: its credential, no word)
+                state.owners.claim(model, credential, worker_id)
     return Registered(worker_id=worker_id, secret=secret,
                       heartbeat_interval=state.config.heartbeat_interval,
                       worker_ttl=state.config.worker_ttl,
@@ -41,14 +53,42 @@ def register(state: CoordinatorState, req: Register) -> Registered:
                       lease_ttl=state.config.lease_ttl)
 
 
-def trainer_newest(state: CoordinatorState, model: str, newest: int) -> None:
+def claimed(state: CoordinatorState, worker_id: str, model: str, newest: int,
+            credential: str | None) -> None:
+    """A registering trainer states its newest published version of `model`. Only its
+    owner's word counts (`owners.py`): a claim that shows the model's credential binds it
+    (again) and is taken. Without one, a claim is taken only where nobody could show one
+    (a coordinator with no persistent key that restarted: the model is unbound) and
+    holders brought versions back; a claim for a model with no versions creates nothing,
+    and blocks nobody."""
+    owners = state.owners
+    if owners.claim(model, credential, worker_id):
+        trainer_newest(state, model, newest, owner=True)
+        return
+    if owners.persistent or owners.is_bound(model):
+        log.warning("%s says it published %s up to v%d without the model's credential: "
+                    "not taken", worker_id, model, newest)
+        return
+    mrec = state.table.models.get(model)
+    if mrec is not None and mrec.versions:
+        trainer_newest(state, model, newest)
+    elif len(state.claims) < settings.MAX_CLAIMS or model in state.claims:
+        # No version to judge it by: holders may not bring back versions past it, and
+        # nothing else (a publish is numbered as if it had not been said).
+        state.claims[model] = min(newest, state.claims.get(model, newest))
+
+
+def trainer_newest(state: CoordinatorState, model: str, newest: int,
+                   owner: bool = False) -> None:
     """A trainer registering again (we restarted) says the newest version it published:
     versions past it that holders brought back since are another run's (a replica left
     over from an earlier job): dropped, so they are never served and never block its
     next publish. From here on versions come from publishes only."""
     mrec = state.table.models.setdefault(model, ModelRec())
-    if mrec.published:
+    if mrec.published and not owner:
         return
+    # (its owner's word is taken again: versions past it that a token holder published
+    # before it came back after a restart are not its own)
     mrec.published = True
     stale = sorted(v for v in mrec.versions if v > newest)
     for v in stale:
@@ -65,6 +105,7 @@ def trainer_newest(state: CoordinatorState, model: str, newest: int) -> None:
     if stale and announced is not None and announced[0].version > newest:
         del state.announcements[model]
     mrec.latest = max([newest, *mrec.versions])
+    state.claims.pop(model, None)
 
 
 def heartbeat(state: CoordinatorState, req: Heartbeat) -> Ack | HeartbeatReply:
@@ -76,7 +117,8 @@ def heartbeat(state: CoordinatorState, req: Heartbeat) -> Ack | HeartbeatReply:
         return ACK
     now = state.clock()
     return HeartbeatReply(dropped=[
-        Dropped(model=m, version=v, retry_after=max(0.0, until - now))
+        Dropped(model=m, version=v, retry_after=max(0.0, until - now),
+                bad_bytes=(req.worker_id, m, v) in state.bad_bytes)
         for (m, v), until in dropped.items()])
 
 
@@ -90,6 +132,8 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
     worker = state.table.workers.pop(worker_id, None)
     if worker is None:
         return
+    state.release_metadata(worker)
+    state.owners.worker_gone(worker_id)
     state.metrics.evictions.labels(reason).inc()
     if worker.role == "replica":
         state.workers_in_dc[worker.labels.get("dc", "")] -= 1
@@ -98,7 +142,8 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
         state.abort(key, f"{worker.name}, which published a part, {why}")
     state.trust.forget(worker_id)
     state.standby.forget(worker_id)
-    state.probation.pop(worker_id, None)
+    for model, version in state.probation.pop(worker_id, {}):
+        state.bad_bytes.discard((worker_id, model, version))
     if state.table.last_pull.get(worker.name, ("",))[0] == worker_id:
         del state.table.last_pull[worker.name]
     for lease_id in [k for k, v in state.table.leases.items() if v.reader == worker_id]:

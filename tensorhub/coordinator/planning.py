@@ -45,12 +45,16 @@ def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanRepl
         raise Reject("layout_mismatch",
                      f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                      f"known layouts: {', '.join(vrec.layouts)}")
+    if layout.untrusted:
+        raise Reject("layout_mismatch",
+                     f"holders of {req.model!r} v{vrec.version} in layout {lid} disagree on "
+                     f"its bytes: it is untrusted; read the publisher's layout "
+                     f"({vrec.origin_layout})")
     if type(req) is not PlanRequest:
         return plan_striped(state, req, vrec.version, lid, layout)
     avoid = state.trust.avoided(req.worker_id)
     try:
-        ranges = plan_ranges(state.table, layout, req.worker_id, state.config.planner,
-                             req.missing, avoid)
+        ranges = _plan_around(state, req, layout, avoid)
     except ValueError as exc:
         raise Reject("bad_request", str(exc)) from None
     except NoSource as exc:
@@ -63,6 +67,27 @@ def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanRepl
     workers = state.table.workers
     sources = [(workers[sid], layout.holders[sid]) for sid in source_ids]
     return read_plan(state, req, vrec.version, lid, layout, lease.lease_id, sources, ranges)
+
+
+def _plan_around(state: CoordinatorState, req: PlanRequest, layout: LayoutRec,
+                 avoid) -> list[ReadRange]:
+    """Whole-item ranges from a holder neither the coordinator nor the reader avoids
+    (`PlanRequest.avoid`: the sources of its bytes that failed their checksums); when only
+    those hold the version, from a publisher among them (trusted last)."""
+    planner = state.config.planner
+    if not req.avoid:
+        return plan_ranges(state.table, layout, req.worker_id, planner, req.missing, avoid)
+    own = set(req.avoid)
+    try:
+        return plan_ranges(state.table, layout, req.worker_id, planner, req.missing,
+                           own | set(avoid))
+    except NoSource:
+        workers = state.table.workers
+        publishers = {h for h in own if h in workers and workers[h].role == "trainer"}
+        if not publishers:
+            raise
+        return plan_ranges(state.table, layout, req.worker_id, planner, req.missing,
+                           (own - publishers) | set(avoid))
 
 
 def read_plan(state: CoordinatorState, req: PlanRequest | StripedRequest, version: int,
@@ -239,9 +264,12 @@ def _parents(state: CoordinatorState, req: StripedRequest, version: int, layout:
             reader=reader.name, source=source.name if source else failed,
             model=req.model, version=version, nbytes=0, seconds=0.0, ok=False,
             error="a striped read failed; the stripe is planned elsewhere"))
-    for failed in failed_ids:
-        report_failed(state, reader, failed, req.model, version,
-                      "a striped read failed", protected_sources=None)
+    for failed in failed_ids:  # (only a parent it had is its to report; any, to avoid)
+        if failed in parents_now:
+            report_failed(state, reader, failed, req.model, version,
+                          "a striped read failed", protected_sources=None)
+        else:
+            state.trust.steer(req.worker_id, failed)
     gone = set(failed_ids) | set(behind)
     avoid = gone | set(state.trust.avoided(req.worker_id))
     for s in stripes:
@@ -294,7 +322,12 @@ def read_done(state: CoordinatorState, req: ReadDone) -> Ack:
             model=lease.model, version=lease.version, nbytes=req.nbytes,
             seconds=req.seconds, ok=True)
     if req.ok:
-        state.trust.read_ok(req.worker_id)
+        read = req.by_source or dict.fromkeys(lease.sources, req.nbytes)
+        whole = layout.nbytes if layout is not None else 0
+        state.trust.read_ok(req.worker_id, {
+            sid: whole > 0 and n >= whole for sid, n in read.items()
+            if sid in lease.sources and n > 0 and sid not in req.bad_bytes},
+            witness=state.witness(reader), since=lease.started)
         if req.nbytes >= 1 << 20 and req.seconds > 0:
             rate = req.nbytes / req.seconds
             state.stream_rate = rate if state.stream_rate is None \
@@ -306,14 +339,21 @@ def read_done(state: CoordinatorState, req: ReadDone) -> Ack:
     for failed in req.failed_holders:
         report_failed(state, reader, failed, lease.model, lease.version, req.error,
                       protected_sources=lease.sources)
+    for bad in req.bad_bytes:
+        report_failed(state, reader, bad, lease.model, lease.version,
+                      "it served bytes that failed the version's checksums (they passed "
+                      "when read again from another holder)", protected_sources=lease.sources,
+                      bad_bytes=True)
     state.finish_withdrawals(lease.sources, lease.model, lease.version)
     return ACK
 
 
 def report_failed(state: CoordinatorState, reader: WorkerRec, failed: str, model: str,
-                  version: int, error: str | None, protected_sources: set[str] | None) -> None:
-    """A reader could not read from `failed`: it is avoided by that reader, and dropped
-    only when credible readers on distinct nodes agree (`trust.py`). A source outside
+                  version: int, error: str | None, protected_sources: set[str] | None,
+                  bad_bytes: bool = False) -> None:
+    """A reader could not read from `failed` (or, `bad_bytes`, its bytes failed their
+    checksums): it is avoided by that reader, and dropped only when witnesses of weight
+    agree (`trust.py`). A source outside
     the reader's lease (`protected_sources`) is not its to report."""
     if protected_sources is not None and failed not in protected_sources:
         return
@@ -321,7 +361,7 @@ def report_failed(state: CoordinatorState, reader: WorkerRec, failed: str, model
     protected = (holder is not None and holder.role == "trainer") \
         or state.last_complete_holder(failed, model, version)
     if state.trust.report(reader.worker_id, failed, protected,
-                          node=reader.labels.get("node", "")):
+                          witness=state.witness(reader), bad_bytes=bad_bytes):
         log.warning("%s v%d: readers agree that holder %s fails (latest: %s, %s); "
                     "dropping its reference", model, version,
                     holder.name if holder else failed, reader.name, error)
@@ -331,6 +371,8 @@ def report_failed(state: CoordinatorState, reader: WorkerRec, failed: str, model
         if holder is not None and complete:  # told; it may offer it again later
             state.probation.setdefault(failed, {})[(model, version)] = \
                 state.clock() + state.trust.config.window
+            if bad_bytes:  # (told so: it checks its copy before it offers it again)
+                state.bad_bytes.add((failed, model, version))
     else:
         log.warning("%s could not read %s v%d from %s (%s); it is planned elsewhere",
                     reader.name, model, version, holder.name if holder else failed, error)

@@ -21,19 +21,43 @@ from tensorhub.core.wire import encode
 
 def publish(state: CoordinatorState, req: Publish) -> Published:
     """A trainer's new version, or a part of a sharded one; a repeat is answered as the
-    first was."""
+    first was. The first publish of a model (of each part) binds it to its trainer: the
+    reply carries the credential later publishes must show (`owners.py`)."""
     worker = state.worker(req.worker_id)
     if worker.role != "trainer":
         raise Reject("bad_request", "only a worker registered as trainer may publish")
+    owners = state.owners
     latest = state.table.models[req.model].latest if req.model in state.table.models else 0
     if req.version == latest and already_published(state, req):
         # A retry whose first try was answered but the answer lost (a pause, a
         # reconnect): answered as the first was, so a trainer may always retry.
         vrec = state.table.models[req.model].versions[latest]
         return Published(model=req.model, version=latest,
-                         layout_id=vrec.part_ids[req.part])
-    if req.parts > 1:
-        return publish_part(state, req, worker, latest)
+                         layout_id=vrec.part_ids[req.part],
+                         owner=owners.bound.get((req.model, req.part)))
+    binds = not owners.is_bound(req.model, req.part)
+    if not binds and not owners.owns(req.model, req.part, req.owner):
+        raise Reject("unauthorized",
+                     f"model {req.model!r} belongs to the trainer that first published it "
+                     f"(part {req.part}): only a publish with its credential "
+                     f"(`Published.owner`) is taken")
+    if binds and owners.valid(req.model, req.part, req.owner):
+        owners.claim(req.model, req.owner, worker.worker_id)  # (from before a restart)
+        binds = False
+    elif not binds:
+        owners.shown_by(req.model, req.part, worker.worker_id)
+    reply = publish_part(state, req, worker, latest) if req.parts > 1 \
+        else _publish_whole(state, req, worker, latest)
+    if binds:
+        reply = reply.model_copy(update={"owner": owners.issue(req.model, req.part,
+                                                               worker.worker_id)})
+        log.info("%s bound %s (part %d): only its trainer publishes it from now on",
+                 worker.worker_id, req.model, req.part)
+    return reply
+
+
+def _publish_whole(state: CoordinatorState, req: Publish, worker: WorkerRec,
+                   latest: int) -> Published:
     if req.version <= latest:
         raise Reject("stale_version",
                      f"model {req.model!r} is at version {latest}; a new version "
@@ -193,6 +217,7 @@ def announce(state: CoordinatorState, model: str, version: int, lid: str, layout
         source=source_of(state.table.workers[publisher], memory,
                          state.table.workers[publisher].progress, ANY_READER)
         if parts == 1 else None)
-    msg = encode(announcement)
+    manifest, checksums = layout.packed_manifest()  # (encoded once: plans carry them too)
+    msg = encode(announcement, {("manifest",): manifest, ("checksums",): checksums})
     state.announcements[model] = (announcement, msg)
     state.outbox.append((model.encode(), msg))

@@ -11,6 +11,7 @@ coordinator goes on serving.
 from __future__ import annotations
 
 import gc
+import queue
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from tensorhub import settings
 from tensorhub.coordinator import dispatch, membership
 from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.parts import Pending
+from tensorhub.coordinator.prepare import prepare
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState, log
 from tensorhub.coordinator.table import Table
@@ -41,6 +43,57 @@ def _sockets_closed(router: zmq.Socket, pub: zmq.Socket, ctx: zmq.Context,
     for gate in gates:
         gate.stop()
     ctx.term()
+
+
+def _prepare_loop(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    """The thread beside the loop: each large request decoded and made ready (`prepare`)."""
+    while (job := jobs.get()) is not None:
+        ident, req_id, payload, peer = job
+        # No collection while it runs: its hundreds of thousands of new objects would make
+        # each young collection (run by whichever thread allocates, the loop's too) walk
+        # them all, for a tenth of a second at a time. What it made to keep (a manifest) is
+        # frozen once made, as `settle_gc` froze what the process started with; the
+        # temporaries went by reference counting.
+        gc.disable()
+        try:
+            result = prepare(payload)
+            gc.freeze()
+        except Exception as exc:  # a bug must not take the coordinator down
+            log.exception("internal error preparing a request")
+            result = (ErrorReply(code="internal", message=f"internal error: {exc}"), None)
+        finally:
+            gc.enable()
+        done.put((ident, req_id, peer, result))
+
+
+def raise_open_files(most: int | None = None) -> tuple[int, int]:
+    """Raise this process's soft open-file limit to its hard one (at most
+    `settings.OPEN_FILES`): every connection holds a descriptor, and many hosts still
+    default to 1024. Returns the (soft, hard) limits now."""
+    try:
+        import resource
+    except ImportError:  # (not on this platform)
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(settings.OPEN_FILES if most is None else most,
+               hard if hard != resource.RLIM_INFINITY else settings.OPEN_FILES)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open-file limit raised from %d to %d", soft, want)
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d (%s): a thousand idle "
+                        "connections may starve the coordinator of descriptors", soft, exc)
+    return soft, hard
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The address a message's connection came from ("" where the transport has none)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def announce_address_for(bind: str) -> str:
@@ -91,6 +144,9 @@ class Coordinator:
         # Larger messages are dropped by libzmq, which also drops the sender's connection.
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
+        for sock in (self._router, self._pub):  # (a stranger's idle connection: closed soon)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, settings.HANDSHAKE_MS)
+        raise_open_files()
         self.curve_public_key = None  # an explicit keypair's, which clients must be given
         secret = config.curve_secret or (
             curve.token_server_secret(config.token) if config.token else None)
@@ -183,22 +239,54 @@ class Coordinator:
         state = self.state
         next_expiry = 0.0
         last_turn = state.clock()
-        while not self._stop.is_set():
-            try:
-                frames = router.recv_multipart()
-            except zmq.Again:
-                frames = None
-            now = state.clock()
-            if now - last_turn > settings.PAUSE_FORGIVEN:
-                self.forgive_pause(now - last_turn)
-            last_turn = now
-            if frames is not None:
-                self._handle_frames(frames)
-            # Expiry walks every worker and lease: at most every settings.EXPIRY_PERIOD, not after
-            # every request (at 4096 workers heartbeating, that walk was most of the CPU).
-            if time.monotonic() >= next_expiry:
-                membership.expire(state)
-                next_expiry = time.monotonic() + settings.EXPIRY_PERIOD
+        # Large requests (a manifest of many tensors) are decoded and their manifest's work
+        # done on a thread beside this loop, in short calls (`prepare.py`): the loop answers
+        # other requests meanwhile, and answers them once ready.
+        to_prepare: queue.SimpleQueue = queue.SimpleQueue()
+        prepared: queue.SimpleQueue = queue.SimpleQueue()
+        preparer = threading.Thread(target=_prepare_loop, args=(to_prepare, prepared),
+                                    name="tensorhub-coordinator-prepare", daemon=True)
+        preparer.start()
+        preparing = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    # The routing frame is kept as a frame: the address its connection came
+                    # from is asked of it (a registration's witness, `trust.py`), lazily.
+                    first = router.recv(copy=False)
+                    frames = [first.bytes, *router.recv_multipart()] if first.more \
+                        else [first.bytes]
+                    state.peer = lambda first=first: _peer_address(first)
+                except zmq.Again:
+                    frames = None
+                now = state.clock()
+                if now - last_turn > settings.PAUSE_FORGIVEN:
+                    self.forgive_pause(now - last_turn)
+                last_turn = now
+                if frames is not None:
+                    if len(frames) == 3 and len(frames[2]) > settings.PREPARE_BYTES:
+                        to_prepare.put((*frames, _peer_address(first)))
+                        preparing += 1
+                        if preparing == 1:  # (look for it often until it is answered)
+                            router.setsockopt(zmq.RCVTIMEO, settings.PREPARED_POLL_MS)
+                    else:
+                        self._handle_frames(frames)
+                while preparing and not prepared.empty():
+                    ident, req_id, peer, (envelope, work) = prepared.get()
+                    preparing -= 1
+                    if not preparing:
+                        router.setsockopt(zmq.RCVTIMEO, 100)
+                    state.peer = lambda peer=peer: peer
+                    self._send(ident, req_id, dispatch.answer_prepared(state, envelope, work))
+                    self._publish()
+                # Expiry walks every worker and lease: at most every settings.EXPIRY_PERIOD,
+                # not after every request (at 4096 workers heartbeating, that walk was most
+                # of the CPU).
+                if time.monotonic() >= next_expiry:
+                    membership.expire(state)
+                    next_expiry = time.monotonic() + settings.EXPIRY_PERIOD
+        finally:
+            to_prepare.put(None)
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:

@@ -14,10 +14,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tensorhub import settings
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.metrics import CoordinatorMetrics
+from tensorhub.coordinator.owners import Owners, owner_key
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.planner import PlannerConfig
+from tensorhub.coordinator.prepare import Prepared
 from tensorhub.coordinator.standby import StandingForests
 from tensorhub.coordinator.table import (
     HolderRec,
@@ -73,6 +76,18 @@ class CoordinatorConfig:
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
 
 
+@dataclass(frozen=True, slots=True)
+class Spliced:
+    """A reply with parts encoded beforehand (`wire.encode`'s `packed`, by path): the
+    socket sends them as they are; as a model (`model`) it is the reply itself."""
+
+    reply: object
+    packed: dict
+
+    def model(self):
+        return self.reply
+
+
 class Reject(Exception):
     """Raised by a handler to answer with a typed error."""
 
@@ -105,6 +120,13 @@ class CoordinatorState:
         self.fleet_measured_at: float | None = None  # None: no metrics served, never
         # Announcements made, for the socket loop to publish (topic, bytes), oldest first.
         self.outbox: list[tuple[bytes, bytes]] = []
+        self.owner_key = owner_key(config.curve_secret)  # (`owners.py`)
+        # The address the request being handled came from, as the socket saw it (the
+        # socket loop sets it per request; asked only by a registration): "" unknown.
+        self.peer: Callable[[], str] = lambda: ""
+        # A large request's manifest work, done beside the socket loop (`prepare.py`): set
+        # while its handler runs
+        self.prepared: Prepared | None = None
         self.start_over()
 
     def start_over(self) -> None:
@@ -112,12 +134,25 @@ class CoordinatorState:
         the soft state derived from it, together (state left from an earlier table would
         name workers the new one does not know)."""
         self.table = Table(clock=self.clock)
+        if not self.owner_key[1]:  # (a new process's key: older credentials fail)
+            self.owner_key = owner_key(None)
+        self.owners = Owners(*self.owner_key)  # who published each model first
+        # model -> the newest version a trainer said it published, where nobody could show
+        # the model's credential and no version was there to judge it by: holders may not
+        # bring back versions past it (`holdings._brought_back`); it numbers nothing
+        self.claims: dict[str, int] = {}
         self.trust = Trust(self.config.trust, self.clock)
         # holder -> {(model, version): until when}: a holder dropped on readers' reports
         # may not offer that version again before then; it is told in heartbeat replies
         self.probation: dict[str, dict[tuple[str, int], float]] = {}
+        # (holder, model, version) on probation because readers found its bytes bad
+        self.bad_bytes: set[tuple[str, str, int]] = set()
         self.stream_rate: float | None = None  # bytes/s of recent reads (moving average)
         self.workers_in_dc: Counter[str] = Counter()  # replicas by dc: readers to expect
+        # what each address's registrations make us hold (`settings.MAX_*_PER_PEER`)
+        self.peer_workers: Counter[str] = Counter()
+        self.peer_metadata: Counter[str] = Counter()
+        self.metadata_total = 0
         # model -> its newest announcement and its bytes (made once, asked for by every
         # idle watcher's fallback)
         self.announcements: dict[str, tuple[Announcement, bytes]] = {}
@@ -127,6 +162,12 @@ class CoordinatorState:
         self.standby = StandingForests(self.config.stripes,
                                        self.config.planner.max_readers_per_holder,
                                        self.config.pending_grace)
+
+    @staticmethod
+    def witness(worker: WorkerRec) -> str:
+        """What a worker is as a witness against a holder (`trust.py`): the address the
+        coordinator saw it register from; else (no sockets: the simulator) its node."""
+        return worker.peer or worker.labels.get("node", "") or worker.worker_id
 
     def worker(self, worker_id: str) -> WorkerRec:
         worker = self.table.workers.get(worker_id)
@@ -183,19 +224,58 @@ class CoordinatorState:
             raise Reject("bad_request", f"manifest: {exc}") from None
 
     def new_layout(self, manifest, checksums) -> tuple[str, LayoutRec]:
-        self.check_manifest(manifest)
-        items = plan_items(manifest)
+        prepared = self.prepared
+        if prepared is not None and prepared.manifest is manifest:  # (done beside the loop)
+            items, lid = prepared.items, prepared.layout_id
+        else:
+            self.check_manifest(manifest)
+            items, lid, prepared = plan_items(manifest), None, None
         if checksums is None or len(checksums) != len(items):
             raise Reject("bad_request",
                          f"need one checksum per item ({len(items)}), got "
                          f"{0 if checksums is None else len(checksums)}")
-        return layout_id(manifest), LayoutRec(manifest, items, list(checksums))
+        layout = LayoutRec(manifest, items, list(checksums))
+        if prepared is not None and prepared.packed is not None:
+            layout._packed = prepared.packed
+        return lid or layout_id(manifest), layout
 
     def update_endpoint(self, worker: WorkerRec, endpoint) -> None:
         if endpoint is not None:
             if endpoint.transport != worker.endpoint.transport:
                 raise Reject("bad_request", "a worker cannot change transport")
+            self.account_metadata(worker, endpoint)
             worker.endpoint = endpoint
+
+    def account_metadata(self, worker: WorkerRec, endpoint) -> None:
+        """`worker`'s transport metadata becomes `endpoint`'s: refused past the caps on
+        what one address, and all workers, may make the coordinator hold."""
+        new = len(endpoint.agent_metadata or b"")
+        delta = new - worker.meta_bytes
+        if delta > 0:
+            peer = worker.peer
+            if peer and self.peer_metadata[peer] + delta > settings.MAX_METADATA_PER_PEER:
+                raise Reject("bad_request", f"workers registered from {peer} hold "
+                             f"{self.peer_metadata[peer] / 2**20:.0f} MiB of transport "
+                             f"metadata already (at most "
+                             f"{settings.MAX_METADATA_PER_PEER / 2**20:.0f} MiB an address)")
+            if self.metadata_total + delta > settings.MAX_METADATA_TOTAL:
+                raise Reject("bad_request", "the coordinator holds its most of workers' "
+                             "transport metadata")
+        if worker.peer:
+            self.peer_metadata[worker.peer] += delta
+        self.metadata_total += delta
+        worker.meta_bytes = new
+
+    def release_metadata(self, worker: WorkerRec) -> None:
+        """A worker is forgotten: what it counted against its address goes."""
+        self.metadata_total -= worker.meta_bytes
+        if worker.peer:
+            self.peer_metadata[worker.peer] -= worker.meta_bytes
+            self.peer_workers[worker.peer] -= 1
+            if self.peer_workers[worker.peer] <= 0:
+                del self.peer_workers[worker.peer]
+                self.peer_metadata.pop(worker.peer, None)
+        worker.meta_bytes = 0
 
     def held_layout(self, req: Publish | Hold, worker: WorkerRec) -> tuple[str, LayoutRec]:
         """The layout `req` describes, checked against the memory it registers, with
@@ -237,6 +317,7 @@ class CoordinatorState:
 
     def end_probation(self, worker_id: str, model: str, version: int) -> None:
         dropped = self.probation.get(worker_id)
+        self.bad_bytes.discard((worker_id, model, version))
         if dropped is not None:
             dropped.pop((model, version), None)
             if not dropped:

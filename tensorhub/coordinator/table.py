@@ -72,6 +72,10 @@ class WorkerRec:
     pull: PullProgress | None = None  # its pull in flight, as of its last heartbeat
     secret: str = ""  # what its requests must show (`Envelope.secret`)
     grant_key: str | None = None  # what its readers' grants are made with
+    # The address its registration came from, as the coordinator's socket saw it ("" in
+    # the simulator): what it is as a witness against a holder (`trust.py`).
+    peer: str = ""
+    meta_bytes: int = 0  # its endpoint's transport metadata (counted against its address)
 
 
 class _PackedMemory:
@@ -166,6 +170,9 @@ class LayoutRec:
     forest: Forest | None = None
     previous_forest: Forest | None = None  # the last version's, in this layout (`adopt`)
     striped_leases: dict[str, str] = field(default_factory=dict)  # reader -> lease id
+    # Holders disagreed on its checksums (a layout not the publisher's, whose bytes only
+    # its holders vouch for): no reads are planned from it; readers take the publisher's.
+    untrusted: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -149,6 +149,10 @@ class Register(Strict):
     # A trainer's newest published version of each model: after a coordinator restart,
     # versions past it that holders brought back are another run's, and are dropped.
     published: dict[Name, Version] = Field(default_factory=dict, max_length=1024)
+    # The credential each of those models' first publish returned (`Published.owner`): only
+    # a claim that shows it speaks for a model (`coordinator/owners.py`).
+    owners: dict[Name, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict,
+                                                                     max_length=1024)
 
 
 class PullProgress(Strict):
@@ -206,6 +210,9 @@ class Publish(Part):
     checksums: list[str] = Field(max_length=MAX_TENSORS)  # one per item
     memory: list[MemoryDesc] = Field(max_length=MAX_TENSORS)  # one per item
     endpoint: Endpoint | None = None  # fresh metadata if memory was registered since register
+    # The model's credential (`Published.owner` of its first publish): once a trainer bound
+    # a model, only a publish that shows it is taken (`coordinator/owners.py`).
+    owner: str | None = Field(default=None, max_length=256)
 
 
 class Hold(Part):
@@ -238,6 +245,8 @@ class Withdraw(Strict):
     model: Name
     version: Version
     force: bool = False
+    # The holder found its own copy damaged (its checksums fail): it withdraws, and says so.
+    damaged: bool = False
 
 
 class RetentionRequest(Strict):
@@ -273,6 +282,9 @@ class ReadDone(Strict):
     # Striped pulls: bytes read from each source (worker id), for the transfer records.
     by_source: dict[Name, Annotated[int, Field(ge=0)]] = Field(default_factory=dict,
                                                                max_length=64)
+    # Sources that served bytes failing the version's checksums (found when the reader read
+    # those bytes again from another holder and they passed): reported like failed ones.
+    bad_bytes: list[Name] = Field(default_factory=list, max_length=64)
 
 
 class GetManifest(Strict):
@@ -334,6 +346,10 @@ class PlanRequest(_PlanAsk):
     # The end of the reader's previous lease, carried here to save a round trip: applied
     # before planning, and idempotent, so a retried request may carry it again.
     done: ReadDone | None = None
+    # Holders not to plan this request onto (the reader's own choice for its own plan: the
+    # sources of bytes that failed their checksums, read again elsewhere); the publisher
+    # is still planned when nobody else holds the version.
+    avoid: list[Name] = Field(default_factory=list, max_length=64)
 
 
 class _StripedAsk(_PlanAsk):
@@ -466,6 +482,8 @@ class Dropped(Strict):
     model: Name
     version: Version
     retry_after: float = Field(ge=0)
+    # Readers found bytes of it that failed the checksums: the worker checks its copy.
+    bad_bytes: bool = False
 
 
 class HeartbeatReply(Strict):
@@ -479,6 +497,9 @@ class Published(Strict):
     version: Version
     layout_id: Name
     complete: bool = True  # False: a sharded version still waiting for other parts
+    # The model's credential (its part's, for a sharded one), when this publish bound it:
+    # kept by the trainer and shown with every later publish and registration.
+    owner: str | None = Field(default=None, max_length=256)
 
 
 class PublishStatusReply(Strict):

@@ -39,6 +39,7 @@ class IntegrityError(TensorHubError):
     """Bytes arrived but do not match the version's checksums."""
 
     code = "checksum_mismatch"
+    items: tuple[int, ...] | list[int] = ()  # the items that failed, where known
 
 
 class LayoutError(TensorHubError):

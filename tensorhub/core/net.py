@@ -22,10 +22,11 @@ WILDCARDS = ("0.0.0.0", "*", "::")  # hosts a socket binds to mean "every interf
 
 
 def split_tcp(address: str) -> tuple[str, int] | None:
-    """`tcp://host:port` -> (host, port); None for other schemes (ipc://, inproc://)."""
+    """`tcp://host:port` -> (host, port); None for other schemes (ipc://, inproc://). A
+    source address (`tcp://src:0;host:port`, ZeroMQ's) is left out."""
     if not address.startswith("tcp://"):
         return None
-    host, _, port = address[len("tcp://"):].rpartition(":")
+    host, _, port = address[len("tcp://"):].rpartition(";")[2].rpartition(":")
     try:
         return host.strip("[]") or "*", int(port)
     except ValueError:

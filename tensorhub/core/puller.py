@@ -141,6 +141,7 @@ class Verifier:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self.seconds = 0.0  # time spent checksumming (on the background thread)
+        self.bad: dict[int, IntegrityError] = {}  # items whose checksum failed
         for k, left in enumerate(self._left):
             if left == 0:
                 self._submit(k)
@@ -153,6 +154,9 @@ class Verifier:
         started = time.perf_counter()
         try:
             check_item(self._plan, k, self._dest[k])
+        except IntegrityError as exc:
+            with self._lock:
+                self.bad[k] = exc
         finally:
             with self._lock:
                 self.seconds += time.perf_counter() - started
@@ -166,8 +170,9 @@ class Verifier:
                     self._submit(item)
 
     def finish(self) -> float:
-        """Wait until every item is checked; raise `IntegrityError` on a mismatch, or
-        `ValueError` if some item never arrived completely. Returns the checksum seconds."""
+        """Wait until every item is checked; raise `IntegrityError` on a mismatch (its
+        `items`: every item that failed), or `ValueError` if some item never arrived
+        completely. Returns the checksum seconds."""
         try:
             with self._lock:
                 futures = list(self._futures)
@@ -176,6 +181,13 @@ class Verifier:
             missing = [k for k, left in enumerate(self._left) if left > 0]
             if missing:
                 raise ValueError(f"items {missing[:5]} were never read completely")
+            if self.bad:
+                items = sorted(self.bad)
+                exc = IntegrityError(f"{self.bad[items[0]]}"
+                                     + (f" (and {len(items) - 1} more item(s))"
+                                        if len(items) > 1 else ""))
+                exc.items = items
+                raise exc
             return self.seconds
         finally:
             self.close()

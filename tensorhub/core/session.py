@@ -24,6 +24,8 @@ from tensorhub.core.data_types import (
     HeartbeatReply,
     Hold,
     Part,
+    Publish,
+    Published,
     PullProgress,
     Register,
     Unregister,
@@ -55,9 +57,11 @@ class WorkerSession:
         token: str | None = None,
         timeout: float = 10.0,
         register_wait: float = 0.0,
+        owners: dict[str, str] | None = None,
     ):
         """`register_wait`: how long to keep trying to register while the coordinator does
-        not answer (not up yet, restarting: a lost request is sent again); 0: one try."""
+        not answer (not up yet, restarting: a lost request is sent again); 0: one try.
+        `owners`: a trainer's model credentials, shown from its first registration on."""
         self.name = name
         self.role = role
         self.labels = worker_labels(labels)
@@ -83,6 +87,7 @@ class WorkerSession:
         # again no sooner than this (monotonic)
         self._offer_after: dict[tuple[str, int], float] = {}
         self._withdrawing: set[tuple[str, int]] = set()  # never offered again meanwhile
+        self._checking: set[tuple[str, int]] = set()  # held versions being checked again
         self._lock = threading.RLock()
         self.worker_id = ""
         self.registrations = 0  # times registered: a new coordinator knows nothing of ours
@@ -95,6 +100,12 @@ class WorkerSession:
         # A trainer's newest published version per model, told at each registration
         # (`Publisher` sets it): a restarted coordinator drops versions of another run.
         self.published: Callable[[], dict[str, int]] | None = None
+        # model -> the credential its first publish returned (`Publisher` keeps them):
+        # shown again at each registration, so a restarted coordinator knows its owner.
+        self.owners: dict[str, str] = dict(owners or {})
+        # Checks a held version's bytes again (`Replica` sets it): run when readers report
+        # bad bytes of it, before it is offered again (it withdraws if they are bad).
+        self.check_held: Callable[[str, int], None] | None = None
         self._progress_logged = 0.0
         try:
             self._register_patiently(register_wait)
@@ -119,7 +130,8 @@ class WorkerSession:
             Register(name=self.name, role=self.role, endpoint=self.transport.endpoint(),
                      labels=self.labels, progress=describe(self.progress),
                      grant_key=self.transport.grant_key,
-                     published=self.published() if self.published else {})
+                     published=self.published() if self.published else {},
+                     owners=dict(self.owners))
         )
         self.registrations += 1
         self.worker_id = reply.worker_id
@@ -172,6 +184,8 @@ class WorkerSession:
         if "worker_id" not in type(request).model_fields:
             return request
         update: dict = {"worker_id": self.worker_id}
+        if type(request) is Publish and request.model in self.owners:
+            update["owner"] = self.owners[request.model]
         for key in ("progress", "done"):
             carried = getattr(request, key, None)
             if carried is not None and carried.worker_id != self.worker_id:
@@ -179,14 +193,19 @@ class WorkerSession:
         return request.model_copy(update=update)
 
     def call(self, request, timeout: float | None = None):
-        """Call the coordinator as this worker; recover once if it has forgotten us."""
+        """Call the coordinator as this worker; recover once if it has forgotten us. A
+        `Publish` shows the model's credential, and a `Published` that binds a model
+        gives it (`owners`)."""
         try:
-            return self.client.call(self._as_me(request), timeout)
+            reply = self.client.call(self._as_me(request), timeout)
         except CoordinatorError as exc:
             if exc.code != "unknown_worker":
                 raise
-        self._recover()
-        return self.client.call(self._as_me(request), timeout)
+            self._recover()
+            reply = self.client.call(self._as_me(request), timeout)
+        if type(reply) is Published and reply.owner is not None:
+            self.owners[reply.model] = reply.owner
+        return reply
 
     def call_patiently(self, request, wait: float):
         """`call`, tried again while the coordinator does not answer (restarting, paused,
@@ -286,6 +305,22 @@ class WorkerSession:
                                 d.retry_after)
                 # (the coordinator's clock decides: each reply says how long is left)
                 self._offer_later(key, d.retry_after)
+                if d.bad_bytes and self.check_held is not None \
+                        and key not in self._checking:
+                    self._checking.add(key)
+                    threading.Thread(target=self._check_held, args=key, daemon=True,
+                                     name=f"tensorhub-check-{self.name}").start()
+
+    def _check_held(self, model: str, version: int) -> None:
+        """Readers found bad bytes of a version we hold: check our copy (`check_held`
+        withdraws it if it is damaged) before it is offered again."""
+        try:
+            self.check_held(model, version)
+        except Exception as exc:  # (it logged and withdrew what it found damaged)
+            log.warning("%s: checking %s v%d: %s", self.name, model, version, exc)
+        finally:
+            with self._lock:
+                self._checking.discard((model, version))
 
     def _offer_later(self, key: tuple[str, int], seconds: float) -> None:
         """Offer a held version again (`_announce_pending`) no sooner than `seconds` from
@@ -317,7 +352,8 @@ class WorkerSession:
         with self._lock:
             self._holds[(model, version)] = (layout, hold)
 
-    def withdraw(self, model: str, version: int, timeout: float, force: bool = False) -> None:
+    def withdraw(self, model: str, version: int, timeout: float, force: bool = False,
+                 damaged: bool = False) -> None:
         """Stop serving `version` and wait until reads of it in flight have ended.
 
         Only then may the caller overwrite the bytes (the mutability contract). Raises
@@ -329,17 +365,18 @@ class WorkerSession:
         with self._lock:  # no heartbeat offers it again once the coordinator let it go
             self._withdrawing.add(key)
         try:
-            self._withdraw(key, timeout, force)
+            self._withdraw(key, timeout, force, damaged)
         finally:
             with self._lock:
                 self._withdrawing.discard(key)
 
-    def _withdraw(self, key: tuple[str, int], timeout: float, force: bool) -> None:
+    def _withdraw(self, key: tuple[str, int], timeout: float, force: bool,
+                  damaged: bool = False) -> None:
         (model, version), deadline = key, time.monotonic() + timeout
         while True:
             try:
                 reply = self.call(Withdraw(worker_id=self.worker_id, model=model,
-                                           version=version, force=force))
+                                           version=version, force=force, damaged=damaged))
             except CoordinatorError as exc:
                 if exc.code != "last_holder":
                     raise

@@ -11,7 +11,15 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel, RootModel, TypeAdapter, ValidationError
 
-from tensorhub.core.data_types import MAX_TENSORS, PROTOCOL, Announcement, Envelope, Reply
+from tensorhub.core.data_types import (
+    MAX_TENSORS,
+    PROTOCOL,
+    Announcement,
+    Envelope,
+    MemoryDesc,
+    Reply,
+    TensorSpec,
+)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a larger frame is refused before it is decoded
 # No list or map in any message may be longer than this; msgpack refuses longer ones before
@@ -187,3 +195,90 @@ def foreign(data: bytes, who: str, marker: str) -> str | None:
     said = f"protocol {theirs}" if isinstance(theirs, int) else "an older protocol"
     return (f"{who} speaks {said}, this process protocol {PROTOCOL}: run the same tensorhub "
             f"release on the coordinator and every worker")
+
+
+# ------------------------------------------------------------------ large messages, sliced
+SLICE = 512  # list elements validated (or unpacked) per call into C or Rust
+
+
+def _sliced_value(u: msgpack.Unpacker) -> Any:
+    """The next value on `u`: maps descended, arrays' elements unpacked one call each (a
+    call into msgpack's C decoder holds the GIL for as long as it runs)."""
+    try:
+        n = u.read_map_header()
+    except ValueError:
+        pass
+    else:
+        out = {}
+        for _ in range(n):
+            key = u.unpack()
+            if not isinstance(key, str):
+                raise WireError("a map key that is not a string")
+            out[key] = _sliced_value(u)
+        return out
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        return u.unpack()
+    return [u.unpack() for _ in range(n)]
+
+
+def unpack_sliced(data: bytes) -> Any:
+    """As `_unpack`, in many short calls into C: another thread (the coordinator's loop)
+    runs between them."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, max_array_len=MAX_CONTAINER_LEN,
+                         max_map_len=MAX_CONTAINER_LEN, max_buffer_size=len(data) + 1)
+    try:
+        u.feed(data)
+        value = _sliced_value(u)
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"not a msgpack message: {exc}") from None
+    if u.tell() != len(data):
+        raise WireError("not a msgpack message: extra data after it")
+    return value
+
+
+_SLICED_LISTS = {("request", "manifest", "tensors"): TypeAdapter(list[TensorSpec]),
+                 ("request", "memory"): TypeAdapter(list[MemoryDesc])}
+
+
+def decode_envelope_sliced(data: bytes) -> Envelope:
+    """`decode_envelope` for a large request, in short calls (`unpack_sliced`; a manifest's
+    tensors and a memory list validated `SLICE` at a time): for a thread beside the loop."""
+    obj = unpack_sliced(data)
+    lists: dict[tuple[str, ...], list] = {}
+    for path, adapter in _SLICED_LISTS.items():
+        parent = obj
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        values = parent.get(path[-1]) if isinstance(parent, dict) else None
+        if not isinstance(values, list) or len(values) <= SLICE:
+            continue
+        try:
+            lists[path] = [v for k in range(0, len(values), SLICE)
+                           for v in adapter.validate_python(values[k:k + SLICE])]
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            raise WireError(f"invalid request: {'.'.join(path)}: {e['msg']}") from None
+        # The rest is validated with one element in its place (checking a model instance
+        # per element is another long call), and the whole list put back after. The raw
+        # elements are let go a slice at a time: freeing them at once is a long call too.
+        parent[path[-1]] = lists[path][:1]
+        while values:
+            del values[-SLICE:]
+    try:
+        envelope = _envelope.validate_python(obj)
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        raise WireError(f"invalid request: {errors}") from None
+    for path, values in lists.items():
+        owner = envelope
+        for key in path[:-1]:
+            owner = getattr(owner, key)
+        owner.__dict__[path[-1]] = values  # (validated above; the models are frozen)
+    return envelope

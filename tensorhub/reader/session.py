@@ -171,6 +171,13 @@ class PullSession:
         self.stripes: StripedPull | None = None
         self.chunks: list[Chunk] = []
         self.failures = 0  # whole-item reads failed
+        # Who served what (for naming the source of bytes that fail their checksums):
+        # chunk -> source (striped), or (item, offset, nbytes) -> source (whole items).
+        self.served_chunks: dict[int, str] = {}
+        self.served_ranges: dict[tuple[int, int, int], str] = {}
+        self.bad_sources: set[str] = set()  # served bytes that failed, found by a re-read
+        self.reread_bytes = 0  # read again from another holder after a failed checksum
+        self._repair_leases: list[str] = []
         self._refused: dict[str, float] = {}  # refusal kind -> since when, in a row
         self._confirm_at: float | None = None  # (re)send the confirmation then
         self._leases: list[str] = []  # every lease this pull was given, in order
@@ -225,7 +232,8 @@ class PullSession:
         return ReadDone(worker_id=self.worker_id, lease_id=lease_id, ok=ok,
                         nbytes=s.nbytes if s else 0, seconds=s.seconds if s else 0.0,
                         error=error, failed_holders=failed or [],
-                        by_source=self.by_source if s else {})
+                        by_source=self.by_source if s else {},
+                        bad_bytes=sorted(self.bad_sources) if s else [])
 
     def hold(self, memory: list[MemoryDesc], manifest: Manifest | None,
              part: Part | None = None, endpoint: Endpoint | None = None) -> Hold:
@@ -257,7 +265,8 @@ class PullSession:
             return []
         if error is None:
             return [self._read_done(self.plan.lease_id, ok, stats=True)]
-        return [self._read_done(lease, False, error) for lease in reversed(self._leases)
+        return [self._read_done(lease, False, error)
+                for lease in reversed(self._leases + self._repair_leases)
                 if lease not in self._ended]
 
     def forgotten(self) -> None:
@@ -339,6 +348,8 @@ class PullSession:
         first = self.plan is None
         self.plan = plan
         self._lease(plan.lease_id)
+        if plan.stripes is None:
+            self.sources.update({s.worker_id: s for s in plan.sources})
         if first:
             self.stats = PullStats(plan.model, plan.version, [], 0, 0.0)
         if plan.stripes is None or not first:
@@ -392,6 +403,8 @@ class PullSession:
         if not ok:
             return 0
         nbytes = sum(self.chunks[c].nbytes for c in read.chunks)
+        for c in read.chunks:
+            self.served_chunks[c] = read.source
         name = self.sources[read.source].name
         if name not in self.stats.by_source:
             self.stats.sources.append(name)
@@ -421,3 +434,59 @@ class PullSession:
         self.failures += 1
         return self._read_done(self.plan.lease_id, False, error,
                                failed=[source] if source else None)
+
+    def served(self, ranges) -> None:
+        """Ranges (`ReadRange`s) of a whole-item plan have landed, each from its source."""
+        for r in ranges:
+            self.served_ranges[(r.item, r.offset, r.nbytes)] = r.source
+
+    # ------------------------------------------------------------------ bad bytes
+    def pieces(self, items: list[int]) -> list[tuple[int, int, int, str]]:
+        """The pieces (item, offset, nbytes, source) the bytes of `items` were read in, by
+        who served each: what a re-read compares to name the source of bad bytes."""
+        wanted = set(items)
+        out = [(k, o, n, src) for (k, o, n), src in self.served_ranges.items() if k in wanted]
+        for c, src in self.served_chunks.items():
+            out.extend((seg.item, seg.offset, seg.nbytes, src)
+                       for seg in self.chunks[c].segments if seg.item in wanted)
+        return sorted(out)
+
+    def reread_request(self, items: list[int], avoid: set[str]) -> PlanRequest:
+        """A whole-item plan for `items` (they failed their checksums), from a holder not
+        in `avoid` (the sources of their bytes): the publisher only when nobody else
+        holds the version."""
+        sizes = plan_items(self.plan.manifest)
+        return PlanRequest(worker_id=self.worker_id, model=self.reader.model,
+                           version=self.plan.version, layout_id=self.plan.layout_id,
+                           missing=[ByteRange(item=k, offset=0, nbytes=sizes[k].nbytes)
+                                    for k in items],
+                           known_manifest=True, avoid=sorted(avoid)[:64])
+
+    def reread_planned(self, plan: ReadPlan) -> ReadPlan:
+        """The answer to `reread_request`: its lease is this pull's to end."""
+        plan = self._completed(plan)
+        if plan.lease_id not in self._repair_leases:
+            self._repair_leases.append(plan.lease_id)
+        self.sources.update({s.worker_id: s for s in plan.sources})
+        return plan
+
+    def reread_done(self, plan: ReadPlan, ok: bool, error: str | None = None,
+                    failed: str | None = None) -> ReadDone:
+        """The re-read's lease ends (`failed`: its source, if the read of it failed)."""
+        nbytes = sum(r.nbytes for r in plan.ranges)
+        if ok:
+            self.reread_bytes += nbytes
+        self._ended.add(plan.lease_id)
+        return ReadDone(worker_id=self.worker_id, lease_id=plan.lease_id, ok=ok,
+                        nbytes=nbytes if ok else 0, error=error,
+                        failed_holders=[failed] if failed else [],
+                        by_source={r.source: nbytes for r in plan.ranges[:1]} if ok else {})
+
+    def blame(self, pieces: list[tuple[int, int, int, str]], before: list[str],
+              after: list[str]) -> set[str]:
+        """The sources whose pieces changed when read again (and then passed): they served
+        bytes the version does not have."""
+        bad = {src for (_, _, _, src), b, a in zip(pieces, before, after, strict=True)
+               if b != a}
+        self.bad_sources |= bad
+        return bad

@@ -224,6 +224,10 @@ COPY_MIN_CALL_BYTES: int = 1 << 20
 SHM_PRUNE_SECONDS: float = 1.0
 # Requests the zmq fallback transport keeps in flight per read.
 ZMQ_WINDOW: int = 4
+# A connection to a listening socket (the coordinator's, a worker's zmq data port) that has
+# not completed its handshake this long after it opened is closed (ZeroMQ's default: 30 s):
+# idle half-handshakes of a stranger hold a file descriptor each only this long.
+HANDSHAKE_MS: int = 5000
 # NIXL (`core/transport/nixl.py`). The progress thread advances the agent's UCX worker this
 # often: it serves the reads others make of us over `tcp` (UCX emulates READ with active
 # messages there) and completes ours.
@@ -266,6 +270,9 @@ UNKNOWN_GRACE: float = 15.0
 UNKNOWN_RETRY: float = 0.2
 # Seconds before standing by again after the coordinator could not place us.
 STANDBY_RETRY: float = 5.0
+# Items that failed their checksums are read again from another holder up to this many times
+# (each from a holder not tried yet, the publisher last) before the pull fails.
+REREAD_TRIES: int = 3
 # Patches (`core/patch.py`): each worker keeps and serves the newest PATCH_KEEP; a trainer
 # publishes one only if it is at most PATCH_MAX_RATIO of the version's bytes, and a reader
 # follows a chain of them only if they add up to at most that share (else it pulls whole).
@@ -303,8 +310,24 @@ FLEET_PERIOD: float = 1.0
 PAUSE_FORGIVEN: float = 1.0
 # The shortest wait a busy reader is told (s): a fleet on fast links must not poll in a loop.
 BUSY_RETRY_MIN: float = 0.005
+# The coordinator raises its soft open-file limit to its hard limit (at most this) at start:
+# many hosts still default to 1024, which a thousand idle connections exhaust.
+OPEN_FILES: int = 1 << 20
+# Registrations from one address (what the coordinator sees a connection come from), and the
+# transport metadata (`Endpoint.agent_metadata`) they carry, at most; and metadata in all.
+MAX_WORKERS_PER_PEER: int = 1024
+MAX_METADATA_PER_PEER: int = 256 << 20
+MAX_METADATA_TOTAL: int = 2 << 30
+# A request larger than this (bytes) is decoded, and its manifest's work done, on a thread
+# beside the coordinator's loop (`coordinator/prepare.py`), which looks for it every
+# PREPARED_POLL_MS while one is under way.
+PREPARE_BYTES: int = 1 << 20
+PREPARED_POLL_MS: int = 5
 # Aborted sharded versions remembered, for ranks that ask late.
 ABORTED_KEPT: int = 256
+# Models a trainer may say it published with no credential to show and no version to judge
+# the word by (after a restart, with no persistent key: `coordinator/owners.py`) remembered.
+MAX_CLAIMS: int = 4096
 
 # --- the README's table -------------------------------------------------------------------
 

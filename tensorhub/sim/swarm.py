@@ -410,7 +410,14 @@ class SwarmSim:
         publish = self._publish.model_copy(update={"version": self.version})
         self.queue.send(publish, self._announce)
 
-    def _announce(self, _) -> None:
+    def _bound(self, reply) -> None:
+        """The first publish's reply: the model's credential, shown by every later one."""
+        owner = getattr(reply, "owner", None)
+        if owner is not None:
+            self._publish = self._publish.model_copy(update={"owner": owner})
+
+    def _announce(self, reply) -> None:
+        self._bound(reply)
         """The version's announcement, as the coordinator's PUB socket carries it to every
         reader."""
         announcement = self.queue.call_now(LatestRequest(model="m"))
@@ -438,9 +445,9 @@ class SwarmSim:
                 self.loop.at(0.0, r.stand_by)
         else:
             self.queue.send(self._publish,
-                            lambda _: [self.loop.at(self.loop.now + self.config.rpc / 2
-                                                    + r.delay, r.start)
-                                       for r in self._askers()])
+                            lambda reply: [self._bound(reply)] + [
+                                self.loop.at(self.loop.now + self.config.rpc / 2 + r.delay,
+                                             r.start) for r in self._askers()])
         for wid in [self.trainer, *self.by_id]:
             self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
         self.loop.at(settings.EXPIRY_PERIOD, self._expire)

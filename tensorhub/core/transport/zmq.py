@@ -34,6 +34,9 @@ from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 
 FRAME = 1 << 20  # bytes per zmq frame: a reply is sent as frames of this size, zero-copy
 CHUNK = 16 << 20  # bytes per request at most: a server refuses a larger one (`_ChunkRequest`)
+# The largest chunk request a server takes (its seq, address, size and grant: ~100 bytes with
+# a grant of the longest name); a larger frame drops the sender's connection.
+REQUEST_BYTES = 2048
 
 
 class _ChunkRequest(BaseModel):
@@ -58,6 +61,11 @@ class ZmqTransport(Transport):
         self._clients: dict[str, tuple[zmq.Socket, threading.Lock, str]] = {}
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
+        # A stranger may connect (the port is open to the network): a frame larger than a
+        # real chunk request drops its connection before any of it is buffered, and a
+        # connection that completes no handshake is closed soon.
+        self._server.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)
+        self._server.setsockopt(zmq.HANDSHAKE_IVL, settings.HANDSHAKE_MS)
         host = f"[{host}]" if ":" in host else host
         if ":" in host:
             self._server.setsockopt(zmq.IPV6, 1)
@@ -147,6 +155,8 @@ class ZmqTransport(Transport):
                 stale = entry
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                # (a reply is frames of at most FRAME bytes, and a small header)
+                sock.setsockopt(zmq.MAXMSGSIZE, FRAME + REQUEST_BYTES)
                 sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
                 sock.connect(address)
                 entry = self._clients[peer.worker_id] = (sock, threading.Lock(), address)
