@@ -207,14 +207,16 @@ def test_a_manual_update_to_the_current_version_changes_nothing(fleet):
 
 
 # A second trainer process that publishes a version and then hangs (SIGSTOP, right after the
-# coordinator accepted it): the engines start reading from it and get no byte. It uses plain
+# coordinator accepted it): the engines start reading from it and get no byte. It shows the
+# model's credential, as a trainer rank taking over from the first would. It uses plain
 # NIXL, whose READs over loopback TCP need the holder's progress thread; a same-host `cma`
 # read would copy out of a stopped process regardless (truly one-sided).
 HANGING_TRAINER = """
-import os, signal, sys
+import json, os, signal, sys
 from safetensors.torch import load_file
 from tensorhub import Publisher, Replica
-pub = Publisher(sys.argv[1], "policy", name="doomed-trainer", transport="nixl")
+pub = Publisher(sys.argv[1], "policy", name="doomed-trainer", transport="nixl",
+                owners=json.loads(sys.argv[3]))
 print('{"version": %d}' % pub.publish(load_file(sys.argv[2])), flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
 """
@@ -229,8 +231,8 @@ def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
 
     v5 = fleet.root / "v5.safetensors"
     save_file({k: t.contiguous() for k, t in fleet.versions.state(5).items()}, str(v5))
-    doomed = ChildProcess([sys.executable, "-c", HANGING_TRAINER, fleet.address, str(v5)],
-                          name="doomed-trainer")
+    doomed = ChildProcess([sys.executable, "-c", HANGING_TRAINER, fleet.address, str(v5),
+                           json.dumps(fleet.pub.owners)], name="doomed-trainer")
     try:
         assert doomed.next_json(timeout=120) == {"version": 5}
 
