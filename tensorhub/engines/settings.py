@@ -28,9 +28,10 @@ class EngineSettings(BaseModel):
         description="follow: pull and apply every announced version; manual: only on "
                     "POST /tensorhub/update (or the trainer driving the engine's endpoints)")
     pause: Literal["wait", "abort", "keep"] = Field(
-        default="wait",
-        description="how generation pauses while weights are swapped: wait (in-flight "
-                    "requests finish on the old version), abort, keep (freeze and resume)")
+        default="keep",
+        description="how generation pauses while weights are swapped: keep (requests in "
+                    "flight pause and continue on the new weights), wait (in-flight "
+                    "requests finish on the old version first), abort")
     name: str = Field(default="", description="worker name in `tensorhub status`")
     transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
     join_timeout: float = Field(default=300.0, gt=0,

@@ -118,9 +118,9 @@ MODE = _setting(
     "TENSORHUB_MODE", Literal["follow", "manual"], "follow",
     "engines: `follow` takes every version, `manual` only `POST /tensorhub/update`")
 PAUSE = _setting(
-    "TENSORHUB_PAUSE", Literal["wait", "abort", "keep"], "wait",
-    "engines: how generation pauses for a swap (in-flight requests finish, are aborted, "
-    "or freeze and resume)")
+    "TENSORHUB_PAUSE", Literal["wait", "abort", "keep"], "keep",
+    "engines: how generation pauses for a swap (requests in flight pause and continue on "
+    "the new weights, finish first, or are aborted)")
 NAME = _setting("TENSORHUB_NAME", str, "",
                 "an engine's worker name (a random suffix is added)",
                 shown="`vllm-HOST:PORT` / `sglang-HOST:PORT`")
