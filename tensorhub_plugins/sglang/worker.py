@@ -91,6 +91,8 @@ class Scheduler:
         self._plan: sparse.Plan | None = None
         self._install: dict = {}  # the last checkpoint-path install: how, how many elements
         self._applying = False  # an update is writing the live parameters (no preparing)
+        self._error: str | None = None  # the last error reported to the driver
+        self._tried: tuple | None = None  # (version, live key) `prepare` last ran for
         self._votes: RankVote | None = None
 
     def memory(self) -> Memory:
@@ -100,10 +102,14 @@ class Scheduler:
             checkpoint_copy_bytes=self.checkpoint.nbytes if self.checkpoint is not None
             else 0)
 
-    def record(self, error: str | None = None) -> None:
+    def record(self, error: str | None = None, keep_error: bool = False) -> None:
         """Write what this scheduler serves for the driver (its loader cannot answer the
-        HTTP request that called it)."""
+        HTTP request that called it); `keep_error`: the last update's error stays (a
+        report between updates, e.g. a version prepared)."""
         native = self.native
+        if keep_error:
+            error = self._error
+        self._error = error
         try:
             SchedulerStatus(
                 applied=self.applied, error=error, torn=self.torn, name=self.name,
@@ -140,18 +146,13 @@ class Scheduler:
             if shared or self._sparse_error is not None or not holder.by_patches \
                     or self._applying or self._live_key() != key:
                 return None  # (a version pulled whole is a dense change: installed whole)
-            if self._blocks is None:
-                try:
-                    self._blocks = sparse.live_blocks(model, named)
-                except Exception as exc:  # (Unsupported, or a loader we cannot probe)
-                    self._sparse_error = str(exc)
-                    log.info("TensorHub: versions are installed whole on this model (%s)",
-                             exc)
-                    return None
+            if not self._learn_blocks(named):
+                return None
             return sparse.plan(model, self._blocks, named, version, key)
 
         started = time.perf_counter()
         self._plan = None
+        self._tried = (version, key)
         try:
             self._plan = holder.prepare(version, then)
             if self.native is not None:
@@ -161,12 +162,27 @@ class Scheduler:
         except Exception as exc:  # the install refuses it again, inside the pause
             log.info("TensorHub: preparing v%d: %s", version, exc)
         self.prepared = version
-        self.record()
+        self.record(keep_error=True)
         plan = self._plan
         log.info("prepared v%d in %.1f ms (%s)", version,
                  (time.perf_counter() - started) * 1e3,
                  f"sparse: {plan.changed} of {plan.total} elements differ"
                  if plan is not None else "whole")
+
+    def _learn_blocks(self, named) -> bool:
+        """Where the checkpoint tensors land in the live parameters (once; whether a sparse
+        install is possible on this model)."""
+        if self._blocks is None and self._sparse_error is None and self.model is not None:
+            started = time.perf_counter()
+            try:
+                self._blocks = sparse.live_blocks(self.model, named)
+                log.info("TensorHub: sparse steps are installed sparse (their tensors' places "
+                         "in the live parameters learnt in %.0f ms)",
+                         (time.perf_counter() - started) * 1e3)
+            except Exception as exc:  # (Unsupported, or a loader we cannot probe)
+                self._sparse_error = str(exc)
+                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
+        return self._blocks is not None
 
     def _prepare_loop(self) -> None:
         """Prepare each version the checkpoint copy comes to hold, once."""
@@ -175,10 +191,9 @@ class Scheduler:
             try:
                 holder = self.checkpoint
                 version = holder.version if holder is not None else None
-                if version is None or version == self.applied or self._applying or (
-                        holder.prepared(version) and self.prepared == version
-                        and (self._plan is None or self._plan.key == self._live_key())):
-                    continue
+                if version is None or version == self.applied or self._applying \
+                        or self._tried == (version, self._live_key()):
+                    continue  # (prepared once for these live bytes, or refused: once)
                 self.prepare(version)
             except Exception:
                 log.exception("TensorHub: preparing a version failed")
@@ -521,6 +536,11 @@ def after_load_model(result, runner):
             pull_timeout=settings.update_timeout)
         scheduler.model = runner.model
         scheduler.join(runner, dummy)
+        holder = scheduler.checkpoint
+        if holder is not None and holder.version is not None \
+                and not (scheduler.one_copy and _tp_size() > 1):
+            # before the server serves: learn where checkpoint tensors land (a sparse install)
+            scheduler._learn_blocks(holder.replica.named_tensors())
         scheduler.start_preparing()
     except Exception as exc:
         if scheduler is not None:
