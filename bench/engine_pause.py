@@ -30,7 +30,7 @@ from bench.results import Report
 from bench.workdir import make_scratch, tear_down
 from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
-from integration.stream_client import StreamingClient, percentile
+from integration.stream_client import StreamingClients, percentile
 from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
@@ -121,8 +121,8 @@ def main() -> None:
         engine = start_engine(args.engine, args.tp, model_dir, address, work)
         servers.append(engine)
         engine.wait_serving(version, timeout=600)
-        client = StreamingClient(engine.url, engine.model, make_prompts(4, 16, ARCH["vocab"]),
-                                 TOKENS).start()
+        client = StreamingClients(engine.url, make_prompts(4, 16, ARCH["vocab"]), TOKENS,
+                                  clients=2, model=engine.model).start()
         time.sleep(2.0)  # (warm)
         quiet_from = time.perf_counter()
         time.sleep(QUIET_S)

@@ -1,32 +1,34 @@
-"""A client that streams greedy completions from an engine back to back, as a rollout
-worker does, and keeps when each token arrived and what each answer said.
+"""Clients that stream greedy completions from an engine back to back, as rollout workers
+do, and keep when each token arrived and what each answer said.
 
-What an update costs the engine's users is read from it: the longest gap between two
-tokens the client received across a swap, against the gaps of a quiet stretch; requests
-that failed or were aborted; and, per answer, which version produced which tokens
-(`weight_versions`). Kept free of pytest: the benchmarks use it too.
+What an update costs the engine's users is read from them: the longest gap between two
+tokens a client received across a swap, against the gaps of a quiet stretch; requests that
+failed or were aborted; and, per answer, which version produced which tokens (the
+`weight_versions` spans on its last chunk). Engine-neutral (`/v1/completions` with token-id
+prompts and `return_token_ids`); kept free of pytest: the benchmarks use it too.
 """
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 
 @dataclass
 class Answer:
     prompt: list[int]
-    started: float
+    started: float  # time.perf_counter(), as every time here
+    client: int = 0  # which of the clients sent it
     token_ids: list[int] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # one per token received
+    times: list[float] = field(default_factory=list)  # one per token received
     finish_reason: str | None = None
-    weight_versions: list[dict] | None = None
+    spans: list[dict] | None = None  # weight_versions
     error: str | None = None
 
     @property
@@ -34,88 +36,111 @@ class Answer:
         return self.error is None and self.finish_reason in ("length", "stop")
 
 
-class StreamingClient:
-    """Streams `/v1/completions` (token-id prompts, temperature 0, `ignore_eos`) from
-    `url`, one request after another, until `stop()`."""
+def stream_one(url: str, model: str, prompt: Sequence[int], max_tokens: int,
+               client: int = 0, timeout: float = 300.0) -> Answer:
+    """One streamed greedy completion of `prompt`."""
+    parsed = urlparse(url)
+    answer = Answer(prompt=list(prompt), started=time.perf_counter(), client=client)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    try:
+        body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "return_token_ids": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            answer.error = f"HTTP {r.status}: {r.read()[:500]!r}"
+            return answer
+        while line := r.readline():
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            if "error" in chunk or chunk.get("object") == "error":
+                answer.error = json.dumps(chunk)[:500]
+                break
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                now = time.perf_counter()
+                answer.times.extend([now] * len(ids))
+                answer.token_ids.extend(ids)
+                if choice.get("finish_reason"):
+                    answer.finish_reason = choice["finish_reason"]
+                if choice.get("weight_versions") is not None:
+                    answer.spans = choice["weight_versions"]
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        answer.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    if answer.error is None and answer.finish_reason not in ("length", "stop"):
+        answer.error = f"finished with {answer.finish_reason!r}"
+    return answer
 
-    def __init__(self, url: str, model: str, prompts: Sequence[Sequence[int]],
-                 max_tokens: int, headers: dict[str, str] | None = None):
-        self.url, self.model = url, model
+
+class StreamingClients:
+    """`clients` threads, each streaming `max_tokens`-token greedy completions of `prompts`
+    (round robin) from `url` back to back, from `start()` (or `with`) until `stop()`."""
+
+    def __init__(self, url: str, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 clients: int = 1, model: str = "default"):
+        self.url, self.model, self.max_tokens = url, model, max_tokens
         self.prompts = [list(p) for p in prompts]
-        self.max_tokens = max_tokens
-        self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.answers: list[Answer] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="stream-client")
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
+                                          name=f"stream-client-{i}") for i in range(clients)]
 
-    def start(self) -> StreamingClient:
-        self._thread.start()
+    def start(self) -> StreamingClients:
+        for t in self._threads:
+            t.start()
         return self
 
-    def stop(self, timeout: float = 120.0) -> list[Answer]:
-        """Stop after the answer in flight; the answers, in order."""
+    __enter__ = start
+
+    def stop(self, timeout: float = 300.0) -> list[Answer]:
+        """Stop after the answers in flight; every answer, in the order they started."""
         self._stop.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the client's last request to {self.url} did not end within "
-                               f"{timeout:.0f} s")
-        return self.answers
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise TimeoutError(f"a client's last request to {self.url} did not end "
+                                   f"within {timeout:.0f} s")
+        return sorted(self.answers, key=lambda a: a.started)
 
-    def _run(self) -> None:
-        k = 0
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self, i: int) -> None:
+        k = i
         while not self._stop.is_set():
-            self.answers.append(self._one(self.prompts[k % len(self.prompts)]))
-            k += 1
+            answer = stream_one(self.url, self.model, self.prompts[k % len(self.prompts)],
+                                self.max_tokens, client=i)
+            with self._lock:
+                self.answers.append(answer)
+            k += len(self._threads)
 
-    def _one(self, prompt: list[int]) -> Answer:
-        answer = Answer(prompt=prompt, started=time.perf_counter())
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
-        req = urllib.request.Request(self.url + "/v1/completions",
-                                     data=json.dumps(body).encode(), headers=self.headers)
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                for raw in r:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        answer.error = str(chunk["error"])
-                        continue
-                    for choice in chunk.get("choices") or ():
-                        ids = choice.get("token_ids")
-                        got = len(ids) if ids is not None else int(bool(choice.get("text")))
-                        now = time.perf_counter()
-                        answer.arrivals.extend([now] * got)
-                        answer.token_ids.extend(ids or [])
-                        if choice.get("finish_reason") is not None:
-                            answer.finish_reason = choice["finish_reason"]
-                        if choice.get("weight_versions") is not None:
-                            answer.weight_versions = choice["weight_versions"]
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            answer.error = f"{type(exc).__name__}: {exc}"
-        if answer.error is None and answer.finish_reason not in ("length", "stop"):
-            answer.error = f"finished with {answer.finish_reason!r}"
-        return answer
-
-    # ------------------------------------------------------------------ what it saw
-    def arrivals(self) -> list[float]:
-        """Every token's arrival, in order (the client's one stream of tokens: a new
-        request's first token counts its wait from the one before)."""
-        return [t for a in list(self.answers) for t in a.arrivals]
-
+    # ------------------------------------------------------------------ what they saw
     def gaps(self, start: float, end: float) -> list[float]:
-        """Gaps between consecutive tokens whose later token came in [start, end]."""
-        times = self.arrivals()
-        return [b - a for a, b in itertools.pairwise(times) if start <= b <= end]
+        """Gaps between consecutive tokens one client received (across its answers back
+        to back: a new answer's first token counts its wait from the last one) whose later
+        token came in [start, end] (`time.perf_counter()`)."""
+        with self._lock:
+            answers = list(self.answers)
+        out = []
+        for client in range(len(self._threads)):
+            times = [t for a in sorted((a for a in answers if a.client == client),
+                                       key=lambda a: a.started) for t in a.times]
+            out += [b - a for a, b in itertools.pairwise(times) if start <= b <= end]
+        return out
 
     def worst_gap(self, start: float, end: float) -> float:
         return max(self.gaps(start, end), default=0.0)
 
     def failed(self) -> list[Answer]:
-        return [a for a in self.answers if not a.ok]
+        with self._lock:
+            return [a for a in self.answers if not a.ok]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -8,6 +8,7 @@ into its live parameters, spending the compact region only."""
 from __future__ import annotations
 
 import base64
+import itertools
 import pickle
 import socket
 import time
@@ -64,7 +65,9 @@ def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
     pub.publish(versions.state(1))
     sgl = SGLangServer(sglang_python, versions.dir,
                        env={**sglang_env(address), **load_fault_env(root / "fault-version")},
-                       extra_args=["--custom-weight-loader", LOADER, "--enable-metrics"],
+                       extra_args=["--custom-weight-loader", LOADER, "--enable-metrics",
+                                   # (the test tokenizer has none: for /v1/chat/completions)
+                                   "--chat-template", "chatml"],
                        log_path=root / "sglang.log").launch()
     vllm = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
                       env=plugin_env(address), log_path=root / "vllm.log").launch()
@@ -286,3 +289,110 @@ def test_a_sparse_step_reaches_sglang_and_vllm_as_a_patch_and_they_match_hf(flee
     patched = transfers(fleet.address, version, model=patch_model(MODEL))
     assert {t.reader.split("-")[0] for t in patched} == {"sglang", "vllm"}, patched
     assert not transfers(fleet.address, version)  # neither pulled the version whole
+
+
+def _checksums(server: SGLangServer) -> tuple[str, dict[str, str]]:
+    """SGLang's checksum of its live parameters: the engine's, and each tensor's."""
+    r = server.request("/weights_checker", {"action": "checksum"}, timeout=120)
+    [rank] = r["ranks"]  # (one TP rank)
+    return r["per_engine_checksum"], rank["checksums"]
+
+
+def test_a_sparse_step_is_installed_sparse_and_byte_equal_to_a_whole_install(fleet):
+    """A 1 %-density step that reaches the engine as a patch is written into the live
+    parameters word by word (the scheduler compared the new version with them before the
+    pause); SGLang's own checksums of its live parameters then equal those after a whole
+    install (`load_weights`) of the same bytes."""
+    base = fleet.pub.publish(fleet.versions.state(2))  # dense: installed whole
+    wait_sglang(fleet.sgl, base)
+    step = sparse_step(fleet.versions.state(2), seed=5)
+    version = fleet.pub.publish(step)
+    assert fleet.pub.last_patch.version == version
+    wait_sglang(fleet.sgl, version)
+    rank = scheduler_status(fleet.sgl)
+    assert (rank["applied"], rank["install"]) == (version, "sparse"), rank
+    total = sum(t.numel() for t in step.values())
+    assert 0 < rank["changed"] < 0.05 * total
+    sparse_sums = _checksums(fleet.sgl)
+    sparse_tokens = fleet.sgl.greedy(fleet.prompts, TOKENS)
+    # the same bytes again, installed whole: from a version far from them (dense change)
+    wait_sglang(fleet.sgl, fleet.pub.publish(fleet.versions.state(3)))
+    again = fleet.pub.publish(step)
+    wait_sglang(fleet.sgl, again)
+    rank = scheduler_status(fleet.sgl)
+    assert (rank["applied"], rank["install"]) == (again, "whole"), rank
+    assert _checksums(fleet.sgl) == sparse_sums
+    assert fleet.sgl.greedy(fleet.prompts, TOKENS) == sparse_tokens
+    wait_serving(fleet.vllm, again)
+
+
+def test_a_client_streams_through_twenty_updates_without_a_failed_request(fleet):
+    """Requests in flight are kept through every swap (the default pause, `keep`: SGLang's
+    `retract`): none fails or is aborted; every answer says which version produced which of
+    its tokens (`weight_versions` on its last chunk); the tokens each version produced are
+    HF's on that version, the ones after a swap continuing the prefix the old one made
+    (their KV recomputed with the new weights)."""
+    from integration.stream_client import StreamingClients
+    from integration.tiny_model import hf_greedy
+
+    published: dict[int, int] = {}  # version -> which of `fleet.versions` it is
+    with StreamingClients(fleet.sgl.url, fleet.prompts, TOKENS, clients=2) as clients:
+        for i in range(20):
+            k = i % 3 + 2  # versions 2, 3, 4 in turn: every swap changes the tokens
+            version = fleet.pub.publish(fleet.versions.state(k))
+            published[version] = k
+            wait_sglang(fleet.sgl, version)
+        answers = clients.stop()
+    assert answers and all(a.ok for a in answers), [
+        (a.error, a.finish_reason) for a in answers if not a.ok]
+    assert fleet.sgl.tensorhub_status()["last_update"]["pause_mode"] == "keep"
+    crossed = []
+    for a in answers:
+        assert a.spans and len(a.token_ids) == TOKENS, a
+        assert a.spans[0]["start"] == 0 and a.spans[-1]["end"] == TOKENS, a.spans
+        assert all(x["end"] == y["start"] for x, y in itertools.pairwise(a.spans))
+        prompt = fleet.prompts.index(a.prompt)
+        for span in a.spans:
+            if span["version"] not in published:
+                continue  # a version served before this test
+            k = published[span["version"]]
+            if span["start"] == 0:  # from the prompt: HF's greedy tokens on that version
+                assert a.token_ids[:span["end"]] == fleet.expected[k - 1][prompt][
+                    :span["end"]], (a.spans, k)
+            else:
+                crossed.append((a, span, k))
+    assert crossed, "no answer was in flight through a swap"
+    for a, span, k in crossed[:3]:  # after a swap: HF on the new version, from the prefix
+        [hf] = hf_greedy(fleet.versions.dir, [a.prompt + a.token_ids[:span["start"]]],
+                         span["end"] - span["start"], state_dict=fleet.versions.state(k),
+                         skip_ties=True)
+        if hf is not None:
+            assert a.token_ids[span["start"]:span["end"]] == hf, (a.spans, k)
+    wait_serving(fleet.vllm, max(published))
+
+
+def test_openai_answers_carry_the_version_spans_streaming_and_not(fleet):
+    """`/v1/completions` and `/v1/chat/completions`, streaming or not: each choice says
+    which version produced its tokens."""
+    import json
+
+    serving = fleet.sgl.tensorhub_status()["serving_version"]
+    span = [{"version": serving, "start": 0, "end": 8}]
+    completion = {"model": "default", "prompt": fleet.prompts[0], "max_tokens": 8,
+                  "temperature": 0, "ignore_eos": True, "n": 1}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        answer = fleet.sgl.request(route, body)
+        assert [c["weight_versions"] for c in answer["choices"]] == [span], answer
+        req = urllib.request.Request(fleet.sgl.url + route,
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        last = None
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        if choice.get("finish_reason"):
+                            last = choice
+        assert last is not None and last["weight_versions"] == span, last

@@ -12,7 +12,7 @@ import torch
 
 from integration.faults import load_fault_env
 from integration.sharded import publish_in_two_ranks
-from integration.stream_client import StreamingClient
+from integration.stream_client import StreamingClients
 from integration.tiny_model import Versions, hf_greedy, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher, Replica
@@ -155,7 +155,7 @@ def check_answers_by_their_versions(answers, model_dir, state_of: dict[int, dict
     counts = {"one version": 0, "several versions": 0, "near-ties skipped": 0}
     for a in answers:
         assert a.ok, f"a request failed: {a.error}"
-        spans = a.weight_versions
+        spans = a.spans
         assert spans and spans[0]["start"] == 0 and spans[-1]["end"] == len(a.token_ids), spans
         counts["one version" if len(spans) == 1 else "several versions"] += 1
         for span in spans:
@@ -174,7 +174,7 @@ def test_requests_in_flight_through_an_update_go_on_with_the_new_weights(fleet):
     """The default pause mode (`keep`): no request fails or is aborted; an answer the swap
     cut in two says which tokens each version produced, and both parts equal HF's."""
     engine = fleet.engines[0]
-    client = StreamingClient(engine.url, engine.model, fleet.prompts, TOKENS).start()
+    client = StreamingClients(engine.url, fleet.prompts, TOKENS, model=engine.model).start()
     try:
         time.sleep(1.0)
         fleet.pub.publish(fleet.versions.state(4))
@@ -184,7 +184,7 @@ def test_requests_in_flight_through_an_update_go_on_with_the_new_weights(fleet):
         answers = client.stop()
     counts = check_answers_by_their_versions(
         answers, fleet.versions.dir, {3: fleet.versions.state(3), 4: fleet.versions.state(4)})
-    seen = {int(s["version"]) for a in answers for s in a.weight_versions}
+    seen = {int(s["version"]) for a in answers for s in a.spans}
     assert seen == {3, 4}, f"expected tokens from v3 and v4, saw {seen} ({counts})"
 
 
@@ -416,7 +416,7 @@ def test_a_client_streams_through_twenty_updates_without_a_failed_request(fleet)
     base = fleet.pub.publish(fleet.versions.state(6))
     state_of = {base: fleet.versions.state(6)}
     wait_serving(engine, base)
-    client = StreamingClient(engine.url, engine.model, fleet.prompts, TOKENS).start()
+    client = StreamingClients(engine.url, fleet.prompts, TOKENS, model=engine.model).start()
     try:
         for k in range(20):
             state = fleet.versions.state(7 - k % 2)

@@ -268,3 +268,28 @@ def test_an_engine_no_other_shares_a_layout_with_updates_at_once(monkeypatch, co
                 assert driver.next_update() is None
         finally:
             driver.fleet.close()
+
+
+def test_the_default_pause_keeps_requests_and_no_mode_maps_to_a_drain_sglang_lacks():
+    from tensorhub_plugins.sglang.driver import PAUSE_MODES
+
+    assert EngineSettings(coordinator="tcp://127.0.0.1:1").pause == "keep"
+    assert PAUSE_MODES == {"keep": "retract", "wait": "retract", "abort": "abort"}
+
+
+def test_version_spans_go_on_the_choice_a_stream_chunk_finishes():
+    from tensorhub_plugins.sglang.spans import spans_of, with_spans
+
+    meta = {"weight_versions": [{"version": "3", "start": 0, "end": 5},
+                                {"version": "default", "start": 5, "end": 7}]}
+    spans = spans_of(meta)
+    assert spans == [{"version": 3, "start": 0, "end": 5},
+                     {"version": "default", "start": 5, "end": 7}]
+    assert spans_of({"weight_version": "3"}) is None
+    going = 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+    assert with_spans(going, {0: spans}) == going
+    done = json.loads(with_spans(
+        'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n',
+        {0: spans})[len("data: "):])
+    assert done["choices"][0]["weight_versions"] == spans
+    assert with_spans("data: [DONE]\n\n", {0: spans}) == "data: [DONE]\n\n"

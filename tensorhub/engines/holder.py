@@ -78,8 +78,9 @@ class CheckpointHolder:
         # a version unlike it is refused before the model is touched (`tensors_of`).
         self.loadable: LoadableWeights | None = None
         self.unloadable: dict | None = None  # the last version refused so: {version, reason}
-        self._verified: int | None = None  # verified whole by `check`, not yet applied
         self._lock = threading.Lock()
+        self._pulls = 0  # bumped by every pull into the copy
+        self._prepared: tuple[int, int] | None = None  # (version, pulls) checked in `prepare`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if follow:
@@ -103,6 +104,12 @@ class CheckpointHolder:
     def sources(self) -> list[str]:
         return self.replica.sources()
 
+    @property
+    def by_patches(self) -> bool:
+        """Whether the copy took the version it holds as patches of the one before (a
+        sparse step: an engine may install only what changed)."""
+        return all(r.last_pull_patches for r in self.replica.replicas)
+
     def withdraw(self) -> None:
         """Stop serving the copy; reads of it in flight end first (bounded)."""
         self.replica.withdraw(self.pull_timeout)
@@ -110,7 +117,7 @@ class CheckpointHolder:
     def pull(self, version: int | str = "latest") -> int:
         """Pull now (blocking) into the checkpoint copy; the engine keeps serving meanwhile."""
         with self._lock:
-            self._verified = None
+            self._pulls += 1
             got = self.replica.pull(version, timeout=self.pull_timeout)
             self.last_error = None
             return got
@@ -224,14 +231,47 @@ class CheckpointHolder:
             return TensorHubError("the checkpoint copy is busy (a pull is running)",
                                   code="busy")
         if fetch and self.replica.version != version:
+            self._pulls += 1
             self.replica.pull(version, timeout=self.pull_timeout)
         if self.replica.version != version:
             held = self.replica.version
             return TensorHubError(
                 f"asked to apply v{version} but this worker holds "
                 f"{'nothing' if held is None else f'v{held}'}", code="unknown_version")
-        verified, self._verified = self._verified == version, None
-        return self._unloadable(version) or self._reverified(always=not verified)
+        if self._prepared == (version, self._pulls):
+            # checked whole by `prepare` before the pause: again only where a late read
+            # has landed since
+            return self._unloadable(version) or self._reverified(always=False)
+        return self._unloadable(version) or self._reverified()
+
+    def prepare(self, version: int, then: Callable[[list[tuple[str, torch.Tensor]]], object]
+                | None = None) -> object:
+        """Before the engine pauses: the checks `tensors_of` makes (loadable, every byte
+        verified again), so that inside the pause only a late read that landed since is
+        checked; then `then(tensors)` while the copy cannot change (an engine's own
+        preparation, e.g. what a sparse install will write). Raises the refusal; returns
+        what `then` returned. Waits for a pull in progress (the copy's lock)."""
+        with self._lock:
+            if self.replica.version != version:
+                self._prepared = None
+                raise TensorHubError(f"the copy holds v{self.replica.version}, not "
+                                     f"v{version}", code="unknown_version")
+            self._ready_before_pause(version)
+            return then(self.replica.named_tensors()) if then is not None else None
+
+    def _ready_before_pause(self, version: int) -> None:
+        """Check that the engine can load `version` and verify every byte of the copy
+        again; raise the refusal (the copy may then move on)."""
+        self._prepared = None
+        problem = self._unloadable(version) or self._reverified()
+        if problem is not None:
+            self.refused = version  # nobody applies it: the copy may move on
+            raise problem
+        self._prepared = (version, self._pulls)
+
+    def prepared(self, version: int) -> bool:
+        """Whether `prepare(version)` ran on the bytes the copy holds now."""
+        return self._prepared == (version, self._pulls) and self.replica.version == version
 
     def loadable_as(self, version: int, optional: set[str]) -> LoadableWeights | None:
         """What the engine loads, as the published tensors of `version`, a version it
@@ -246,26 +286,22 @@ class CheckpointHolder:
         return from_manifests(manifests, f"v{version}, the last version it applied", optional)
 
     def check(self, version: int) -> None:
-        """Before generation pauses for `version`: raise the refusal if the copy holds it
-        and the engine cannot load it, and verify every byte of the copy again, so that
-        the install (`tensors_of`) verifies only what a late read may have changed since.
-        A pull in progress holds the lock: both are then left to `tensors_of`."""
+        """`prepare` as the front end asks it before generation pauses, without waiting
+        on a pull in progress (it holds the lock: the checks are then left to
+        `tensors_of`), and only if the copy holds `version`."""
         if not self._lock.acquire(timeout=1.0):
             return
         try:
             if self.replica.version == version:
-                problem = self._unloadable(version) or self._reverified(always=True)
-                if problem is not None:
-                    self.refused = version  # nobody applies it: the copy may move on
-                    raise problem
-                self._verified = version
+                self._ready_before_pause(version)
         finally:
             self._lock.release()
 
-    def _reverified(self, always: bool) -> TensorHubError | None:
+    def _reverified(self, always: bool = True) -> TensorHubError | None:
         """What is applied is what was verified: every byte checked again before the
-        engine reads the copy (`always`: a peer's one-sided write may have landed in it
-        since it was pulled), or only if a late read landed since the last check."""
+        engine reads the copy (a late read, or a peer's one-sided write, may have landed in
+        it since it was pulled; ~1 s per 13 GB, beside a pull of the same bytes); not
+        `always`: only if a read given up earlier has landed since."""
         try:
             self.replica.reverify(always=always)
         except TensorHubError as exc:

@@ -46,12 +46,22 @@ from tensorhub_plugins.sglang.status import SchedulerStatus
 # How long a new version may wait for a same-layout peer (native path) when no checkpoint
 # copy holds it yet; then the checkpoint path pulls it inside the pause.
 NATIVE_WAIT = 10.0
+# How long a new version may wait, beyond the longest pull (`update_timeout`), for every
+# scheduler that keeps a checkpoint copy to pull it in the background and prepare it
+# (verify, plan a sparse install: `worker.Scheduler.prepare`) before the swap goes ahead
+# without (then the pull and those checks run inside the pause).
+PREPARE_WAIT = 5.0
 
 log = logging.getLogger("tensorhub.sglang")
 
-# SGLang's pause modes; "wait" (finish in-flight requests on the old version) has no
-# SGLang equivalent, and "abort" is the one that never mixes two versions in one answer.
-PAUSE_MODES = {"wait": "abort", "abort": "abort", "keep": "in_place"}
+# TensorHub's pause modes as SGLang's `/pause_generation` modes. `keep` (the default):
+# `retract`: requests in flight go back to the waiting queue with the tokens they have and
+# continue after the install, their KV recomputed with the new weights (`in_place` would
+# keep KV computed with the old weights under tokens generated with the new ones, and leaves
+# SGLang unable to flush its prefix cache: see docs/sglang.md). `abort`: SGLang aborts them
+# (and its abort polls every 1 s until they are gone). `wait`: SGLang has no drain; the
+# driver waits (at most `swap_timeout`) until no request is in flight, then pauses as `keep`.
+PAUSE_MODES = {"keep": "retract", "wait": "retract", "abort": "abort"}
 
 
 def descriptor_payload(version: int, path: str = "checkpoint") -> str:
@@ -135,19 +145,29 @@ class Driver:
         if not latest or (self.serving is not None and latest <= self.serving):
             return None
         if copied == latest:
-            return latest, "checkpoint"
+            return (latest, "checkpoint") if self._prepared(latest) else None
         states = self.applied()
         if all(s.applied == latest for s in states):
             return latest, "checkpoint"  # already applied (a join): only the label is missing
         native_now, native_peer = self.native_peers(latest, states)
         if native_now:
             return latest, "native"
-        if not native_peer:
-            return latest, "checkpoint"  # no engine shares our layout: nobody to wait for
+        if not native_peer:  # no engine shares our layout: no native peer to wait for
+            # (a copy that follows pulls it in the background: wait for it, bounded)
+            return (latest, "checkpoint") if self._prepared(latest) else None
         first = self._first_seen.setdefault(latest, time.monotonic())
         if time.monotonic() - first > NATIVE_WAIT:
             return latest, "checkpoint"
         return None
+
+    def _prepared(self, version: int) -> bool:
+        """Whether every scheduler that keeps a checkpoint copy has pulled and prepared
+        `version` (checked and planned before the pause), or has had the time to."""
+        states = self.applied()
+        if all(s.prepared == version for s in states if s.memory.checkpoint_copy_bytes):
+            return True
+        first = self._first_seen.setdefault(version, time.monotonic())
+        return time.monotonic() - first > self.settings.update_timeout + PREPARE_WAIT
 
     def _served_label(self, states: list[SchedulerStatus]) -> str:
         """SGLang's weight_version for what the ranks hold after an update that did not
@@ -159,29 +179,80 @@ class Driver:
             return str(applied.pop())
         return str(self.serving or "default")
 
+    # --- the swap, step by step (each a call of its own, for a shared controller) --------
+
+    def in_flight(self) -> int | None:
+        """Requests SGLang's front end holds now (None: not known here)."""
+        try:
+            from sglang.srt.entrypoints.http_server import get_global_state
+
+            return len(get_global_state().tokenizer_manager.rid_to_state)
+        except Exception:
+            return None
+
+    def drain(self, bound: float) -> bool:
+        """`wait`: until no request is in flight, at most `bound` seconds (new requests are
+        still admitted meanwhile: under steady load it may never drain). Whether it did."""
+        deadline = time.monotonic() + bound
+        while (n := self.in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if n:
+            log.warning("TensorHub: %d requests still in flight after %.0f s of waiting; "
+                        "pausing with them kept (retract)", n, bound)
+        return not n
+
+    def pause(self, bound: float) -> None:
+        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
+
+    def install(self, version: int, path: str, bound: float,
+                marks: dict[str, float] | None = None) -> None:
+        """begin → update (our loader: the schedulers apply `version`) → end. SGLang labels
+        the weights `version` when the update returns (its per-request version spans start
+        there); `restore_label` puts the label back when the loader did not apply it."""
+        marks = {} if marks is None else marks
+        self._post("/begin_weight_update", {}, bound)
+        marks["begin"] = time.perf_counter()
+        try:
+            self._sent = True
+            self._post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [descriptor_payload(version, path)]
+                * self.tp_size,
+                "load_format": LOADER, "weight_version": str(version),
+                "flush_cache": True}, bound)
+            self._answered = True
+            marks["update"] = time.perf_counter()
+        finally:
+            self._post("/end_weight_update", {}, bound)
+            marks["end"] = time.perf_counter()
+
+    def restore_label(self, states: list[SchedulerStatus], bound: float) -> None:
+        self._post("/update_weight_version", {"new_version": self._served_label(states),
+                                              "abort_all_requests": False}, bound)
+
+    def resume(self, bound: float) -> None:
+        self._post("/continue_generation", {}, bound)
+
     def swap(self, version: int, path: str = "checkpoint") -> float:
+        bound = self.settings.swap_timeout  # each step's; the workers' votes name a hung rank
+        marks: dict[str, float] = {}
+        drained, drain_s = None, 0.0
+        if self.settings.pause == "wait":  # before the pause: requests are still served
+            drain_s = time.perf_counter()
+            drained = self.drain(bound)
+            drain_s = time.perf_counter() - drain_s
         started, since = time.perf_counter(), time.time()
         torn = False
-        bound = self.settings.swap_timeout  # each step's; the workers' votes name a hung rank
-        sent = answered = False  # an update sent and not answered: its outcome is unknown
+        # an update sent and not answered: its outcome is unknown
+        self._sent = self._answered = False
         try:
-            self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
-            self._post("/begin_weight_update", {}, bound)
-            try:
-                sent = True
-                self._post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": [descriptor_payload(version, path)]
-                    * self.tp_size,
-                    "load_format": LOADER, "weight_version": str(version),
-                    "flush_cache": True}, bound)
-                answered = True
-            finally:
-                self._post("/end_weight_update", {}, bound)
+            self.pause(bound)
+            marks["pause"] = time.perf_counter()
+            self.install(version, path, bound, marks)
         finally:
             states = self.applied()
             # A scheduler that has not reported since the update began may have stopped
             # half-way: as torn. Torn weights are never served: stay paused, repair later.
-            unknown = sent and not answered
+            unknown = self._sent and not self._answered
             torn = any(s.torn or (unknown and s.at < since)
                        for s in states)
             if not torn:
@@ -189,10 +260,10 @@ class Driver:
                     # SGLang labelled the weights `version` when our loader returned; the
                     # loader refused it or restored another: the label must say what is
                     # served before a request is answered under it.
-                    self._post("/update_weight_version",
-                               {"new_version": self._served_label(states),
-                                "abort_all_requests": False}, bound)
-                self._post("/continue_generation", {}, bound)
+                    self.restore_label(states, bound)
+                marks["check"] = time.perf_counter()
+                self.resume(bound)
+                marks["resume"] = time.perf_counter()
         stall = time.perf_counter() - started
         states = self.applied()
         outcomes = {outcome_in(s.error or "") for s in states} - {None}
@@ -227,7 +298,11 @@ class Driver:
             "version": version, "stall_ms": round(stall * 1e3, 2), "at": time.time(),
             "path": states[0].path, "asked_path": path,
             "sources": sorted({src for s in states for src in s.sources}),
-            "apply_ms": max(s.apply_ms or 0.0 for s in states)}
+            "apply_ms": max(s.apply_ms or 0.0 for s in states),
+            "pause_mode": self.settings.pause, "drained": drained,
+            "steps_ms": {**({"drain": round(drain_s * 1e3, 2)} if drained is not None
+                            else {}), **_steps(started, marks)},
+            "apply_steps_ms": _max_steps([s.apply_steps_ms for s in states])}
         memory = _memory(states)
         log.info("now serving %s v%d via the %s path from %s (stall %.1f ms; TensorHub "
                  "memory: compact region %d B, checkpoint copy %d B)", self.settings.model,
@@ -318,6 +393,27 @@ class Driver:
         self.following = True
         threading.Thread(target=self.run, daemon=True, name="tensorhub-driver").start()
         return self
+
+
+def _steps(started: float, marks: dict[str, float]) -> dict[str, float]:
+    """Milliseconds of each step of a swap (pause, begin, update, end, check: the ranks'
+    reports read and the label put back if need be, resume), from the marks
+    taken at each step's end."""
+    out, at = {}, started
+    for step in ("pause", "begin", "update", "end", "check", "resume"):
+        if step in marks:
+            out[step] = round((marks[step] - at) * 1e3, 2)
+            at = marks[step]
+    return out
+
+
+def _max_steps(per_rank: list[dict | None]) -> dict[str, float]:
+    """Each step's time on the slowest rank."""
+    out: dict[str, float] = {}
+    for steps in per_rank:
+        for k, v in (steps or {}).items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 def _memory(states: list[SchedulerStatus]) -> dict[str, int]:

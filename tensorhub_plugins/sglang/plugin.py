@@ -4,7 +4,8 @@ kills the server), so every step is guarded.
 
 In the server's main process, which runs it before spawning the schedulers, it also names
 this server instance and makes its private status directory (`naming.start_instance`), adds
-`GET /tensorhub/status` to SGLang's HTTP app (`routes`) and starts the driver."""
+`GET /tensorhub/status` to SGLang's HTTP app (`routes`), puts the weight version spans on
+every choice of the OpenAI-compatible answers (`spans`) and starts the driver."""
 
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ def _start_main() -> None:
         driver.start()
 
 
+def _add_version_spans() -> None:
+    """`weight_versions` on every choice of SGLang's OpenAI answers (`spans`)."""
+    try:
+        from tensorhub_plugins.sglang.spans import register_hooks
+
+        register_hooks()
+    except Exception:
+        log.exception("TensorHub: answers carry SGLang's own weight_version only")
+
+
 def register() -> None:
     try:
         from tensorhub.engines import show_tensorhub_logs
@@ -114,6 +125,7 @@ def register() -> None:
         HookRegistry.register("sglang.srt.distributed.parallel_state.init_model_parallel_group",
                               _cpu_process_groups, HookType.AROUND)
         if is_server_main():
+            _add_version_spans()
             _start_main()
     except Exception:
         log.exception("TensorHub SGLang plugin failed to load; the server runs without it")

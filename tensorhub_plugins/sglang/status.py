@@ -40,6 +40,10 @@ class SchedulerStatus(BaseModel):
     path: str | None = None  # how the last version was applied: native or checkpoint
     sources: list[str] = Field(default_factory=list)  # the workers it was read from
     apply_ms: float | None = None
+    apply_steps_ms: dict[str, float] = Field(default_factory=dict)  # the last apply's steps
+    prepared: int | None = None  # the version its copy holds, checked (and planned) for a swap
+    install: str | None = None  # how the last checkpoint-path version was written: whole, sparse
+    changed: int | None = None  # elements a sparse install wrote
 
     def write(self, rank: int) -> None:
         """Publish it for the driver (nothing when no server main process reads it)."""

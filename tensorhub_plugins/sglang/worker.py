@@ -31,6 +31,7 @@ and tries again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -55,6 +56,7 @@ from tensorhub.engines import (
     restore_after,
     tied_optional,
 )
+from tensorhub_plugins.sglang import sparse
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 from tensorhub_plugins.sglang.status import Memory, SchedulerStatus
@@ -77,7 +79,19 @@ class Scheduler:
         self.reader = SharedCopyReader()  # ranks other than 0: their view of rank 0's copy
         self.applied: int | None = None
         self.torn = False
-        self.last: dict = {}  # the last update's path, sources and apply_ms
+        self.last: dict = {}  # the last update's path, sources, apply_ms and its steps
+        self._steps: dict[str, float] = {}  # the update in progress: ms per step
+        self._mark_at = 0.0
+        self.model = None  # SGLang's model (set once it is loaded)
+        self.prepared: int | None = None  # the version `prepare` last checked
+        self._writes = 0  # bumped whenever the live parameters may be written
+        self._blocks: dict[str, sparse.Block] | None = None  # where checkpoint tensors land
+        self._sparse_error: str | None = None  # why this model is always installed whole
+        self._plan: sparse.Plan | None = None
+        self._install: dict = {}  # the last checkpoint-path install: how, how many elements
+        self._applying = False  # an update is writing the live parameters (no preparing)
+        self._error: str | None = None  # the last error reported to the driver
+        self._tried: tuple | None = None  # (version, live key) `prepare` last ran for
         self._votes: RankVote | None = None
 
     def memory(self) -> Memory:
@@ -87,19 +101,106 @@ class Scheduler:
             checkpoint_copy_bytes=self.checkpoint.nbytes if self.checkpoint is not None
             else 0)
 
-    def record(self, error: str | None = None) -> None:
+    def record(self, error: str | None = None, keep_error: bool = False) -> None:
         """Write what this scheduler serves for the driver (its loader cannot answer the
-        HTTP request that called it)."""
+        HTTP request that called it); `keep_error`: the last update's error stays (a
+        report between updates, e.g. a version prepared)."""
         native = self.native
+        if keep_error:
+            error = self._error
+        self._error = error
         try:
             SchedulerStatus(
                 applied=self.applied, error=error, torn=self.torn, name=self.name,
                 native_name=self.native_name,
                 native_layout=native.layout_id if native is not None else None,
                 params_moved=native.params_moved() if native is not None else None,
-                memory=self.memory(), **self.last).write(self.rank)
+                memory=self.memory(), prepared=self.prepared, **self._install,
+                **self.last).write(self.rank)
         except OSError as exc:
             log.warning("cannot write the scheduler status: %s", exc)
+
+    def _mark(self, step: str) -> None:
+        """End of `step` of the update in progress (its time goes to the status)."""
+        now = time.perf_counter()
+        self._steps[step] = round(self._steps.get(step, 0.0) + (now - self._mark_at) * 1e3, 2)
+        self._mark_at = now
+
+    def _live_key(self) -> tuple:
+        """What the live parameters hold: a sparse plan is valid only for these bytes."""
+        return (self.applied, self._writes, self.torn)
+
+    def prepare(self, version: int) -> None:
+        """Before the pause (a thread of ours, while SGLang serves): check and verify the
+        copy's `version` again (`CheckpointHolder.prepare`) and, for a model whose tensors
+        land as blocks of its live parameters, find the words that differ from what they
+        hold (`sparse.plan`). The swap's install then writes only those."""
+        holder, model = self.checkpoint, self.model
+        if holder is None or model is None:
+            return
+        key = self._live_key()
+        shared = self.one_copy and _tp_size() > 1
+
+        def then(named):
+            if shared or self._sparse_error is not None or not holder.by_patches \
+                    or self._applying or self._live_key() != key:
+                return None  # (a version pulled whole is a dense change: installed whole)
+            if not self._learn_blocks(named):
+                return None
+            return sparse.plan(model, self._blocks, named, version, key)
+
+        started = time.perf_counter()
+        self._plan = None
+        self._tried = (version, key)
+        try:
+            self._plan = holder.prepare(version, then)
+            if self.native is not None:
+                # nobody may read the live parameters once the install writes them: our
+                # native hold of the version served ends now, not inside the pause
+                self.native.release()
+        except Exception as exc:  # the install refuses it again, inside the pause
+            log.info("TensorHub: preparing v%d: %s", version, exc)
+        self.prepared = version
+        self.record(keep_error=True)
+        plan = self._plan
+        log.info("prepared v%d in %.1f ms (%s)", version,
+                 (time.perf_counter() - started) * 1e3,
+                 f"sparse: {plan.changed} of {plan.total} elements differ"
+                 if plan is not None else "whole")
+
+    def _learn_blocks(self, named) -> bool:
+        """Where the checkpoint tensors land in the live parameters (once; whether a sparse
+        install is possible on this model)."""
+        if self._blocks is None and self._sparse_error is None and self.model is not None:
+            started = time.perf_counter()
+            try:
+                self._blocks = sparse.live_blocks(self.model, named)
+                log.info("TensorHub: sparse steps are installed sparse (their tensors' places "
+                         "in the live parameters learnt in %.0f ms)",
+                         (time.perf_counter() - started) * 1e3)
+            except Exception as exc:  # (Unsupported, or a loader we cannot probe)
+                self._sparse_error = str(exc)
+                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
+        return self._blocks is not None
+
+    def _prepare_loop(self) -> None:
+        """Prepare each version the checkpoint copy comes to hold, once."""
+        while True:
+            time.sleep(0.02)
+            try:
+                holder = self.checkpoint
+                version = holder.version if holder is not None else None
+                if version is None or version == self.applied or self._applying \
+                        or self._tried == (version, self._live_key()):
+                    continue  # (prepared once for these live bytes, or refused: once)
+                self.prepare(version)
+            except Exception:
+                log.exception("TensorHub: preparing a version failed")
+                time.sleep(1.0)
+
+    def start_preparing(self) -> None:
+        threading.Thread(target=self._prepare_loop, daemon=True,
+                         name="tensorhub-prepare").start()
 
     def _copy(self) -> CheckpointHolder:
         if self.checkpoint is None:
@@ -144,15 +245,30 @@ class Scheduler:
                 if holder.version != version:
                     holder.pull(version)
                     sources = holder.sources()
+                self._mark("pull")
             if self.native is not None:
                 self.native.release()  # nobody reads the live parameters while we write them
+            self._mark("release")
         except Exception as exc:
             failure = exc
 
+        plan = self._plan if not shared else None
+        if plan is not None and (plan.version != version or plan.key != self._live_key()
+                                 or holder is None or not holder.prepared(version)):
+            plan = None  # made for other bytes than the live ones, or another version
+
         def load(named) -> None:
+            self._mark("check")  # the copy's lock, the loadability check, the re-verify
             self.torn = True
-            model.load_weights(named)
+            self._writes += 1
+            if plan is not None:
+                sparse.install(plan)
+                self._install = {"install": "sparse", "changed": plan.changed}
+            else:
+                model.load_weights(named)
+                self._install = {"install": "whole", "changed": None}
             self.torn = False
+            self._mark("load_weights")
 
         if shared:
             try:
@@ -175,6 +291,7 @@ class Scheduler:
         if self.native is None:
             return None
         was_torn, self.torn = self.torn, True
+        self._writes += 1
         try:
             sources = self.native.pull(version)
             self.torn = False
@@ -191,16 +308,26 @@ class Scheduler:
     def apply(self, model, version: int, path: str = "checkpoint") -> None:
         """Put `version` into the live model by `path` (falling back as the module
         docstring says); raises when the version could not be applied."""
-        settings = self.settings
         if version == self.applied and not self.torn and (path != "checkpoint"
                                                           or _tp_size() == 1):
             # Already applied (the driver's earlier request timed out): nothing to do. On
             # the checkpoint path of a TP engine every rank must still take part in the vote.
             self.record()
             return
-        started = time.perf_counter()
+        self._applying = True
+        try:
+            self._apply(model, version, path)
+        finally:
+            self._applying = False
+
+    def _apply(self, model, version: int, path: str) -> None:
+        settings = self.settings
+        started = self._mark_at = time.perf_counter()
+        self._steps = {}
         previous = self.applied
         sources = self._pull_native(version) if path == "native" else None
+        if path == "native":
+            self._mark("native_pull")
         taken = "native" if sources is not None else "checkpoint"
         # Every rank takes the checkpoint path when asked to: they vote. A rank that falls
         # back from the native path does so alone (its peers may not).
@@ -223,6 +350,7 @@ class Scheduler:
                     and self.native.replica.version is None:
                 self.native.hold_applied(previous)  # untouched: serve it to peers again
             raise failure
+        self._mark("vote")
         self.applied = version
         if taken == "native":
             if settings.checkpoint_copy == "auto":
@@ -237,8 +365,10 @@ class Scheduler:
                 self._drop_copy()  # (a rank that fell back alone built its own copy)
         if self.native is not None and self.native.params_moved():
             log.error("SGLang moved a parameter's storage: the native holder is stale")
+        self._mark("hold")
         self.last = {"path": taken, "sources": sources,
-                     "apply_ms": round((time.perf_counter() - started) * 1e3, 2)}
+                     "apply_ms": round((time.perf_counter() - started) * 1e3, 2),
+                     "apply_steps_ms": self._steps}
         self.record()
         mem = self.memory()
         log.info("applied v%d via the %s path from %s in %.1f ms (TensorHub memory: compact "
@@ -284,6 +414,8 @@ class Scheduler:
         what happened (`restore_after`); if the restore failed, `torn` stays set and the
         driver keeps generation paused."""
         self.torn = True
+        self._writes += 1
+        self._plan = None
         torn = failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
 
         def load_version(v: int) -> None:
@@ -401,7 +533,14 @@ def after_load_model(result, runner):
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,
             pull_timeout=settings.update_timeout)
+        scheduler.model = runner.model
         scheduler.join(runner, dummy)
+        holder = scheduler.checkpoint
+        if holder is not None and holder.version is not None \
+                and not (scheduler.one_copy and _tp_size() > 1):
+            # before the server serves: learn where checkpoint tensors land (a sparse install)
+            scheduler._learn_blocks(holder.replica.named_tensors())
+        scheduler.start_preparing()
     except Exception as exc:
         if scheduler is not None:
             scheduler.record(str(exc))

@@ -5,7 +5,7 @@ each token was sampled (`CompletionOutput.weight_versions`, labelled by the fron
 every swap) but returns them only on its `/inference/v1/generate` route. With requests kept
 through a swap (pause mode `keep`) one answer can come from two versions, and a trainer
 needs to know which tokens are off-policy. So every choice of `/v1/completions` and
-`/v1/chat/completions` gets them too, as `weight_versions: [{"version": "3", "start": 0,
+`/v1/chat/completions` gets them too, as `weight_versions: [{"version": 3, "start": 0,
 "end": 17}, ...]` (token positions `[start, end)` of that choice's output), on the last
 chunk of a stream (the one with `finish_reason`).
 
@@ -30,10 +30,19 @@ FIELD = "weight_versions"
 
 
 def spans_of(output: Any) -> list[dict] | None:
+    """An output's spans, versions as ints where the label is one (TensorHub labels the
+    weights by version number; "default" is the checkpoint the engine started from), as
+    the SGLang plugin gives them."""
     spans = getattr(output, FIELD, None)
     if not spans:
         return None
-    return [asdict(s) if not isinstance(s, dict) else s for s in spans]
+    out = []
+    for span in spans:
+        span = dict(span) if isinstance(span, dict) else asdict(span)
+        if isinstance(span["version"], str) and span["version"].isdigit():
+            span["version"] = int(span["version"])
+        out.append(span)
+    return out
 
 
 class _Recorder:
@@ -47,10 +56,13 @@ class _Recorder:
 
     async def __aiter__(self):
         async for item in self.source:
-            for output in self.outputs(item):
-                spans = spans_of(output)
-                if spans is not None:
-                    self.spans[self.index(item, output)] = spans
+            try:
+                for output in self.outputs(item):
+                    spans = spans_of(output)
+                    if spans is not None:
+                        self.spans[self.index(item, output)] = spans
+            except Exception:  # the answer goes out without spans, never fails for them
+                log.exception("TensorHub: could not read the weight_versions of an answer")
             yield item
 
     def add_to_chunk(self, chunk: str) -> str:
@@ -89,10 +101,13 @@ def _with_recorder(fn: Callable, index, outputs, stream: bool):
             recorder = _Recorder(bound.arguments["result_generator"], index, outputs)
             bound.arguments["result_generator"] = recorder.__aiter__()
             response = await fn(*bound.args, **bound.kwargs)
-            for choice in getattr(response, "choices", None) or ():
-                spans = recorder.spans.get(choice.index)
-                if spans is not None:
-                    setattr(choice, FIELD, spans)
+            try:
+                for choice in getattr(response, "choices", None) or ():
+                    spans = recorder.spans.get(choice.index)
+                    if spans is not None:
+                        setattr(choice, FIELD, spans)
+            except Exception:
+                log.exception("TensorHub: could not add weight_versions to an answer")
             return response
     return wrapped
 
@@ -103,10 +118,13 @@ def _completion_response(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(self, final_res_batch, *args, **kwargs):
         response = fn(self, final_res_batch, *args, **kwargs)
-        spans = [spans_of(o) for res in final_res_batch for o in res.outputs]
-        for choice, found in zip(response.choices, spans, strict=False):
-            if found is not None:
-                setattr(choice, FIELD, found)
+        try:
+            spans = [spans_of(o) for res in final_res_batch for o in res.outputs]
+            for choice, found in zip(response.choices, spans, strict=False):
+                if found is not None:
+                    setattr(choice, FIELD, found)
+        except Exception:
+            log.exception("TensorHub: could not add weight_versions to an answer")
         return response
     return wrapped
 
