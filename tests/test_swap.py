@@ -32,7 +32,7 @@ class Engine:
     async def pause(self) -> None:
         self.calls.append("pause")
 
-    async def install(self, version: int, path: str, fetch: bool) -> str | None:
+    async def install(self, version: int, path: str, fetch: bool) -> dict | None:
         self.calls.append(f"install {version}")
         if self._install is not None:
             raise self._install

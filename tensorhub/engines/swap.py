@@ -41,10 +41,11 @@ class SwapSteps(Protocol):
         """Stop generating; requests in flight wait (or finish, or are aborted: the
         engine's pause mode)."""
 
-    async def install(self, version: int, path: str, fetch: bool) -> str | None:
+    async def install(self, version: int, path: str, fetch: bool) -> dict | None:
         """Put `version` into the live weights by `path` and label them; `fetch`: pull it
-        from peers first if the copy holds another. Returns how it was installed (for the
-        log), or raises `InstallFailed` after labelling what the weights hold."""
+        from peers first if the copy holds another. Returns what the engine has to say of
+        it (added to `last_update`: how it was installed, its steps), or raises
+        `InstallFailed` after labelling what the weights hold."""
 
     async def resume(self) -> None:
         """Generate again; requests kept through the pause go on with the new weights."""
@@ -87,14 +88,14 @@ class SwapController:
             started = time.perf_counter()
             marks: dict[str, float] = {}
             was_torn = self.torn is not None  # (then generation is paused already)
-            how = None
+            extra: dict | None = None
             try:
                 if pause and not was_torn:
                     await self._bounded(self.steps.pause(), "pausing generation")
                     marks["pause"] = time.perf_counter()
                 try:
-                    how = await self._bounded(self.steps.install(version, path, fetch),
-                                              f"installing v{version}")
+                    extra = await self._bounded(self.steps.install(version, path, fetch),
+                                                f"installing v{version}")
                 except InstallFailed as exc:
                     self._failed(version, exc.outcome)
                     raise
@@ -122,10 +123,10 @@ class SwapController:
             self.updates += 1
             self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
                                 "check_ms": round((started - checked) * 1e3, 2),
-                                "at": time.time(), "path": how or path}
-            log.info("now serving %s v%d%s (stall %.1f ms: %s ms; checked before in %.1f ms)",
-                     self.model, version, f" via {how}" if how else "", stall_ms,
-                     ", ".join(steps) or "none", (started - checked) * 1e3)
+                                "at": time.time(), "path": path, **(extra or {})}
+            log.info("now serving %s v%d (stall %.1f ms: %s ms; checked before in %.1f ms)",
+                     self.model, version, stall_ms, ", ".join(steps) or "none",
+                     (started - checked) * 1e3)
             return {"version": version, "stall_ms": stall_ms, "changed": True}
 
     async def _check(self, version: int) -> None:

@@ -31,14 +31,16 @@ import urllib.request
 
 import torch
 
-from tensorhub import TensorHubError, metrics
+from tensorhub import metrics
 from tensorhub.engines import (
     EngineSettings,
     FleetView,
     FollowLoop,
+    InstallFailed,
+    LoadOutcome,
+    SwapController,
     Update,
     outcome_in,
-    refusal_in,
 )
 from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
 from tensorhub_plugins.sglang.status import SchedulerStatus
@@ -89,17 +91,22 @@ class Driver:
         self.names = [worker_name(instance, r) for r in range(1 if one_copy else tp_size)]
         self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.following = False
-        self.serving: int | None = None
         self.latest: int | None = None  # as of the last poll
         self.held_version: int | None = None  # newest every checkpoint copy held then
-        self.updates = 0
-        self.last_update: dict | None = None
         self.last_error: str | None = None
-        self.unloadable: dict | None = None  # the last version refused: {version, reason}
-        self.torn: dict | None = None  # {version, reason}: generation paused until repaired
         self._first_seen: dict[int, float] = {}
         self.follow = FollowLoop(self, settings.poll_interval)
+        self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
+        self._drained: tuple[bool, float] | None = None  # `wait`: (drained, seconds)
         self._stop = threading.Event()
+
+    # what the controller keeps (follow mode and the status read them here)
+    serving = property(lambda self: self.swaps.serving,
+                       lambda self, v: setattr(self.swaps, "serving", v))
+    torn = property(lambda self: self.swaps.torn)
+    unloadable = property(lambda self: self.swaps.unloadable)
+    updates = property(lambda self: self.swaps.updates)
+    last_update = property(lambda self: self.swaps.last_update)
 
     def _post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -201,115 +208,88 @@ class Driver:
                         "pausing with them kept (retract)", n, bound)
         return not n
 
-    def pause(self, bound: float) -> None:
-        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]}, bound)
+    # (the steps `SwapController` runs, in this order; it bounds and times them)
+    async def check(self, version: int) -> None:
+        """Before the pause: a version a rank's copy refused while preparing it is refused
+        here (its model cannot load it); with `wait`, requests in flight finish first."""
+        for state in self.applied():
+            outcome = LoadOutcome.found_in(state.error or "")
+            if outcome is not None and outcome.kind == "unloadable" \
+                    and outcome.version == version:
+                raise InstallFailed(outcome)
+        self._drained = None
+        if self.settings.pause == "wait":  # requests are still served meanwhile
+            started = time.perf_counter()
+            drained = self.drain(self.settings.swap_timeout)
+            self._drained = (drained, time.perf_counter() - started)
 
-    def install(self, version: int, path: str, bound: float,
-                marks: dict[str, float] | None = None) -> None:
-        """begin → update (our loader: the schedulers apply `version`) → end. SGLang labels
-        the weights `version` when the update returns (its per-request version spans start
-        there); `restore_label` puts the label back when the loader did not apply it."""
-        marks = {} if marks is None else marks
-        self._post("/begin_weight_update", {}, bound)
-        marks["begin"] = time.perf_counter()
-        try:
-            self._sent = True
-            self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [descriptor_payload(version, path)]
-                * self.tp_size,
-                "load_format": LOADER, "weight_version": str(version),
-                "flush_cache": True}, bound)
-            self._answered = True
-            marks["update"] = time.perf_counter()
-        finally:
-            self._post("/end_weight_update", {}, bound)
-            marks["end"] = time.perf_counter()
+    async def pause(self) -> None:
+        self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]},
+                   self.settings.swap_timeout)
 
-    def restore_label(self, states: list[SchedulerStatus], bound: float) -> None:
-        self._post("/update_weight_version", {"new_version": self._served_label(states),
-                                              "abort_all_requests": False}, bound)
-
-    def resume(self, bound: float) -> None:
-        self._post("/continue_generation", {}, bound)
-
-    def swap(self, version: int, path: str = "checkpoint") -> float:
-        bound = self.settings.swap_timeout  # each step's; the workers' votes name a hung rank
+    async def install(self, version: int, path: str, fetch: bool) -> dict:
+        """begin → update (our loader: the schedulers apply `version`) → end, then what the
+        ranks report. SGLang labels the weights `version` when the update returns; where
+        the loader did not apply it the label is put back before anything is answered."""
+        bound = self.settings.swap_timeout
         marks: dict[str, float] = {}
-        drained, drain_s = None, 0.0
-        if self.settings.pause == "wait":  # before the pause: requests are still served
-            drain_s = time.perf_counter()
-            drained = self.drain(bound)
-            drain_s = time.perf_counter() - drain_s
         started, since = time.perf_counter(), time.time()
-        torn = False
-        # an update sent and not answered: its outcome is unknown
-        self._sent = self._answered = False
+        sent = answered = False  # an update sent and not answered: its outcome is unknown
         try:
-            self.pause(bound)
-            marks["pause"] = time.perf_counter()
-            self.install(version, path, bound, marks)
+            self._post("/begin_weight_update", {}, bound)
+            marks["begin"] = time.perf_counter()
+            try:
+                sent = True
+                self._post("/update_weights_from_tensor", {
+                    "serialized_named_tensors": [descriptor_payload(version, path)]
+                    * self.tp_size,
+                    "load_format": LOADER, "weight_version": str(version),
+                    "flush_cache": True}, bound)
+                answered = True
+                marks["update"] = time.perf_counter()
+            finally:
+                self._post("/end_weight_update", {}, bound)
+                marks["end"] = time.perf_counter()
         finally:
             states = self.applied()
-            # A scheduler that has not reported since the update began may have stopped
-            # half-way: as torn. Torn weights are never served: stay paused, repair later.
-            unknown = self._sent and not self._answered
-            torn = any(s.torn or (unknown and s.at < since)
-                       for s in states)
-            if not torn:
-                if any(s.applied != version for s in states):
-                    # SGLang labelled the weights `version` when our loader returned; the
-                    # loader refused it or restored another: the label must say what is
-                    # served before a request is answered under it.
-                    self.restore_label(states, bound)
-                marks["check"] = time.perf_counter()
-                self.resume(bound)
-                marks["resume"] = time.perf_counter()
-        stall = time.perf_counter() - started
-        states = self.applied()
-        outcomes = {outcome_in(s.error or "") for s in states} - {None}
-        if outcomes:
-            self.follow.never_again(version)  # its load failed half-way: a bug
-        if "restored_checkpoint" in outcomes:
-            self.serving = None  # the weights it started with, loaded again
-        if torn:
-            self.torn = {"version": version, "reason": next(
-                (s.error for s in states if s.error), "")[:500]}
-            raise TensorHubError(f"swap to v{version} left the weights torn; generation "
-                                 f"stays paused until a whole version is loaded: {states}")
-        if self.torn is not None:
-            log.warning("TensorHub: a whole version is loaded; generation resumes")
-        self.torn = None
+        # A scheduler that has not reported since the update began may have stopped
+        # half-way: as torn. Torn weights are never served: stay paused, repair later.
+        if any(s.torn or (sent and not answered and s.at < since) for s in states):
+            raise InstallFailed.of("torn", version, next(
+                (s.error for s in states if s.error), "a rank did not report") + " " +
+                "(the weights are torn)")
         if any(s.applied != version for s in states):
-            # (the label was put back before generation resumed)
-            reasons = [r for s in states if (r := refusal_in(s.error or ""))]
-            if reasons:  # the model cannot load it: never tried again
-                if (self.unloadable or {}).get("version") != version:
-                    metrics.refused_unloadable(self.settings.model)
-                    log.error("TensorHub: refusing %s; still serving v%s", reasons[0],
-                              self.serving)
-                self.unloadable = {"version": version, "reason": reasons[0]}
-                self.follow.never_again(version)
-                raise TensorHubError(reasons[0], code="unloadable")
-            raise TensorHubError(f"swap to v{version} refused by the scheduler: {states}")
-        self.serving = version
-        self.updates += 1
-        metrics.switched(self.settings.model, version, stall)
-        self.last_update = {
-            "version": version, "stall_ms": round(stall * 1e3, 2), "at": time.time(),
-            "path": states[0].path, "asked_path": path,
-            "sources": sorted({src for s in states for src in s.sources}),
-            "apply_ms": max(s.apply_ms or 0.0 for s in states),
-            "pause_mode": self.settings.pause, "drained": drained,
-            "steps_ms": {**({"drain": round(drain_s * 1e3, 2)} if drained is not None
-                            else {}), **_steps(started, marks)},
-            "apply_steps_ms": _max_steps([s.apply_steps_ms for s in states])}
+            self._post("/update_weight_version", {"new_version": self._served_label(states),
+                                                  "abort_all_requests": False}, bound)
+            outcomes = [o for s in states if (o := LoadOutcome.found_in(s.error or ""))]
+            worst = next((o for kind in ("restored_checkpoint", "restored", "unloadable")
+                          for o in outcomes if o.kind == kind), None)
+            if worst is not None:
+                raise InstallFailed(worst)
+            raise InstallFailed.of("refused", version,
+                                   f"swap to v{version} refused by the scheduler: {states}")
+        marks["check"] = time.perf_counter()
+        extra = {"path": states[0].path, "asked_path": path,
+                 "install": states[0].install,
+                 "sources": sorted({src for s in states for src in s.sources}),
+                 "apply_ms": max(s.apply_ms or 0.0 for s in states),
+                 "pause_mode": self.settings.pause,
+                 "steps_ms": _steps(started, marks),
+                 "apply_steps_ms": _max_steps([s.apply_steps_ms for s in states])}
+        if self._drained is not None:
+            extra["drained"] = self._drained[0]
+            extra["steps_ms"] = {"drain": round(self._drained[1] * 1e3, 2),
+                                 **extra["steps_ms"]}
         memory = _memory(states)
-        log.info("now serving %s v%d via the %s path from %s (stall %.1f ms; TensorHub "
-                 "memory: compact region %d B, checkpoint copy %d B)", self.settings.model,
-                 version, self.last_update["path"],
-                 ",".join(self.last_update["sources"]) or "the local copy", stall * 1e3,
-                 memory["compact_bytes"], memory["checkpoint_copy_bytes"])
-        return stall
+        log.info("v%d installed via the %s path%s from %s (TensorHub memory: compact region "
+                 "%d B, checkpoint copy %d B)", version, extra["path"],
+                 f" ({extra['install']})" if extra["install"] else "",
+                 ",".join(extra["sources"]) or "the local copy", memory["compact_bytes"],
+                 memory["checkpoint_copy_bytes"])
+        return extra
+
+    async def resume(self) -> None:
+        self._post("/continue_generation", {}, self.settings.swap_timeout)
 
     def status(self) -> dict:
         """What `GET /tensorhub/status` answers: vLLM's field names where they mean the same
@@ -377,16 +357,12 @@ class Driver:
         # (this thread's own event loop: the steps below block it, and nothing else runs on it)
         asyncio.run(self.follow.run(self._stop.is_set))
 
-    def swap_to(self, update: Update) -> None:
-        try:
-            self.swap(*update)
-        except Exception:
-            metrics.UPDATE_FAILURES.labels(self.settings.model).inc()
-            raise
+    def swap_to(self, update: Update):
+        return self.swaps.swap(*update)
 
-    def repair(self) -> None:
-        """Load the version served before again, from peers if need be."""
-        self.swap(self.serving, "checkpoint")
+    def repair(self):
+        """Load the version served before again, whole (from peers if need be)."""
+        return self.swaps.swap(self.serving, "checkpoint", fetch=True)
 
     def start(self) -> Driver:
         """Follow new versions in a thread of SGLang's main process."""
@@ -396,11 +372,11 @@ class Driver:
 
 
 def _steps(started: float, marks: dict[str, float]) -> dict[str, float]:
-    """Milliseconds of each step of a swap (pause, begin, update, end, check: the ranks'
-    reports read and the label put back if need be, resume), from the marks
-    taken at each step's end."""
+    """Milliseconds of each step of an install (begin, update, end, check: the ranks'
+    reports read and the label put back if need be), from the marks taken at each step's
+    end."""
     out, at = {}, started
-    for step in ("pause", "begin", "update", "end", "check", "resume"):
+    for step in ("begin", "update", "end", "check"):
         if step in marks:
             out[step] = round((marks[step] - at) * 1e3, 2)
             at = marks[step]

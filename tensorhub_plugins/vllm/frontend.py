@@ -140,7 +140,7 @@ class Frontend:
             # clear_cache=False: the prefix cache is reset after the install.
             await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
 
-    async def install(self, version: int, path: str, fetch: bool) -> str | None:
+    async def install(self, version: int, path: str, fetch: bool) -> dict | None:
         await self.engine.start_weight_update()
         try:
             await self.engine.update_weights(WeightTransferUpdateRequest(
