@@ -34,23 +34,14 @@ from integration.stream_client import StreamingClients, percentile
 from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
-from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import StatusRequest
 from tensorhub.tools.cli import _change as next_version
 from tensorhub.tools.processes import coordinator_process
+from tensorhub_testing.status import coordinator_status
 
 ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 QUIET_S = 8.0
 AFTER_S = 0.5  # a swap's window ends this long after the engine serves the version
 TOKENS = 48
-
-
-def coordinator_status(address: str):
-    client = CoordinatorClient(address)
-    try:
-        return client.call(StatusRequest())
-    finally:
-        client.close()
 
 
 def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:

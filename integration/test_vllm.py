@@ -17,7 +17,8 @@ from integration.tiny_model import Versions, hf_greedy, pick_stable_prompts
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher, Replica
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import GetManifest, StatusRequest
+from tensorhub.core.data_types import GetManifest
+from tensorhub_testing.status import coordinator_status
 from tensorhub_testing.waits import wait_for
 
 MODEL = "policy"
@@ -35,14 +36,6 @@ def plugin_env(coordinator: str) -> dict[str, str]:
 
 def wait_serving(server: VLLMServer, version: int, timeout: float = 120.0) -> dict:
     return server.wait_serving(version, timeout)
-
-
-def coordinator_status(address: str):
-    client = CoordinatorClient(address)
-    try:
-        return client.call(StatusRequest())
-    finally:
-        client.close()
 
 
 def transfers(address: str, version: int, model: str = MODEL) -> list:
