@@ -39,7 +39,7 @@ from tensorhub.tools.processes import coordinator_process
 from tensorhub_testing.status import coordinator_status
 
 ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
-QUIET_S = 8.0
+QUIET_S = 20.0
 AFTER_S = 0.5  # a swap's window ends this long after the engine serves the version
 TOKENS = 48
 
@@ -117,25 +117,27 @@ def main() -> None:
         time.sleep(2.0)  # (warm)
         quiet_from = time.perf_counter()
         time.sleep(QUIET_S)
-        quiet = percentile(client.gaps(quiet_from, time.perf_counter()), 0.99)
+        quiet_to = time.perf_counter()
+        quiet = percentile(client.gaps(quiet_from, quiet_to), 0.99)
         g = torch.Generator().manual_seed(0)
         got: dict[str, dict[str, list[float]]] = {}
         for kind, density in (("whole", 1.0), ("1 %", 0.01)) * args.updates:
             next_version(state, density, g)
-            published = time.perf_counter()
+            published, published_at = time.perf_counter(), time.time()
             version = publisher.publish(state)
             returned = time.perf_counter()
-            status = engine.wait_serving(version, timeout=600, interval=0.01)
-            serving = time.perf_counter()
-            time.sleep(AFTER_S + 0.5)
-            row = got.setdefault(kind, {"gap": [], "stall": [], "serving": []})
-            row["gap"].append(client.worst_gap(published, serving + AFTER_S))
+            # (asked seldom: each status request costs the engine a call of its own)
+            status = engine.wait_serving(version, timeout=600, interval=0.25)
             last = status.get("last_update") or {}
+            serving = published + (last.get("at", time.time()) - published_at)
+            time.sleep(AFTER_S + 0.5)
+            row = got.setdefault(kind, {"window": [], "stall": [], "serving": []})
+            row["window"].append((published, serving + AFTER_S))
             row["stall"].append(last.get("stall_ms", 0.0) / 1e3)
             row["serving"].append(serving - published)
             pulls = [t for t in coordinator_status(address).transfers
                      if t.version == version and t.ok and t.reader != "trainer"]
-            print(f"{kind} v{version}: worst gap {row['gap'][-1] * 1e3:.0f} ms, reported stall "
+            print(f"{kind} v{version}: reported stall "
                   f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s "
                   f"(publish {returned - published:.2f} s, the copy's pull "
                   f"{sum(t.seconds for t in pulls):.2f} s of {sum(t.nbytes for t in pulls)} B, "
@@ -148,11 +150,21 @@ def main() -> None:
         for _ in range(args.updates):
             started = time.perf_counter()
             own_reload(engine, args.engine, folder)
-            ended = time.perf_counter()
+            own.append((started, time.perf_counter() + AFTER_S))
             time.sleep(AFTER_S + 0.5)
-            own.append(client.worst_gap(started, ended + AFTER_S))
-            print(f"own reload: worst gap {own[-1] * 1e3:.0f} ms", flush=True)
+        time.sleep(3.0)  # (the tokens that end the last gaps)
         answers = client.stop()
+        # every swap's worst gap, once the tokens after it have come
+        for kind, row in got.items():
+            row["gap"] = [client.worst_gap(*w) for w in row["window"]]
+            for (start, end), served in zip(row.pop("window"), row["serving"], strict=True):
+                a, b = client.worst_gap_at(start, end)
+                print(f"{kind}: the worst gap ran from {a - start:+.2f} s to {b - start:+.2f} s "
+                      f"after the publish (serving at {served:.2f} s)", flush=True)
+        own = [client.worst_gap(*w) for w in own]
+        print("worst gaps (ms): " + "; ".join(
+            f"{kind} {[round(g * 1e3) for g in row['gap']]}" for kind, row in got.items())
+            + f"; own reload {[round(g * 1e3) for g in own]}", flush=True)
         failed = len(client.failed())
         for a in client.failed():
             print(f"failed request (started {a.started - quiet_from:.1f} s after the quiet "
@@ -177,8 +189,8 @@ def main() -> None:
                    med(got["1 %"]["gap"]) * ms)
         report.add(f"{label}: publish to serving, whole", med(got["whole"]["serving"]), "s")
         report.add(f"{label}: publish to serving, 1 % step", med(got["1 %"]["serving"]), "s")
-        report.add(f"{label}: requests that failed or were aborted (of {len(answers)})",
-                   failed, "")
+        report.add(f"{label}: requests that failed or were aborted", failed,
+                   f"of {len(answers)}")
         report.write(keep_earlier=True)
     finally:
         tear_down(servers, publisher, coordinator, work)
