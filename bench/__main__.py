@@ -37,8 +37,12 @@ ENGINES = {
     "tp_update_sglang": ("sglang", ["--engine", "sglang"],
                          ["--engine", "sglang", "--updates", "1"]),
     "engine_stopped_source": ("vllm", [], ["--seconds", "5"]),
+    "engine_pause": ("vllm", [], ["--updates", "1", "--layers", "2"]),
+    "engine_pause_sglang": ("sglang", ["--engine", "sglang"],
+                            ["--engine", "sglang", "--updates", "1", "--layers", "2"]),
 }
-MODULES = {"tp_update_sglang": "tp_update"}  # a benchmark run by another's module
+# a benchmark run by another's module
+MODULES = {"tp_update_sglang": "tp_update", "engine_pause_sglang": "engine_pause"}
 
 
 
