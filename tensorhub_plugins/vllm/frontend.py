@@ -168,6 +168,11 @@ class Frontend:
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
+        # The engine core answers a call between two of its steps, so this returns once
+        # the first step after the resume is done: the one in which the kept requests
+        # recompute their KV and make their next token. The stall ends there, as the
+        # clients feel it.
+        await self.engine.is_paused()
 
     async def swap(self, version: int, pause: bool = True, fetch: bool = False) -> dict:
         """Make the engine serve `version`, which every rank holds (`fetch`: or pulls from
