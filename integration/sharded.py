@@ -11,14 +11,18 @@ from tensorhub import Publisher
 
 
 def publish_in_two_ranks(address: str, model: str, state: dict[str, torch.Tensor],
-                         version: int) -> None:
+                         version: int, owners: dict[str, str] | None = None) -> None:
+    """`owners`: the job's credentials for the model (`Publisher.owners` of the trainer
+    that published it before): rank 0 takes part 0 over from it, as a job that starts
+    sharding does."""
     big = max(state, key=lambda n: state[n].numel())
     rest = sorted(n for n in state if n != big)
     total, split = state[big].shape[0], state[big].shape[0] // 2
     shares = [{**{n: state[n] for n in rest[0::2]}, big: state[big][:split]},
               {**{n: state[n] for n in rest[1::2]}, big: state[big][split:]}]
     rows = [{big: (0, total)}, {big: (split, total)}]
-    ranks = [Publisher(address, model, name=f"rank{r}", part=r, parts=2) for r in range(2)]
+    ranks = [Publisher(address, model, name=f"rank{r}", part=r, parts=2,
+                       owners=owners if r == 0 else None) for r in range(2)]
     try:
         published: list[int] = []
         first = threading.Thread(target=lambda: published.append(

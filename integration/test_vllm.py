@@ -255,7 +255,8 @@ def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
 def test_engines_follow_a_version_published_in_two_parts_by_two_trainer_ranks(fleet):
     """Two ranks publish v7 together: each a share of the tensors, and the largest tensor
     split by rows between them. The engines serve it only whole, equal to HF."""
-    publish_in_two_ranks(fleet.address, MODEL, fleet.versions.state(7), 7)
+    publish_in_two_ranks(fleet.address, MODEL, fleet.versions.state(7), 7,
+                         owners=fleet.pub.owners)
     for e in fleet.engines:
         assert wait_serving(e, 7)["vllm_weight_version"] == "7"
         assert e.greedy(fleet.prompts, TOKENS) == fleet.expected[6]

@@ -67,7 +67,7 @@ def two_rank_version_pulled_once(fleet: SimpleNamespace, wait_serving: Callable[
     from integration.test_vllm import coordinator_status
 
     state = fleet.versions.state(2)
-    publish_in_two_ranks(fleet.address, MODEL, state, 2)
+    publish_in_two_ranks(fleet.address, MODEL, state, 2, owners=fleet.pub.owners)
     wait_serving(2)
     assert fleet.engine.greedy(fleet.prompts, TOKENS) == fleet.expected[1]
     prefix = reader_prefix()
