@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -36,6 +37,12 @@ class EngineServer:
                  log_path: str | Path | None):
         self.args = list(args)
         self.env = dict(env)
+        # A temp folder of its own, removed when it stops: the engines leave IPC sockets and
+        # store folders in their temp folder at every start.
+        self._tmpdir = None
+        if "TMPDIR" not in self.env:
+            self._tmpdir = self.env["TMPDIR"] = os.path.join(
+                tempfile.gettempdir(), f"tensorhub-{self.kind}-{port}-{os.getpid()}")
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_path) if log_path else \
@@ -56,6 +63,8 @@ class EngineServer:
     # -- lifecycle -------------------------------------------------------------------
     def launch(self) -> EngineServer:
         """Start the process without waiting (start several, then `wait_healthy` each)."""
+        if self._tmpdir is not None:
+            os.makedirs(self._tmpdir, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         self._log_start = self._log.tell()  # where this launch's output begins
         popen = self.host.spawn if self.host is not None else subprocess.Popen
@@ -155,6 +164,8 @@ class EngineServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def __enter__(self) -> EngineServer:
         return self.start()
