@@ -122,35 +122,29 @@ class StreamingClients:
             k += len(self._threads)
 
     # ------------------------------------------------------------------ what they saw
-    def gaps(self, start: float, end: float) -> list[float]:
-        """Gaps between consecutive tokens one client received (across its answers back
-        to back: a new answer's first token counts its wait from the last one) that overlap
-        [start, end] (`time.perf_counter()`): a swap with no token inside it still shows
-        as the gap around it."""
+    def _pairs(self, start: float, end: float) -> list[tuple[float, float]]:
+        """(earlier, later) arrival of consecutive tokens one client received (across its
+        answers back to back: a new answer's first token counts its wait from the last
+        one), for the pairs whose gap overlaps [start, end] (`time.perf_counter()`): a swap
+        with no token inside it still shows as the gap around it."""
         with self._lock:
             answers = list(self.answers)
         out = []
         for client in range(len(self._threads)):
             times = [t for a in sorted((a for a in answers if a.client == client),
                                        key=lambda a: a.started) for t in a.times]
-            out += [b - a for a, b in itertools.pairwise(times) if a <= end and b >= start]
+            out += [(a, b) for a, b in itertools.pairwise(times) if a <= end and b >= start]
         return out
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        return [b - a for a, b in self._pairs(start, end)]
 
     def worst_gap(self, start: float, end: float) -> float:
         return max(self.gaps(start, end), default=0.0)
 
     def worst_gap_at(self, start: float, end: float) -> tuple[float, float]:
         """(when the worst gap overlapping [start, end] began, when it ended)."""
-        with self._lock:
-            answers = list(self.answers)
-        found = (start, start)
-        for client in range(len(self._threads)):
-            times = [t for a in sorted((a for a in answers if a.client == client),
-                                       key=lambda a: a.started) for t in a.times]
-            for a, b in itertools.pairwise(times):
-                if a <= end and b >= start and b - a > found[1] - found[0]:
-                    found = (a, b)
-        return found
+        return max(self._pairs(start, end), key=lambda p: p[1] - p[0], default=(start, start))
 
     def failed(self) -> list[Answer]:
         with self._lock:

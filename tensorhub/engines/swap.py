@@ -137,13 +137,16 @@ class SwapController:
         except InstallFailed as exc:
             if exc.outcome.kind != "unloadable":
                 raise
-            if (self.unloadable or {}).get("version") != version:
-                metrics.refused_unloadable(self.model)
-                log.error("TensorHub: refusing %s; still serving v%s", exc.outcome.reason,
-                          self.serving)
-            self.unloadable = {"version": version, "reason": exc.outcome.reason}
+            self._unloadable(version, exc.outcome.reason)
             self.follow.never_again(version)
             raise TensorHubError(exc.outcome.reason, code="unloadable") from None
+
+    def _unloadable(self, version: int, reason: str) -> None:
+        """Record `version` as one the model cannot load (logged and counted once)."""
+        if (self.unloadable or {}).get("version") != version:
+            metrics.refused_unloadable(self.model)
+            log.error("TensorHub: refusing %s; still serving v%s", reason, self.serving)
+        self.unloadable = {"version": version, "reason": reason}
 
     def _failed(self, version: int, outcome: LoadOutcome) -> None:
         """Record a failed install: a version the model cannot load, or whose load failed
@@ -151,11 +154,7 @@ class SwapController:
         paused."""
         metrics.UPDATE_FAILURES.labels(self.model).inc()
         if outcome.kind == "unloadable":
-            if (self.unloadable or {}).get("version") != version:
-                metrics.refused_unloadable(self.model)
-                log.error("TensorHub: refusing %s; still serving v%s", outcome.reason,
-                          self.serving)
-            self.unloadable = {"version": version, "reason": outcome.reason}
+            self._unloadable(version, outcome.reason)
         if outcome.kind != "refused":
             self.follow.never_again(version)
         if outcome.kind == "restored_checkpoint":
