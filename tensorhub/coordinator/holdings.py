@@ -86,6 +86,9 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
         mrec.versions[req.version] = vrec
         mrec.latest = max(mrec.latest, req.version)
     layout.holders[worker.worker_id] = HolderRec(worker.worker_id, store_memory(req.memory))
+    if worker.worker_id not in layout.relays:  # it made these bytes: its address vouches
+        layout.vouchers.add(state.witness(worker))
+        state.vouched(vrec, req.layout_id, layout)  # (while the publisher is here to tell)
     if layout.forest is not None:
         layout.forest.add_root(worker.worker_id, worker.labels.get("dc", ""))
     return ACK
@@ -224,8 +227,9 @@ def _in_layout(state: CoordinatorState, mrec, layout_id: str | None) -> dict[str
                                   if w.labels.get(LAYOUT_LABEL) == layout_id}
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         layout = vrec.layouts.get(layout_id)
-        if layout is not None and layout.untrusted:  # (nobody to read it from)
-            continue
+        if layout is not None and (layout.untrusted or not state.vouched(vrec, layout_id,
+                                                                          layout)):
+            continue  # (nobody to read it from)
         for h in layout.holders.values() if layout else []:
             w = state.table.workers.get(h.worker_id)
             if w is not None and not h.withdrawn:

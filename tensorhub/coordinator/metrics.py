@@ -44,6 +44,9 @@ class CoordinatorMetrics:
         self.reads_in_flight = Gauge("tensorhub_reads_in_flight", "Read leases open",
                                      registry=r)
         self.workers = Gauge("tensorhub_workers", "Registered workers", ["role"], registry=r)
+        self.connections_refused = Counter(
+            "tensorhub_connections_refused", "Connections shut down at once: their address "
+            "held its budget of open connections already", registry=r)
         self.standby = Gauge("tensorhub_standby_readers", "Readers placed ahead in the forest "
                              "of a model's first version, waiting for it", registry=r)
 

@@ -9,11 +9,13 @@ resumed job: `Publisher(owners=...)`).
 A credential is `part.issued.nonce.mac`: the part it binds, when it was issued (wall-clock
 ns), a random nonce, and an HMAC of (model, part, issued, nonce) under the coordinator's
 owner key. The key derives
-from the coordinator's CURVE secret when it has one (`--curve-secret-file`): credentials
+from the coordinator's CURVE secret when it has one (`--curve-secret-file`), else from the
+key file `tensorhub coordinator` keeps (`--owner-key-file`, `owner_key.py`): credentials
 then verify across coordinator restarts, and a trainer that registers again after a restart
 re-binds its models with them; when a token holder published first into that window (it
-binds the model anew), the older credential wins. Without a persistent secret the key is
-random per coordinator process: after a restart the first publish of a model binds it again.
+binds the model anew), the older credential wins. A coordinator with neither (one made in
+a process, with no `owner_key_file`) has a key of its own: after a restart the first
+publish of a model binds it again.
 
 Pure bookkeeping (the key and the wall clock are given): no I/O.
 """
@@ -28,10 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def owner_key(curve_secret: str | None) -> tuple[bytes, bool]:
-    """The key credentials are made with, and whether it outlives this process."""
+def owner_key(curve_secret: str | None, kept: bytes | None = None) -> tuple[bytes, bool]:
+    """The key credentials are made with, and whether it outlives this process: from the
+    CURVE secret, else the key kept in a file (`owner_key.py`), else a new one."""
     if curve_secret:
         return hashlib.sha256(b"tensorhub-model-owner\0" + curve_secret.encode()).digest(), True
+    if kept:
+        return hashlib.sha256(b"tensorhub-model-owner\0" + kept).digest(), True
     return secrets.token_bytes(32), False
 
 

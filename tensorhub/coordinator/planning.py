@@ -50,6 +50,16 @@ def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanRepl
                      f"holders of {req.model!r} v{vrec.version} in layout {lid} disagree on "
                      f"its bytes: it is untrusted; read the publisher's layout "
                      f"({vrec.origin_layout})")
+    if not state.vouched(vrec, lid, layout):
+        raise Reject("layout_mismatch",
+                     f"{req.model!r} v{vrec.version} in layout {lid} is vouched for by "
+                     f"{len(layout.vouchers)} address(es) only (its checksums come from its "
+                     f"holders, not the publisher): read the publisher's layout "
+                     f"({vrec.origin_layout}); it is served once holders on "
+                     f"{state.config.layout_vouchers} addresses, or on the publisher's, made "
+                     f"the same bytes")
+    if lid not in vrec.part_ids:  # what it reads here, it relays: its hold vouches nothing
+        layout.relays.add(req.worker_id)
     if type(req) is not PlanRequest:
         return plan_striped(state, req, vrec.version, lid, layout)
     avoid = state.trust.avoided(req.worker_id)

@@ -21,6 +21,7 @@ import zmq
 
 from tensorhub import settings
 from tensorhub.coordinator import dispatch, membership
+from tensorhub.coordinator.connections import BudgetWatch, budget_for
 from tensorhub.coordinator.metrics import CoordinatorMetrics
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.prepare import prepare
@@ -134,6 +135,12 @@ class Coordinator:
             self._close()
             raise
         self.state = CoordinatorState(config, clock, self.announce_address)
+        self.connections = BudgetWatch(
+            [self._router, self._pub],
+            budget_for(self._open_files, config.connections_per_peer
+                       or settings.CONNECTIONS_PER_PEER),
+            self.state.metrics.connections_refused).start()
+        self._gates.append(self.connections)  # (stopped with the sockets)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,7 +153,7 @@ class Coordinator:
         self._pub.setsockopt(zmq.LINGER, 0)
         for sock in (self._router, self._pub):  # (a stranger's idle connection: closed soon)
             sock.setsockopt(zmq.HANDSHAKE_IVL, settings.HANDSHAKE_MS)
-        raise_open_files()
+        self._open_files, _ = raise_open_files()
         self.curve_public_key = None  # an explicit keypair's, which clients must be given
         secret = config.curve_secret or (
             curve.token_server_secret(config.token) if config.token else None)

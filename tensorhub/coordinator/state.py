@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from tensorhub import settings
 from tensorhub.coordinator.forest import Forest
 from tensorhub.coordinator.metrics import CoordinatorMetrics
+from tensorhub.coordinator.owner_key import load_owner_key
 from tensorhub.coordinator.owners import Owners, owner_key
 from tensorhub.coordinator.parts import Pending
 from tensorhub.coordinator.planner import PlannerConfig
@@ -73,7 +74,17 @@ class CoordinatorConfig:
     part_wait: float = 120.0
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
+    # Addresses whose holders must have made a layout other than the publisher's, with
+    # the same checksums, before readers are planned onto it (one on the publisher's own
+    # address is enough: see `CoordinatorState.vouched`).
+    layout_vouchers: int = 2
+    # Open connections one address may hold (None: `settings.CONNECTIONS_PER_PEER`), at
+    # most a quarter of the open-file limit (`connections.py`).
+    connections_per_peer: int | None = None
     curve_secret: str | None = None  # Z85 secret key: CURVE on both sockets (core/curve.py)
+    # The file model credentials' key is kept in, so that they outlive a restart (made at
+    # the first start; `owner_key.py`). None: a key of this process's own (unless CURVE).
+    owner_key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +131,8 @@ class CoordinatorState:
         self.fleet_measured_at: float | None = None  # None: no metrics served, never
         # Announcements made, for the socket loop to publish (topic, bytes), oldest first.
         self.outbox: list[tuple[bytes, bytes]] = []
-        self.owner_key = owner_key(config.curve_secret)  # (`owners.py`)
+        self.owner_key = owner_key(config.curve_secret, load_owner_key(
+            config.owner_key_file) if config.owner_key_file else None)  # (`owners.py`)
         # The address the request being handled came from, as the socket saw it (the
         # socket loop sets it per request; asked only by a registration): "" unknown.
         self.peer: Callable[[], str] = lambda: ""
@@ -168,6 +180,23 @@ class CoordinatorState:
         """What a worker is as a witness against a holder (`trust.py`): the address the
         coordinator saw it register from; else (no sockets: the simulator) its node."""
         return worker.peer or worker.labels.get("node", "") or worker.worker_id
+
+    def vouched(self, vrec: VersionRec, lid: str, layout: LayoutRec) -> bool:
+        """Whether readers may be planned onto `layout` of `vrec`. The publisher's layouts
+        are its word. Any other layout's checksums come from its holders, so a token holder
+        could hold bytes the trainer never published under them: such a layout is served
+        once holders at `layout_vouchers` addresses made it (converted it from what they
+        pulled, never read it) with the same checksums, or one on an address the publisher
+        holds the version from (the coordinator tells processes apart by address only)."""
+        if layout.vouched or lid in vrec.part_ids:
+            return True
+        workers = self.table.workers
+        layout.vouched = len(layout.vouchers) >= self.config.layout_vouchers or any(
+            self.witness(w) in layout.vouchers
+            for part in vrec.part_layouts() if part is not None
+            for h in part.holders.values()
+            if (w := workers.get(h.worker_id)) is not None and w.role == "trainer")
+        return layout.vouched
 
     def worker(self, worker_id: str) -> WorkerRec:
         worker = self.table.workers.get(worker_id)

@@ -173,6 +173,12 @@ class LayoutRec:
     # Holders disagreed on its checksums (a layout not the publisher's, whose bytes only
     # its holders vouch for): no reads are planned from it; readers take the publisher's.
     untrusted: bool = False
+    # A layout not the publisher's is read from only once enough witnesses vouch for its
+    # checksums (`CoordinatorState.vouched`): the addresses of holders that made it
+    # themselves, never of those that read it (`relays`: a relay repeats what it read).
+    vouchers: set[str] = field(default_factory=set)
+    relays: set[str] = field(default_factory=set)
+    vouched: bool = False  # (once vouched for, it stays: its checksums never change)
 
     @property
     def nbytes(self) -> int:

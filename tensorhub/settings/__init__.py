@@ -316,6 +316,10 @@ OPEN_FILES: int = 1 << 20
 # Registrations from one address (what the coordinator sees a connection come from), and the
 # transport metadata (`Endpoint.agent_metadata`) they carry, at most; and metadata in all.
 MAX_WORKERS_PER_PEER: int = 1024
+# Open connections one address may hold to the coordinator (two per worker), at most a
+# quarter of its open-file limit: past it, a connection is shut down as soon as it is
+# accepted (`coordinator/connections.py`).
+CONNECTIONS_PER_PEER: int = 4096
 MAX_METADATA_PER_PEER: int = 256 << 20
 MAX_METADATA_TOTAL: int = 2 << 30
 # A request larger than this (bytes) is decoded, and its manifest's work done, on a thread

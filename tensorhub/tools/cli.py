@@ -28,6 +28,7 @@ def _positive(text: str) -> float:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    from tensorhub.coordinator.owner_key import default_owner_key_file
     from tensorhub.coordinator.planner import PlannerConfig
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig, settle_gc
     from tensorhub.core import curve
@@ -38,6 +39,8 @@ def _coordinator(args: argparse.Namespace) -> int:
               if args.curve_secret_file else curve.server_secret_from_env())
     config = CoordinatorConfig(
         bind=args.bind, announce=args.announce, token=token, curve_secret=secret,
+        owner_key_file=None if secret or args.owner_key_file == "none"
+        else args.owner_key_file or str(default_owner_key_file()),
         heartbeat_interval=args.heartbeat_interval, worker_ttl=args.worker_ttl,
         lease_ttl=args.lease_ttl, busy_retry=args.busy_retry, stripes=args.stripes,
         planner=PlannerConfig(max_readers_per_holder=args.max_readers_per_holder,
@@ -409,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encrypt and authenticate the control plane with ZeroMQ CURVE, using "
                    "this secret key (from `tensorhub keygen`; default: "
                    "$TENSORHUB_CURVE_SECRET_FILE, else no CURVE)")
+    p.add_argument("--owner-key-file", default=None, metavar="PATH",
+                   help="the key the credential binding each model to its trainer is made "
+                        "with, kept so that trainers keep their models across coordinator "
+                        "restarts (made at the first start, mode 600; default "
+                        "$XDG_STATE_HOME/tensorhub/coordinator-owner.key, i.e. "
+                        "~/.local/state/...; 'none': a new key each start; with "
+                        "--curve-secret-file the CURVE secret is the key)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on http://ADDR:PORT/metrics: versions, "
                         "holders, plans and busy replies, plan latency, evictions, bytes by "
