@@ -760,3 +760,34 @@ def test_the_owner_key_file_is_made_once_private_and_kept(tmp_path):
     path.write_text("not a key\n")
     with pytest.raises(ValueError, match=r"does not hold an owner key .* remove it"):
         load_owner_key(path)
+
+
+def test_a_worker_named_like_an_engines_cannot_make_it_believe_a_version_is_held(guarded):
+    """Names are the workers' own choice: a token holder that registers under an engine
+    worker's name and holds v2 does not make v2 held under that name (the engine would
+    swap to a version its worker does not have); every worker of the name must hold it."""
+    from tensorhub.engines.fleet import FleetView
+
+    with Publisher(guarded.address, "policy", transport="zmq") as pub, \
+            Replica(guarded.address, "policy", transport="zmq", name="engine-tp0") as rank:
+        pub.publish(STATE)
+        assert rank.pull(1, timeout=20) == 1
+        view = FleetView(rank.session, "policy")
+        assert view.holdings(["engine-tp0"]).held == {"engine-tp0": [1]}
+        pub.publish({k: t * 2 for k, t in STATE.items()})
+        with Replica(guarded.address, "policy", transport="zmq",
+                     name="engine-tp0") as impostor:
+            assert impostor.pull(2, timeout=20) == 2
+            assert 2 not in view.holdings(["engine-tp0"]).held["engine-tp0"]
+        assert rank.pull(2, timeout=20) == 2  # (it lets v1 go)
+        assert view.holdings(["engine-tp0"]).held == {"engine-tp0": [2]}
+
+
+def test_an_engine_route_takes_the_bearer_scheme_in_any_case(monkeypatch):
+    from tensorhub.engines.auth import authorized
+
+    monkeypatch.setenv("TENSORHUB_TOKEN", TOKEN)
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert authorized(f"{scheme} {TOKEN}", "10.0.0.5")
+    assert not authorized(f"Basic {TOKEN}", "10.0.0.5")
+    assert not authorized(TOKEN, "10.0.0.5")

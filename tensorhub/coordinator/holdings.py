@@ -5,6 +5,8 @@ who holds what, the newest version, a manifest, or whether a version may be let 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from tensorhub.coordinator import publishing
 from tensorhub.coordinator.parts import PendingPart
 from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, Spliced, log
@@ -196,22 +198,27 @@ def manifest(state: CoordinatorState, req: GetManifest) -> Spliced:
 
 
 def holdings(state: CoordinatorState, req: HoldingsRequest) -> HoldingsReply:
-    """The versions each named worker holds completely, and its last whole pull."""
+    """The versions each named worker holds completely, and its last whole pull. Names are
+    the workers' own choice: where several live workers share one (a token holder may
+    register under an engine's), a version counts as held under it only if every one of
+    them holds it, so no one can make an engine believe its workers hold a version."""
     mrec = state.table.models.get(req.model)
     wanted = set(req.names)
     holdings: dict[str, list[int]] = {n: [] for n in req.names}
+    named = Counter(w.name for w in state.table.workers.values() if w.name in wanted)
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         if vrec.parts is not None:
             for name in wanted:
                 if state.holds_every_part(name, vrec):
                     holdings[name].append(v)
             continue
-        for layout in vrec.layouts.values():
-            for h in layout.holders.values():
-                w = state.table.workers.get(h.worker_id)
-                if w is not None and w.name in wanted and not h.withdrawn \
-                        and v not in holdings[w.name]:
-                    holdings[w.name].append(v)
+        holding = {h.worker_id for layout in vrec.layouts.values()
+                   for h in layout.holders.values() if not h.withdrawn}
+        held = Counter(w.name for wid in holding
+                       if (w := state.table.workers.get(wid)) is not None and w.name in wanted)
+        for name, n in held.items():
+            if n == named[name]:
+                holdings[name].append(v)
     pulls = {n: state.table.last_pull[n][1] for n in req.names if n in state.table.last_pull}
     return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls,
                          in_layout=_in_layout(state, mrec, req.layout_id))

@@ -389,12 +389,13 @@ class CoordinatorState:
 
     def holds_every_part(self, name: str, vrec: VersionRec) -> bool:
         """A reader named `name` holds every part of a sharded version, each by the worker
-        it runs for that part (`Part.worker_name`)."""
+        it runs for that part (`Part.worker_name`): every live worker of that name (a name
+        is its worker's choice, see `holdings.holdings`)."""
         for r, layout in enumerate(vrec.part_layouts()):
             part_name = Part.worker_name(name, r)
-            if layout is None or not any(
-                    not h.withdrawn and (w := self.table.workers.get(h.worker_id)) is not None
-                    and w.name == part_name for h in layout.holders.values()):
+            named = {w.worker_id for w in self.table.workers.values() if w.name == part_name}
+            if layout is None or not named or not named <= {
+                    h.worker_id for h in layout.holders.values() if not h.withdrawn}:
                 return False
         return True
 

@@ -31,5 +31,8 @@ def authorized(authorization: str | None, client_host: str | None) -> bool:
         return False
     if not token:
         return is_loopback(client_host)
-    given = (authorization or "").removeprefix("Bearer ").strip()
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer":  # (the scheme is case-insensitive: RFC 9110)
+        return False
+    given = given.strip()
     return hmac.compare_digest(given.encode(), token.encode())
