@@ -48,3 +48,28 @@ def test_who_serves_a_layout_is_known_by_its_id_not_by_names(coordinator):
             assert peers.held_by_others(1, ["a"]) and not peers.held_by_others(1, ["b", "trainer"])
     finally:
         fleet.close()
+
+
+def test_a_front_end_is_woken_by_the_announcement_of_a_version(coordinator):
+    """`news` waits for the coordinator's announcement of the model (what follow mode
+    sleeps on): a publish wakes it; with nothing published it waits its whole timeout."""
+    import asyncio
+
+    fleet = FleetView.connect(coordinator.address, "policy")
+    try:
+        assert fleet.latest() == 0  # (the first holdings names the announcement address)
+
+        async def publish_while_waiting(pub: Publisher) -> bool:
+            waiting = asyncio.create_task(fleet.news(60.0))
+            for k in range(20):  # (until the new subscription is connected and hears one)
+                await asyncio.to_thread(pub.publish, {"w": torch.full((4,), float(k))})
+                done, _ = await asyncio.wait([waiting], timeout=0.5)
+                if done:
+                    break
+            return await waiting
+
+        with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+            assert asyncio.run(publish_while_waiting(pub)) is True
+            assert asyncio.run(fleet.news(0.3)) is False
+    finally:
+        fleet.close()

@@ -221,7 +221,8 @@ def holdings(state: CoordinatorState, req: HoldingsRequest) -> HoldingsReply:
                 holdings[name].append(v)
     pulls = {n: state.table.last_pull[n][1] for n in req.names if n in state.table.last_pull}
     return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls,
-                         in_layout=_in_layout(state, mrec, req.layout_id))
+                         in_layout=_in_layout(state, mrec, req.layout_id),
+                         announce_address=state.announce_address)
 
 
 def _in_layout(state: CoordinatorState, mrec, layout_id: str | None) -> dict[str, list[int]]:

@@ -18,7 +18,7 @@ MAX_DIMS = 8  # dimensions of one tensor
 MAX_METADATA = 16 * 1024 * 1024  # bytes of a peer's opaque transport metadata (NIXL's blob)
 # The wire protocol's version: peers of releases that speak another one are refused with
 # a clear error (`wire.foreign`), not a failed validation.
-PROTOCOL = 4
+PROTOCOL = 5
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
@@ -675,6 +675,9 @@ class HoldingsReply(Strict):
     # worker that does, and [] for a worker registered with that layout as its label
     # `LAYOUT_LABEL` that holds none at the moment (an engine's live parameters, being written).
     in_layout: dict[str, list[int]] = Field(default_factory=dict)
+    # where the coordinator announces versions: a front end that follows the model wakes on
+    # an announcement instead of waiting out its poll interval ("": not said)
+    announce_address: str = ""
 
 
 class Announcement(Strict):

@@ -11,11 +11,14 @@ holds a version in it says so when it registers (`layout_labels`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import zmq
+import zmq.asyncio
 
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
@@ -26,6 +29,7 @@ from tensorhub.core.data_types import (
     TransferRecord,
 )
 from tensorhub.core.layout import layout_id, manifest_of
+from tensorhub.core.net import reachable_announce
 
 
 class Caller(Protocol):
@@ -74,6 +78,8 @@ class FleetView:
         self.caller = caller
         self.model = model
         self._owned: CoordinatorClient | None = None
+        self._announce_address = ""
+        self._sub: zmq.asyncio.Socket | None = None  # announcements (`news`)
 
     @classmethod
     def connect(cls, coordinator: str, model: str, *, token: str | None = None,
@@ -88,7 +94,36 @@ class FleetView:
 
     def holdings(self, names: list[str]) -> Holdings:
         reply = self.caller.call(HoldingsRequest(model=self.model, names=names))
+        self._announce_address = self._announce_address or reply.announce_address
         return Holdings(reply.latest, reply.holdings, reply.pulls)
+
+    async def news(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds for an announcement of the model (a version or
+        its patch): whether one came. A front end that follows the model looks at once
+        instead of at its next poll. Before the coordinator's announcement address is
+        known (a first `holdings`), or on a view without a client of its own, it waits
+        the whole `timeout`."""
+        sub = self._subscription()
+        if sub is None:
+            await asyncio.sleep(timeout)
+            return False
+        if not await sub.poll(int(timeout * 1000)):
+            return False
+        while True:  # (take every announcement waiting: one look covers them)
+            try:
+                await sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+
+    def _subscription(self) -> zmq.asyncio.Socket | None:
+        if self._sub is None and self._owned is not None and self._announce_address:
+            self._sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, self.model.encode())
+            self._owned.secure(self._sub)  # (CURVE with a token, as the client's requests)
+            self._sub.connect(reachable_announce(self._announce_address,
+                                                 self._owned.address))
+        return self._sub
 
     def latest(self) -> int:
         """The model's newest version (0: none yet)."""
@@ -107,6 +142,9 @@ class FleetView:
             for k in range(1, first.parts)]
 
     def close(self) -> None:
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
         if self._owned is not None:
             self._owned.close()
 

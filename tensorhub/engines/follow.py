@@ -45,6 +45,9 @@ class Followed(Protocol):
     def repair(self) -> Any:
         """Load the version served before again, whole (from peers if need be)."""
 
+    # Optional: `async news(timeout) -> bool` waits at most `timeout` for an announcement
+    # (`FleetView.news`); `pending: bool` says the copy is pulling a newer version.
+
 
 async def _done(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
@@ -106,11 +109,16 @@ class FollowLoop:
             engine.last_error = str(exc)
 
     async def run(self, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Look every `poll_interval` seconds until `stopped()` (or cancelled); while the
-        engine's copy is pulling a newer version (`engine.pending`), every
+        """Look every `poll_interval` seconds until `stopped()` (or cancelled), and at once
+        when the coordinator announces a version (`engine.news`, where the engine has it);
+        while the engine's copy is pulling a newer version (`engine.pending`), every
         `settings.POLL_PENDING` seconds, so that the swap follows the pull closely."""
+        news = getattr(self.engine, "news", None)
         while not stopped():
             await self.step()
-            pending = getattr(self.engine, "pending", False)
-            await asyncio.sleep(min(self.poll_interval, settings.POLL_PENDING) if pending
-                                else self.poll_interval)
+            if getattr(self.engine, "pending", False):
+                await asyncio.sleep(min(self.poll_interval, settings.POLL_PENDING))
+            elif news is not None:
+                await news(self.poll_interval)
+            else:
+                await asyncio.sleep(self.poll_interval)

@@ -118,9 +118,9 @@ class Driver:
         except json.JSONDecodeError:
             return {"text": text.decode(errors="replace")}
 
-    def _get(self, path: str) -> dict:
+    def _get(self, path: str, timeout: float = 10.0) -> dict:
         req = urllib.request.Request(self.url + path, headers=self._auth)
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
     def applied(self) -> list[SchedulerStatus]:
@@ -145,6 +145,11 @@ class Driver:
         peers = [self.fleet.in_layout(lid) for lid in dict.fromkeys(layouts)]
         return (all(p.held_by_others(version, ours) for p in peers),
                 all(p.others(ours) for p in peers))
+
+    async def news(self, timeout: float) -> bool:
+        """Follow mode waits here between looks: woken by the coordinator's announcement of
+        a version, so a swap starts as soon as the copy holds it."""
+        return await self.fleet.news(timeout)
 
     def next_update(self) -> Update | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
@@ -290,6 +295,13 @@ class Driver:
 
     async def resume(self) -> None:
         self._post("/continue_generation", {}, self.settings.swap_timeout)
+        # The stall ends where clients get tokens again: after the first step following
+        # the resume, in which retracted requests recompute their KV. The scheduler takes
+        # requests at the top of each loop turn, before that turn's step; a second round
+        # trip, sent once the first is answered, is taken a turn later, so it returns after
+        # at least one step has run since the resume (or at once, where none was waiting).
+        for _ in range(2):
+            self._get("/server_info", timeout=self.settings.swap_timeout)
 
     def status(self) -> dict:
         """What `GET /tensorhub/status` answers: vLLM's field names where they mean the same

@@ -193,6 +193,11 @@ class Frontend:
         return await self.swap(target)
 
     # ------------------------------------------------------------------ follow mode
+    async def news(self, timeout: float) -> bool:
+        """Follow mode waits here between looks: woken by the coordinator's announcement of
+        a version, so a swap starts as soon as the copy holds it."""
+        return await self.fleet.news(timeout)
+
     async def next_update(self) -> Update | None:
         """The newest version every rank holds, if newer than the one served."""
         latest, held = await self.holdings()
