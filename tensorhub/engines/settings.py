@@ -43,7 +43,8 @@ class EngineSettings(BaseModel):
                     "the swap fails with the step named and the ranks' votes name a rank "
                     "that hangs")
     poll_interval: float = Field(default=0.2, gt=0,
-                                 description="how often the front end checks for versions")
+                                 description="how often the front end checks for versions (and at "
+                                             "once when one is announced)")
     checkpoint_copy: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="SGLang: keep a checkpoint-layout copy (a full model of memory) beside "

@@ -131,7 +131,8 @@ UPDATE_TIMEOUT = _setting("TENSORHUB_UPDATE_TIMEOUT", Seconds, 120.0,
 SWAP_TIMEOUT = _setting("TENSORHUB_SWAP_TIMEOUT", Seconds, 300.0,
                         "engines: longest step of a swap (pause, load, resume)", unit="s")
 POLL_INTERVAL = _setting("TENSORHUB_POLL_INTERVAL", Seconds, 0.2,
-                         "engines: how often the front end looks for versions", unit="s")
+                         "engines: how often the front end looks for versions (at once "
+                         "when one is announced)", unit="s")
 CHECKPOINT_COPY = _setting(
     "TENSORHUB_CHECKPOINT_COPY", Literal["auto", "always", "never"], "auto",
     "SGLang: keep the checkpoint copy always, never, or only while the checkpoint path is used")
