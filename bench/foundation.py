@@ -1,4 +1,4 @@
-"""Foundation benchmarks (issue 2): pulls between two processes on this machine.
+"""Foundation benchmarks: pulls between two processes on this machine.
 
   1 GiB:  Replica.pull over NIXL (with and without checksum verification), raw NIXL READ
           of the same bytes, Replica.pull over the zmq fallback, and memcpy — GB/s and

@@ -1,4 +1,4 @@
-"""Same-node pull (issue 6): 1 GiB between two processes on this machine, against memcpy.
+"""Same-node pull: 1 GiB between two processes on this machine, against memcpy.
 
   raw:   one process copies 1 GiB of another's tensors (kept in one shared-memory buffer)
          by cross-memory attach (process_vm_readv, 1 and 2 threads), out of a read-only

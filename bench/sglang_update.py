@@ -1,4 +1,4 @@
-"""SGLang update benchmark (issue 4): ~0.4B random Qwen2 (the vLLM bench's ARCH), bf16.
+"""SGLang update benchmark: ~0.4B random Qwen2 (the vLLM bench's ARCH), bf16.
 
 Measured in one run, on this machine, per update (trainer weights change, then):
   TensorHub:   trainer `Publisher.publish` -> an SGLang engine with the plugin (follow mode)

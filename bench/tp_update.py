@@ -1,4 +1,4 @@
-"""TP engine update benchmark (issue 17): a vLLM or SGLang engine at TP=2.
+"""TP engine update benchmark: a vLLM or SGLang engine at TP=2.
 
 Measured in one run, on this machine, for each update the trainer publishes:
   bytes pulled: what the engine's ranks read for the version (the coordinator's transfer
@@ -9,7 +9,7 @@ Measured in one run, on this machine, for each update the trainer publishes:
                 `reload_weights` of the same weights from safetensors at the same TP size.
 
 SGLang (`--engine sglang`) is measured twice in one run, its ranks sharing one copy (the
-default) and with a copy per rank (TENSORHUB_COPY_PER_RANK=1, as before issue 17), beside
+default) and with a copy per rank (TENSORHUB_COPY_PER_RANK=1), beside
 SGLang's own `/update_weights_from_disk` at the same TP size.
 
 Run: python -m bench.tp_update [--engine vllm|sglang] [--updates 3]

@@ -1,4 +1,4 @@
-"""vLLM update benchmark (issue 3): ~0.4B random Qwen2 (hidden 896, 24 layers), bf16.
+"""vLLM update benchmark: ~0.4B random Qwen2 (hidden 896, 24 layers), bf16.
 
 Measured in one run, on this machine:
   TensorHub: trainer `publish` -> the engine (follow mode) serves the version:

@@ -89,7 +89,7 @@ def test_a_stranger_gets_no_reply_to_any_request(guarded):
 
 def _trainer_region(pub: Publisher) -> tuple[Peer, MemoryDesc]:
     """What a leak could tell a stranger: how to reach the trainer and where its weights lie
-    (all that an announcement used to carry), with no grant."""
+    (what a plan would carry), with no grant."""
     buf = pub._layout.item_bytes[0]
     return (Peer(pub.session.worker_id, pub.session.transport.endpoint()),
             MemoryDesc(addr=buf.data_ptr(), nbytes=buf.numel()))

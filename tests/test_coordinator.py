@@ -135,7 +135,7 @@ def test_plans_for_an_unknown_model_or_version_say_what_exists(coordinator):
 
 def test_a_workers_session_sends_requests_that_name_no_worker_as_they_are(coordinator):
     with Replica(coordinator.address, "policy", STATE, transport="zmq") as rep:
-        status = rep.session.call(StatusRequest())  # (it used to gain a worker_id: refused)
+        status = rep.session.call(StatusRequest())  # (it gains no worker_id: refused)
         assert rep.session.worker_id in {w["worker_id"] for w in status.workers}
 
 

@@ -1,5 +1,5 @@
 """Two workers reading from each other at the same moment both finish: a transport's serving
-side never waits on its own reads (the zmq fallback used to deadlock here)."""
+side never waits on its own reads."""
 
 from __future__ import annotations
 

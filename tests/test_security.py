@@ -62,7 +62,7 @@ def test_an_oversized_message_on_the_socket_is_dropped_unanswered_and_it_serves_
 
 def test_a_client_whose_queue_is_full_is_told_so_at_once_not_blocked():
     """With no coordinator, requests queue unsent up to the high-water mark; the next
-    send then waits no longer than the call's timeout (it used to block for ever)."""
+    send then waits no longer than the call's timeout."""
     client = CoordinatorClient("tcp://127.0.0.1:9", timeout=0.001)  # nobody listens
     outcomes = set()
     for _ in range(SNDHWM + 50):

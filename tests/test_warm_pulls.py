@@ -193,7 +193,7 @@ def test_an_engine_copy_learns_each_version_from_its_announcement(coordinator, m
 def test_a_warm_pull_that_fails_after_a_coordinator_restart_leaves_no_read_behind(coordinator):
     """The pull began by its last parents under its old worker id; the coordinator then
     restarted, and the confirmation opened a lease under the new id; the reads fail. The
-    pull ends that lease too (it used to end only its first plan's, unknown by then): the
+    pull ends that lease too, not only its first plan's (unknown by then): the
     trainer's next publish finds no read of the old version in flight and goes on."""
     state = synthetic_state_dict(8, n_tiny=50, seed=1)
     with Publisher(coordinator.address, "policy", transport="zmq", retain_timeout=1.0,

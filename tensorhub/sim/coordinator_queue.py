@@ -143,8 +143,8 @@ def measure_socket_cost(samples: int = 20_000) -> SocketCost:
     heartbeats (64 connections, 2 requests in flight on each), so the time between replies
     is one message's share of the loop; less the handler's own time, that is the socket's.
     Latency is not in it (the simulator adds half a round trip each way). Also measured,
-    for comparison: half a heartbeat's round trip less the handler, which this used to
-    charge (it also holds the client's time and both ends' I/O threads')."""
+    for comparison: half a heartbeat's round trip less the handler, which overstates it
+    (it also holds the client's time and both ends' I/O threads')."""
     import subprocess
     import sys
 
