@@ -18,39 +18,28 @@ from tensorhub import settings
 ENV_PREFIX = "TENSORHUB_"
 
 
+def _field(setting: settings.Setting, **bounds) -> Field:
+    """A field whose default and description are the environment variable's: declared once,
+    in `tensorhub.settings`."""
+    return Field(default=setting.default, description=setting.why, **bounds)
+
+
 class EngineSettings(BaseModel):
+    """An engine's settings: one field per `TENSORHUB_<FIELD>` variable of the engines."""
+
     model_config = ConfigDict(extra="forbid")
 
     coordinator: str = Field(description="coordinator address, e.g. tcp://127.0.0.1:5555")
-    model: str = Field(default="policy", description="model name the trainer publishes")
-    mode: Literal["follow", "manual"] = Field(
-        default="follow",
-        description="follow: pull and apply every announced version; manual: only on "
-                    "POST /tensorhub/update (or the trainer driving the engine's endpoints)")
-    pause: Literal["keep", "wait", "abort"] = Field(
-        default="keep",
-        description="what a swap does to requests in flight: keep (they freeze for the "
-                    "install and go on with the new weights), wait (they finish on the old "
-                    "version first), abort")
-    name: str = Field(default="", description="worker name in `tensorhub status`")
+    model: str = _field(settings.MODEL)
+    mode: Literal["follow", "manual"] = _field(settings.MODE)
+    pause: Literal["keep", "wait", "abort"] = _field(settings.PAUSE)
+    name: str = _field(settings.NAME)
     transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
-    join_timeout: float = Field(default=300.0, gt=0,
-                                description="start-up: longest wait for the newest version")
-    update_timeout: float = Field(default=120.0, gt=0, description="longest pull")
-    swap_timeout: float = Field(
-        default=300.0, gt=0,
-        description="longest wait for each step of a swap (pause, load, resume); past it "
-                    "the swap fails with the step named and the ranks' votes name a rank "
-                    "that hangs")
-    poll_interval: float = Field(default=0.2, gt=0,
-                                 description="how often the front end checks for versions (and at "
-                                             "once when one is announced)")
-    checkpoint_copy: Literal["auto", "always", "never"] = Field(
-        default="auto",
-        description="SGLang: keep a checkpoint-layout copy (a full model of memory) beside "
-                    "the live parameters? auto: only while the engine takes the checkpoint "
-                    "path (it bridges other engine kinds and layouts); always; never "
-                    "(a transient copy per checkpoint-path update)")
+    join_timeout: float = _field(settings.JOIN_TIMEOUT, gt=0)
+    update_timeout: float = _field(settings.UPDATE_TIMEOUT, gt=0)
+    swap_timeout: float = _field(settings.SWAP_TIMEOUT, gt=0)
+    poll_interval: float = _field(settings.POLL_INTERVAL, gt=0)
+    checkpoint_copy: Literal["auto", "always", "never"] = _field(settings.CHECKPOINT_COPY)
 
     def instance_name(self, engine: str, port: int | None) -> str:
         """A readable, unique name: `vllm-host:port-1a2b` unless one was given."""

@@ -129,7 +129,9 @@ JOIN_TIMEOUT = _setting("TENSORHUB_JOIN_TIMEOUT", Seconds, 300.0,
 UPDATE_TIMEOUT = _setting("TENSORHUB_UPDATE_TIMEOUT", Seconds, 120.0,
                           "engines: longest pull", unit="s")
 SWAP_TIMEOUT = _setting("TENSORHUB_SWAP_TIMEOUT", Seconds, 300.0,
-                        "engines: longest step of a swap (pause, load, resume)", unit="s")
+                        "engines: longest step of a swap (pause, load, resume); past it "
+                        "the swap fails naming the step, and the ranks' votes name a rank "
+                        "that hangs", unit="s")
 POLL_INTERVAL = _setting("TENSORHUB_POLL_INTERVAL", Seconds, 0.2,
                          "engines: how often the front end looks for versions (at once "
                          "when one is announced)", unit="s")
