@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub.coordinator.prepare import prepare
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.announcements import VersionWatcher
 from tensorhub.core.client import CoordinatorClient
@@ -538,10 +539,50 @@ with Publisher(address, "big", transport="zmq", timeout=300.0, patches=False) as
 """
 
 
+def test_a_large_request_being_made_ready_does_not_hold_the_loop(monkeypatch):
+    """A large request (a manifest of many tensors) is decoded and checked beside the
+    coordinator's loop: while its preparation is held up, a status request is answered, and
+    the large request is answered once its preparation ends."""
+    import threading
+
+    import tensorhub.coordinator.server as server
+
+    held, release = threading.Event(), threading.Event()
+
+    def slow_prepare(payload: bytes):
+        held.set()
+        release.wait(60)
+        return prepare(payload)
+
+    monkeypatch.setattr(server, "prepare", slow_prepare)
+    coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start()
+    try:
+        with Publisher(coordinator.address, "big", transport="zmq", patches=False) as pub:
+            state = {f"layers.{i}.norm": torch.zeros(4) for i in range(20_000)}
+            publishing = threading.Thread(target=lambda: published.append(pub.publish(state)))
+            published: list[int] = []
+            publishing.start()
+            assert held.wait(60)  # (the publish is in preparation, beside the loop)
+            client = CoordinatorClient(coordinator.address, timeout=30.0)
+            try:
+                status = client.call(StatusRequest())
+            finally:
+                client.close()
+            assert {w["worker_id"] for w in status.workers} == {pub.session.worker_id}
+            assert published == []  # answered while the publish was still being prepared
+            release.set()
+            publishing.join(60)
+            assert published == [1]
+    finally:
+        release.set()
+        coordinator.stop()
+
+
 def test_a_status_request_is_answered_in_milliseconds_while_a_150000_tensor_publish_is_handled():
     """A token holder may publish a manifest of 150,000 tiny tensors (within every limit):
     its decoding, checks, hashing and encoding run beside the coordinator's loop, which
-    answers a status request meanwhile in milliseconds, not after the publish's seconds."""
+    answers status requests meanwhile. The latencies are printed (the figure); the
+    behaviour is pinned without a clock above."""
     import statistics
 
     from tensorhub.tools.chaos import CoordinatorProcess
@@ -575,9 +616,7 @@ def test_a_status_request_is_answered_in_milliseconds_while_a_150000_tensor_publ
               f"median {1e3 * statistics.median(during):.1f} ms, "
               f"p99 {1e3 * during[int(0.99 * len(during))]:.1f} ms, "
               f"max {1e3 * max(during):.1f} ms")
-        # Each publish takes seconds: a loop held by it would make a request wait that
-        # long (2.35 s before). The bound leaves room for a loaded 2-core machine's stalls.
-        assert max(during) < min(1.0, min(published) / 4)
+        assert len(published) == 2 and during  # (the figure is printed above)
     finally:
         if trainer is not None:
             trainer.stop()
@@ -589,7 +628,6 @@ def test_a_large_request_made_ready_beside_the_loop_is_the_request_decoded_whole
     """What `prepare` makes of a large publish (sliced decoding, layout id, items, the
     manifest's encoding) equals what the loop's own path makes of it; a bad one is refused
     the same way."""
-    from tensorhub.coordinator.prepare import prepare
     from tensorhub.core.data_types import Envelope, ErrorReply, Manifest, Publish, TensorSpec
     from tensorhub.core.layout import layout_id, plan_items
     from tensorhub.core.wire import decode_envelope, encode
