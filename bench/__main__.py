@@ -32,6 +32,7 @@ CORE = {
 }
 ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
+    "vllm_fp8": ("vllm", [], ["--updates", "1", "--layers", "2"]),
     "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
     "tp_update": ("vllm", [], ["--updates", "1"]),
     "tp_update_sglang": ("sglang", ["--engine", "sglang"],

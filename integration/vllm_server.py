@@ -14,6 +14,8 @@ from pathlib import Path
 
 from integration.engine_server import EngineServer, base_env, free_port
 
+REPO = Path(__file__).resolve().parent.parent
+LIVE_WEIGHTS = "integration.vllm_live_weights.LiveWeights"
 _started = itertools.count()
 
 
@@ -33,7 +35,9 @@ class VLLMServer(EngineServer):
     def __init__(self, python: str | Path, model: str | Path, *, port: int | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_path: str | Path | None = None, dtype: str = "float32",
-                 max_model_len: int = 512, entry: str = "serve"):
+                 max_model_len: int = 512, entry: str = "serve", live_weights: bool = False):
+        """`live_weights`: the model's parameters can be read (`dump_live_weights`,
+        `live_bytes`): a worker extension of ours and vLLM's dev-mode routes."""
         self.model = str(model)
         port = port or free_port()
         if entry == "serve":  # positional model: `serve --model` is deprecated
@@ -44,6 +48,11 @@ class VLLMServer(EngineServer):
             raise ValueError(f"entry must be 'serve' or 'api_server', not {entry!r}")
         args = [str(python), *cmd, "--dtype", dtype, "--max-model-len", str(max_model_len),
                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        if live_weights:
+            args += ["--worker-extension-cls", LIVE_WEIGHTS]
+            inherited = (env or {}).get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+            path = os.pathsep.join(p for p in (str(REPO), inherited) if p)
+            env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
         env = base_env({"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; default reserves most of RAM
                         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
                         "VLLM_CPU_OMP_THREADS_BIND": _next_core(), **(env or {})})
@@ -69,3 +78,14 @@ class VLLMServer(EngineServer):
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
             out.append(list(r["choices"][0]["token_ids"]))
         return out
+
+    def dump_live_weights(self, path_prefix: str | Path) -> list[dict]:
+        """Each rank's model parameters, written to `<path_prefix>.rank<R>.safetensors`, and
+        their addresses (`vllm_live_weights.LiveWeights`; start with `live_weights=True`)."""
+        reply = self.request("/collective_rpc", {"method": "tensorhub_dump_live_weights",
+                                                 "args": [str(path_prefix)]})
+        return sorted(reply["results"], key=lambda r: r["rank"])
+
+    def live_bytes(self) -> list[dict[str, int]]:
+        """Each rank's parameter bytes by dtype."""
+        return self.request("/collective_rpc", {"method": "tensorhub_live_bytes"})["results"]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the tests of the CUDA paths (tests/test_gpu.py: VRAM
 # buffers, NIXL registration and one-sided reads of VRAM, GPU <-> host pulls, a GPU reader
-# serving on). Where no CUDA device is visible it says plainly that nothing ran, and exits 0.
+# serving on) and of the fp8 quantizers (tests/test_gpu_quant.py: the references on CUDA,
+# and the engines' CUDA quantizers against them, given TENSORHUB_GPU_VLLM_PYTHON /
+# TENSORHUB_GPU_SGLANG_PYTHON, pythons with CUDA builds of the engines). Where no CUDA device is visible it says plainly that nothing ran, and exits 0.
 # TENSORHUB_GPU_PYTHON: a python with a CUDA build of torch and the core requirements (a GPU
 # image); by default the core venv of scripts/setup.sh. Extra arguments go to pytest.
 set -euo pipefail
@@ -13,4 +15,4 @@ if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 "$python" -c "import torch; print('gpu-check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 cd "$here"
-exec "$python" -m pytest tests/test_gpu.py -v -rs -p no:cacheprovider "$@"
+exec "$python" -m pytest tests/test_gpu.py tests/test_gpu_quant.py -v -rs -p no:cacheprovider "$@"

@@ -1,0 +1,130 @@
+"""An fp8 vLLM engine fed by a bf16 trainer, beside a bf16 engine of the same model
+(issue 39): bytes pulled and held per version, and the stall.
+
+Two `vllm serve` engines with the plugin, in manual mode so that their swaps do not overlap
+(two cores): one bf16, one `--quantization fp8_per_channel --dtype bfloat16` (vLLM's online
+per-channel quantization, run again by the layerwise reload at every version). The trainer
+publishes bf16 versions; each engine is asked to update in turn. Per version: the bytes each
+engine's worker pulled (the coordinator's transfers), what each holds (its checkpoint-layout
+copy plus its model's live parameters), and the stall each reports. Baselines: the bytes the
+fp8 engine serves from (its live parameters: the physical bound of a pull that brought only
+what the engine uses), the bf16 engine's stall, and vLLM's own `reload_weights` from a
+safetensors checkpoint on the fp8 engine (which quantizes the same way).
+
+Run: python -m bench.vllm_fp8 [--updates 3] [--layers 12]   (in the vllm venv)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.results import Report
+from bench.tp_update import engine_figures
+from bench.workdir import make_scratch, tear_down
+from integration.engine_venvs import engine_python
+from integration.tiny_model import build_tiny_model, load_state_dict
+from integration.vllm_server import VLLMServer
+from tensorhub import Publisher
+from tensorhub.tools.processes import coordinator_process
+
+ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
+MiB = 2**20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--layers", type=int, default=ARCH["layers"])
+    args = p.parse_args()
+    from safetensors.torch import save_file
+
+    report = Report("vllm_fp8")
+    work = make_scratch("vllm-fp8")
+    model_dir = build_tiny_model(work / "model", dtype=torch.bfloat16,
+                                 **{**ARCH, "layers": args.layers})
+    state = load_state_dict(model_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    label = f"{model_bytes / MiB:.0f} MiB bf16 Qwen2"
+    print(f"model: {label}")
+    python = engine_python("vllm")
+    coordinator, address = coordinator_process()
+    plugin_args = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
+    servers: list[VLLMServer] = []
+    publisher = None
+    try:
+        coordinator.next_line(timeout=60)
+        publisher = Publisher(address, "policy", name="trainer")
+        publisher.publish(state)
+        engines = {}
+        for kind, quant in (("bf16", []), ("fp8", ["--quantization", "fp8_per_channel"])):
+            engines[kind] = VLLMServer(
+                python, model_dir, dtype="bfloat16", live_weights=True,
+                extra_args=[*plugin_args, *quant], log_path=work / f"{kind}.log",
+                env={"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
+                     "TENSORHUB_MODEL": "policy", "TENSORHUB_MODE": "manual",
+                     "TENSORHUB_NAME": f"vllm-{kind}"})
+            servers.append(engines[kind])
+            engines[kind].start(timeout=600)
+            engines[kind].wait_serving(1, timeout=300)
+        live = {kind: sum(e.live_bytes()[0].values()) for kind, e in engines.items()}
+        print("live parameters:", {k: f"{v / MiB:.0f} MiB" for k, v in live.items()},
+              engines["fp8"].live_bytes()[0])
+
+        pulled: dict[str, list[int]] = {k: [] for k in engines}
+        stall: dict[str, list[float]] = {k: [] for k in engines}
+        for version in range(2, args.updates + 2):
+            with torch.no_grad():
+                for t in state.values():
+                    t.add_(0.001)
+            assert publisher.publish(state) == version
+            for kind, engine in engines.items():
+                reply = engine.request("/tensorhub/update", {"version": version})
+                assert reply["version"] == version and reply["changed"], reply
+                stall[kind].append(reply["stall_ms"])
+                worker = engine.tensorhub_status()["workers"][0]
+                pulled[kind].append(engine_figures(address, worker, version)[0])
+            print(f"v{version}: " + "; ".join(
+                f"{k} pulled {pulled[k][-1] / MiB:.0f} MiB, stall {stall[k][-1]:.0f} ms"
+                for k in engines))
+
+        save_file({n: t.contiguous() for n, t in state.items()},
+                  str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        reload_stall = []
+        for _ in range(args.updates):
+            started = time.perf_counter()
+            engines["fp8"].reload_from_disk(model_dir)
+            reload_stall.append((time.perf_counter() - started) * 1e3)
+
+        med = statistics.median
+        for kind in engines:
+            report.add(f"{kind} engine, {label}: bytes pulled per version",
+                       med(pulled[kind]) / MiB, "MiB",
+                       f"the {kind} engine's live parameters (what it serves from)",
+                       live[kind] / MiB, higher_is_better=False)
+        report.add(f"fp8 engine, {label}: bytes pulled per version (against the bf16 engine)",
+                   med(pulled["fp8"]) / MiB, "MiB", "the bf16 engine pulls",
+                   med(pulled["bf16"]) / MiB, higher_is_better=False)
+        for kind in engines:
+            held = model_bytes + live[kind]
+            report.add(f"{kind} engine, {label}: weights held in host memory (copy + live)",
+                       held / MiB, "MiB", f"the {kind} engine's live parameters alone",
+                       live[kind] / MiB, higher_is_better=False)
+        report.add(f"fp8 engine, {label}: stall per version", med(stall["fp8"]), "ms",
+                   "the bf16 engine's stall", med(stall["bf16"]), higher_is_better=False)
+        report.add(f"fp8 engine, {label}: stall per version (against vLLM's own reload)",
+                   med(stall["fp8"]), "ms",
+                   "vLLM reload_weights from safetensors on the fp8 engine",
+                   med(reload_stall), higher_is_better=False)
+        report.write()
+    finally:
+        tear_down(servers, publisher, coordinator, work)
+
+
+if __name__ == "__main__":
+    main()
