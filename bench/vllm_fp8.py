@@ -1,5 +1,5 @@
-"""An fp8 vLLM engine fed by a bf16 trainer, beside a bf16 engine of the same model
-(issue 39): bytes pulled and held per version, and the stall.
+"""An fp8 vLLM engine fed by a bf16 trainer, beside a bf16 engine of the same model: bytes
+pulled and held per version, and the stall.
 
 Two `vllm serve` engines with the plugin, in manual mode so that their swaps do not overlap
 (two cores): one bf16, one `--quantization fp8_per_channel --dtype bfloat16` (vLLM's online
