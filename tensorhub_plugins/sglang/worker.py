@@ -59,6 +59,12 @@ from tensorhub.engines import (
 from tensorhub_plugins.sglang import sparse
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
+from tensorhub_plugins.sglang.reports import (
+    Reports,
+    StoreReports,
+    engine_store,
+    publish_store_address,
+)
 from tensorhub_plugins.sglang.status import Memory, SchedulerStatus
 
 log = logging.getLogger("tensorhub.sglang")
@@ -68,8 +74,13 @@ class Scheduler:
     """TensorHub in one SGLang scheduler (one TP rank): its native holder, its checkpoint
     copy when it keeps one, what its live parameters hold, and the status it reports."""
 
-    def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str):
+    def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str,
+                 votes: RankVote | None = None, reports: Reports | None = None):
+        """`votes`: the TP ranks' votes, if already made (their rounds must stay in step:
+        one per process); `reports`: where this rank reports (default: the status
+        directory of a one-node engine)."""
         self.settings = settings
+        self.reports = reports
         self.rank = rank
         self.one_copy = one_copy  # the TP ranks share rank 0's checkpoint copy
         self.name = worker_name(instance, rank)  # the checkpoint copy's
@@ -92,7 +103,7 @@ class Scheduler:
         self._applying = False  # an update is writing the live parameters (no preparing)
         self._error: str | None = None  # the last error reported to the driver
         self._tried: tuple | None = None  # (version, live key) `prepare` last ran for
-        self._votes: RankVote | None = None
+        self._votes: RankVote | None = votes
 
     def memory(self) -> Memory:
         """Bytes this scheduler spends on TensorHub beside SGLang's own parameters."""
@@ -116,7 +127,7 @@ class Scheduler:
                 native_layout=native.layout_id if native is not None else None,
                 params_moved=native.params_moved() if native is not None else None,
                 memory=self.memory(), prepared=self.prepared, **self._install,
-                **self.last).write(self.rank)
+                **self.last).write(self.rank, self.reports)
         except OSError as exc:
             log.warning("cannot write the scheduler status: %s", exc)
 
@@ -379,11 +390,7 @@ class Scheduler:
 
     def _rank_votes(self) -> RankVote:
         if self._votes is None:
-            import torch.distributed as dist
-            from sglang.srt.distributed.parallel_state import get_tp_group
-
-            timeout = self.settings.update_timeout + env.VOTE_MARGIN_S
-            self._votes = RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
+            self._votes = tp_votes(self.settings)
         return self._votes
 
     def _native_outcome(self, version: int, failure: Exception | None) -> Exception | None:
@@ -500,6 +507,31 @@ def _tp_rank() -> int:
         return 0
 
 
+def tp_votes(settings: EngineSettings) -> RankVote:
+    """The votes of this engine's TP ranks (over the engine's distributed store)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    timeout = settings.update_timeout + env.VOTE_MARGIN_S
+    return RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
+
+
+def engine_instance(settings: EngineSettings, port: int, rank: int,
+                    votes: RankVote) -> str:
+    """The instance name every rank of an engine on several nodes uses: that of node 0's
+    main process (the one that serves HTTP and drives), which TP rank 0 inherited and
+    shares with the other ranks over the engine's store. The main process of another node
+    names no instance (it does not drive)."""
+    shared = votes.broadcast(instance_name(settings, port).encode() if rank == 0 else None)
+    if not shared:
+        raise RuntimeError("TP rank 0 did not share the engine's instance name in time")
+    return shared.decode()
+
+
+def _node_rank(args) -> int:
+    return int(getattr(args, "node_rank", 0) or 0)
+
+
 def native_params(model, rank: int, tp_size: int) -> list[tuple[str, torch.Tensor]]:
     """The live parameters, named for the native layout. At TP > 1 every rank's shards
     have the same names and shapes but other bytes: the names carry the rank, so rank r's
@@ -525,10 +557,22 @@ def after_load_model(result, runner):
     scheduler = None
     try:
         rank = _tp_rank()
+        nodes = int(getattr(args, "nnodes", 1) or 1)
+        votes = reports = None
+        instance = None
+        if nodes > 1 and _tp_size() > 1:
+            # Only node 0's main process drives: every rank takes its instance name and
+            # reports through the engine's store, which node 0's driver reads (`reports`).
+            votes = tp_votes(settings)
+            instance = engine_instance(settings, args.port, rank, votes)
+            store = engine_store()
+            reports = StoreReports(store, instance)
+            if rank == 0 and _node_rank(args) == 0:
+                publish_store_address(store)
         scheduler = _scheduler = Scheduler(
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
-                                                getattr(args, "nnodes", 1)),
-            instance_name(settings, args.port))
+                                                nodes),
+            instance or instance_name(settings, args.port), votes=votes, reports=reports)
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,
