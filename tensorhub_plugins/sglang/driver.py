@@ -40,6 +40,7 @@ from tensorhub.engines import (
     LoadOutcome,
     SwapController,
     Update,
+    copy_holders,
     outcome_in,
 )
 from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
@@ -97,8 +98,9 @@ class Driver:
         self.port = port
         self.tp_size = tp_size
         self.instance = instance
-        # The checkpoint copies: rank 0's alone when the ranks share it (`shared_copy`).
-        self.names = [worker_name(instance, r) for r in range(1 if one_copy else tp_size)]
+        # The checkpoint copies: each node's lowest rank's when the ranks share (`shared_copy`).
+        self.names = [worker_name(instance, r) for r in
+                      (copy_holders(tp_size, nodes) if one_copy else range(tp_size))]
         self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.following = False
         self.latest: int | None = None  # as of the last poll
