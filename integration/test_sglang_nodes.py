@@ -19,17 +19,18 @@ pytestmark = pytest.mark.skipif(available() is not None,
 DIST_INIT_PORT = 5000
 
 
-@pytest.fixture(scope="module")
-def nodes_engine(tmp_path_factory, sglang_python):
-    root = tmp_path_factory.mktemp("sglang-nodes")
+def sglang_on_two_hosts(sglang_python: str, root, tp: int):
+    """How `engine_on_two_hosts` starts an SGLang engine of `tp` ranks, half on each host
+    (each host's ranks bound to cores of their own where the machine has them)."""
 
     def launch(model_dir, address, node0, node1):
         engines = []
         for rank, host in enumerate((node0, node1)):
-            env = {**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": str(rank),
+            cores = "|".join(str(c) for c in range(tp // 2)) if tp > 2 else str(rank)
+            env = {**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": cores,
                    "GLOO_SOCKET_IFNAME": "eth0", "SGLANG_HOST_IP": host.address,
                    "HOST_IP": host.address}
-            args = ["--custom-weight-loader", LOADER, "--tp-size", "2", "--nnodes", "2",
+            args = ["--custom-weight-loader", LOADER, "--tp-size", str(tp), "--nnodes", "2",
                     "--node-rank", str(rank),
                     "--dist-init-addr", f"{node0.address}:{DIST_INIT_PORT}"]
             engines.append(SGLangServer(sglang_python, model_dir, extra_args=args, env=env,
@@ -38,16 +39,23 @@ def nodes_engine(tmp_path_factory, sglang_python):
             engine.launch()
         return engines
 
-    with engine_on_two_hosts(root, launch, healthy_timeout=480) as fleet:
+    return launch
+
+
+@pytest.fixture(scope="module")
+def nodes_engine(tmp_path_factory, sglang_python):
+    root = tmp_path_factory.mktemp("sglang-nodes")
+    with engine_on_two_hosts(root, sglang_on_two_hosts(sglang_python, root, 2),
+                             healthy_timeout=480) as fleet:
         yield fleet
 
 
-def confirmed(fleet, version: int) -> dict:
+def confirmed(fleet, version: int, ranks: int = 2) -> dict:
     """The engine serves `version` by SGLang's label and by the driver, which saw every
     rank (node 1's too) report it applied."""
     wait_sglang(fleet.engine, version)
     status = fleet.engine.wait_serving(version)
-    assert [r["applied"] for r in status["ranks"]] == [version, version], status["ranks"]
+    assert [r["applied"] for r in status["ranks"]] == [version] * ranks, status["ranks"]
     return status
 
 
@@ -58,10 +66,11 @@ def test_an_sglang_engine_across_two_hosts_joins_late_and_follows_versions(nodes
     assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[0]
     for version in range(2, VERSIONS + 1):
         nodes_engine.publish(version)
-        status = confirmed(nodes_engine, version)
-        assert status["updates"] == version - 1, status  # one swap each, none refused
+        confirmed(nodes_engine, version)
         assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[version - 1]
-    # node 1 serves no HTTP: it starts no driver of its own
+    # no swap was refused for want of a rank's report; node 1 serves no HTTP and starts
+    # no driver of its own
+    assert "no status yet" not in engine.log_path.read_text()
     assert "cannot update this server" not in nodes_engine.other.log_path.read_text()
 
 
@@ -71,9 +80,10 @@ def test_an_sglang_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine)
     status = nodes_engine.engine.tensorhub_status()
     assert len(status["workers"]) == 2, status["workers"]
     model = model_bytes(nodes_engine.versions.state(VERSIONS))
+    coordinator = nodes_engine.fleet.status()
     for version in range(2, VERSIONS + 1):
-        nbytes, readers = pulled(nodes_engine.fleet, version, status["name"])
+        nbytes, readers = pulled(coordinator, version, status["name"])
         print(f"SGLang TP=2 on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
               f"({nbytes / model:.2f} x the model)")
         assert model <= nbytes <= 2 * model
-    assert holders(nodes_engine.fleet, VERSIONS, status["workers"]) == set(status["workers"])
+    assert holders(coordinator, VERSIONS, status["workers"]) == set(status["workers"])

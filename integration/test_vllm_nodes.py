@@ -18,9 +18,8 @@ pytestmark = pytest.mark.skipif(available() is not None,
 MASTER_PORT = "29501"
 
 
-@pytest.fixture(scope="module")
-def nodes_engine(tmp_path_factory, vllm_python):
-    root = tmp_path_factory.mktemp("vllm-nodes")
+def vllm_on_two_hosts(vllm_python: str, root, tp: int):
+    """How `engine_on_two_hosts` starts a vLLM engine of `tp` ranks, half on each host."""
 
     def launch(model_dir, address, node0, node1):
         engines = []
@@ -28,7 +27,7 @@ def nodes_engine(tmp_path_factory, vllm_python):
             env = {**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                    "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
                    "VLLM_HOST_IP": host.address, "MASTER_ADDR": node0.address}
-            args = [*PLUGIN_ARGS, "--tensor-parallel-size", "2", "--nnodes", "2",
+            args = [*PLUGIN_ARGS, "--tensor-parallel-size", str(tp), "--nnodes", "2",
                     "--node-rank", str(rank), "--master-addr", node0.address,
                     "--master-port", MASTER_PORT, "--distributed-executor-backend", "mp",
                     *(["--headless"] if rank else [])]
@@ -38,7 +37,14 @@ def nodes_engine(tmp_path_factory, vllm_python):
             engine.launch()
         return engines
 
-    with engine_on_two_hosts(root, launch, healthy_timeout=480) as fleet:
+    return launch
+
+
+@pytest.fixture(scope="module")
+def nodes_engine(tmp_path_factory, vllm_python):
+    root = tmp_path_factory.mktemp("vllm-nodes")
+    with engine_on_two_hosts(root, vllm_on_two_hosts(vllm_python, root, 2),
+                             healthy_timeout=480) as fleet:
         yield fleet
 
 
@@ -60,9 +66,10 @@ def test_a_vllm_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine):
     assert len(workers) == 2, workers
     prefix = workers[0].rsplit("-rank", 1)[0]
     model = model_bytes(nodes_engine.versions.state(VERSIONS))
+    coordinator = nodes_engine.fleet.status()
     for version in range(2, VERSIONS + 1):
-        nbytes, readers = pulled(nodes_engine.fleet, version, prefix)
+        nbytes, readers = pulled(coordinator, version, prefix)
         print(f"vLLM TP=2 on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
               f"({nbytes / model:.2f} x the model)")
         assert model <= nbytes <= 2 * model
-    assert holders(nodes_engine.fleet, VERSIONS, workers) == set(workers)
+    assert holders(coordinator, VERSIONS, workers) == set(workers)

@@ -75,17 +75,18 @@ def engine_on_two_hosts(root: Path, launch: Launch,
             trainer.stop()
 
 
-def pulled(fleet: Fleet, version: int, reader_prefix: str) -> tuple[int, set[str]]:
+def pulled(status: dict, version: int, reader_prefix: str) -> tuple[int, set[str]]:
     """Bytes of `version` the engine's workers (names starting `reader_prefix`) pulled, and
-    the workers that read them."""
-    records = [t for t in fleet.status()["transfers"]
+    the workers that read them, as the coordinator's `status` (`Fleet.status`) records."""
+    records = [t for t in status["transfers"]
                if t["version"] == version and t["ok"] and t["reader"].startswith(reader_prefix)]
     return sum(t["nbytes"] for t in records), {t["reader"] for t in records}
 
 
-def holders(fleet: Fleet, version: int, names: list[str]) -> set[str]:
-    """Which of the workers `names` hold `version` (their checkpoint copies)."""
-    return {h["name"] for model in fleet.status()["models"] for v in model["versions"]
+def holders(status: dict, version: int, names: list[str]) -> set[str]:
+    """Which of the workers `names` hold `version` (their checkpoint copies), as the
+    coordinator's `status` says."""
+    return {h["name"] for model in status["models"] for v in model["versions"]
             if v["version"] == version for h in v["holders"]
             if h["name"] in names and not h["withdrawn"]}
 
