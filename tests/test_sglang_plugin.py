@@ -148,6 +148,45 @@ def test_the_driver_reports_its_ranks_from_the_private_dir(monkeypatch):
         driver.fleet.close()
 
 
+def test_across_nodes_the_ranks_report_to_node_0s_driver_through_the_engine_store(
+        monkeypatch):
+    """An engine on several nodes: a rank on another node has no directory the driver reads.
+    Every rank reports through the engine's store (hosted by global rank 0, whose address
+    rank 0 leaves in node 0's status directory), and the driver on node 0 reads them there;
+    before rank 0 has said where the store is, every rank reads as "no status yet"."""
+    import torch.distributed as dist
+
+    from tensorhub.tools.processes import free_port
+    from tensorhub_plugins.sglang.reports import StoreReports, publish_store_address
+
+    name, _ = launch_on(monkeypatch, "node0")
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    driver = Driver(SETTINGS, "0.0.0.0", 30000, 2, name, nodes=2)
+    try:
+        assert [s.error for s in driver.applied()] == ["no status yet"] * 2
+        for rank in (0, 1):  # (rank 1 on node 1: its own directory, nobody reads it)
+            scheduler = Scheduler(SETTINGS, rank, False, name,
+                                  reports=StoreReports(store, name))
+            scheduler.applied = 5
+            scheduler.record()
+        assert not os.path.exists(status_path(1))  # nothing in a local directory
+        publish_store_address(store)  # rank 0, beside the driver
+        states = driver.applied()
+        assert [(s.applied, s.name) for s in states] == [(5, f"{name}-tp0"),
+                                                          (5, f"{name}-tp1")]
+        assert driver.status()["serving_version"] == 5
+        # another instance (a restart) reads none of these reports
+        other = Driver(SETTINGS, "0.0.0.0", 30000, 2, name + "x", nodes=2)
+        try:
+            assert [s.error for s in other.applied()] == ["no status yet"] * 2
+        finally:
+            other.fleet.close()
+    finally:
+        driver.fleet.close()
+        del store
+
+
 def test_a_scheduler_and_the_driver_share_one_typed_status(monkeypatch):
     """The scheduler writes its `SchedulerStatus`; the driver reads the same model back,
     and a file it cannot read as one counts as no status."""

@@ -111,3 +111,55 @@ def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(holder_of_v1):
     assert isinstance(error0, TornLoad) and isinstance(error1, TornLoad)
     assert "bug half-way" in str(error1) and "another rank" in str(error0)
     assert holder.applied is None and holder.refused == 1
+
+
+def test_an_engine_on_several_nodes_keeps_one_copy_per_node():
+    """Each node's lowest rank holds its copy (ranks are placed on nodes in consecutive
+    blocks); with one rank per node every rank keeps its own, which is its node's."""
+    from tensorhub.engines.shared_copy import copy_holders, node_of, one_copy_per_engine
+
+    assert one_copy_per_engine(2) and one_copy_per_engine(4, nodes=2)
+    assert not one_copy_per_engine(2, nodes=2)  # one rank per node: a copy each anyway
+    assert not one_copy_per_engine(4, stages=2)
+    assert copy_holders(4) == [0] and copy_holders(4, 2) == [0, 2]
+    assert copy_holders(16, 2) == [0, 8] and copy_holders(2, 2) == [0, 1]
+    assert node_of(3, 4, 2) == [2, 3] and node_of(1, 4, 2) == [0, 1]
+    assert node_of(1, 4) == [0, 1, 2, 3]
+
+
+def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinator):
+    """TP=4 on two nodes: ranks 0 and 2 each pull and hold their node's copy, ranks 1 and 3
+    load from it (a broadcast among the node's ranks), and all four vote as one engine."""
+    state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
+    nodes = [Group(2), Group(2)]
+    engine = Group(4)
+    results: list = [None] * 4
+    with Publisher(coordinator.address, "policy", transport="zmq") as pub:
+        pub.publish(state)
+        holders = {r: CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+                                       transport="zmq", follow=False) for r in (0, 2)}
+        try:
+            for holder in holders.values():
+                holder.pull(1)
+
+            def run(rank: int) -> None:
+                loaded: dict[str, torch.Tensor] = {}
+                try:
+                    apply_shared(1, lambda named: loaded.update(
+                                     {n: t.clone() for n, t in named}),
+                                 nodes[rank // 2].broadcast_from(rank % 2), engine.vote,
+                                 holder=holders.get(rank),
+                                 reader=None if rank in holders else SharedCopyReader())
+                    results[rank] = (loaded, None)
+                except Exception as exc:
+                    results[rank] = (loaded, exc)
+
+            on_every_rank(run, 4, timeout=60)
+        finally:
+            for holder in holders.values():
+                holder.close()
+    for loaded, error in results:
+        assert error is None
+        assert loaded.keys() == state.keys()
+        assert all(torch.equal(loaded[n], state[n]) for n in state)
+    assert all(holder.applied == 1 for holder in holders.values())

@@ -10,7 +10,13 @@ from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in, refusal_in
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
-from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared, one_copy_per_engine
+from tensorhub.engines.shared_copy import (
+    SharedCopyReader,
+    apply_shared,
+    copy_holders,
+    node_of,
+    one_copy_per_engine,
+)
 from tensorhub.engines.swap import SwapController, SwapSteps
 from tensorhub.engines.votes import RankVote
 from tensorhub.engines.weights_check import (
@@ -40,9 +46,11 @@ __all__ = [
     "apply_shared",
     "authorized",
     "checkpoint_tensors",
+    "copy_holders",
     "from_checkpoint",
     "layout_labels",
     "load_settings",
+    "node_of",
     "one_copy_per_engine",
     "outcome_in",
     "refusal_in",

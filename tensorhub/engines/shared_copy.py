@@ -1,15 +1,17 @@
-"""One checkpoint copy per engine, not per rank: the ranks of a tensor-parallel engine on
-one host share rank 0's.
+"""One checkpoint copy per node, not per rank: the ranks of a tensor-parallel engine on one
+host share the copy of that host's lowest rank (rank 0's on an engine of one node).
 
-Rank 0 keeps the `CheckpointHolder`: it alone pulls and serves the version, in buffers of
-shared memory (`BoundLayout.allocate`). At apply time it tells the other ranks where those
-buffers are (`SharedCopy`, over the engine's own process group); they map them read-only
-(`map_region`) and load their shard from them, as rank 0 does. So an engine pulls and keeps
-one model's bytes whatever its TP size. The holder's lock is held until every rank has
-loaded, so the copy is never replaced under a rank still reading it.
+That rank keeps the `CheckpointHolder`: it alone pulls and serves the version, in buffers of
+shared memory (`BoundLayout.allocate`). At apply time it tells the other ranks of its node
+where those buffers are (`SharedCopy`, over a broadcast among the node's ranks); they map
+them read-only (`map_region`) and load their shard from them, as it does. So an engine pulls
+and keeps one model's bytes per node whatever its TP size. The holder's lock is held until
+every rank of the engine has loaded, so the copy is never replaced under a rank still
+reading it. Shared memory does not cross hosts: an engine on N nodes keeps N copies.
 
-`apply_shared` is that exchange, the same for every engine: the engine gives it its rank
-group's broadcast and vote (`votes.RankVote`) and its own way to load named tensors.
+`apply_shared` is that exchange, the same for every engine: the engine gives it its node's
+broadcast, the vote of all its ranks (`votes.RankVote`) and its own way to load named
+tensors.
 """
 
 from __future__ import annotations
@@ -37,10 +39,27 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
-    """Whether an engine's ranks share one copy: several tensor-parallel ranks (no pipeline
-    stages), all on this node, shared memory available, not turned off."""
-    return (ranks > 1 and stages == 1 and nodes == 1 and shared_memory.enabled()
-            and not settings.COPY_PER_RANK.get())
+    """Whether an engine's ranks share one copy per node: several tensor-parallel ranks on
+    each of its nodes (no pipeline stages), shared memory available, not turned off. (With
+    one rank per node every rank keeps a copy: its node's.)"""
+    nodes = max(nodes, 1)
+    return (ranks % nodes == 0 and ranks // nodes > 1 and stages == 1
+            and shared_memory.enabled() and not settings.COPY_PER_RANK.get())
+
+
+def copy_holders(ranks: int, nodes: int = 1) -> list[int]:
+    """The ranks (in the engine's group) that hold their node's copy when the ranks share
+    (`one_copy_per_engine`): the lowest of each node's. vLLM and SGLang place an engine's
+    ranks on its nodes in consecutive blocks of `ranks // nodes`."""
+    return list(range(0, ranks, max(ranks // max(nodes, 1), 1)))
+
+
+def node_of(index: int, ranks: int, nodes: int = 1) -> list[int]:
+    """The positions in the engine's group of the ranks on the node of the rank at `index`
+    (its copy's holder first)."""
+    per = max(ranks // max(nodes, 1), 1)
+    first = index - index % per
+    return list(range(first, first + per))
 
 
 def apply_shared(version: int, load: Callable[[Named], None],
@@ -48,11 +67,12 @@ def apply_shared(version: int, load: Callable[[Named], None],
                  holder: CheckpointHolder | None = None,
                  reader: SharedCopyReader | None = None,
                  failure: Exception | None = None, fetch: bool = False) -> None:
-    """Apply `version` on every rank of an engine from rank 0's copy, or on none. Every
-    rank calls it at once: rank 0 with its `holder` (None, or a `failure`, when it has
-    nothing to share), the others with a `reader` (and their own `failure`, if any).
-    `broadcast` sends rank 0's bytes to every rank (its argument is ignored elsewhere);
-    `agree` is the ranks' vote; `fetch`: rank 0 pulls `version` from peers first if its
+    """Apply `version` on every rank of an engine from its node's copy, or on none. Every
+    rank calls it at once: each node's holder of the copy (`copy_holders`) with its
+    `holder` (None, or a `failure`, when it has nothing to share), the others with a
+    `reader` (and their own `failure`, if any). `broadcast` sends the node's holder's bytes
+    to every rank of that node (its argument is ignored elsewhere); `agree` is the vote of
+    all the engine's ranks; `fetch`: a holder pulls `version` from peers first if its
     copy holds another. Raises on every rank when any rank cannot apply it (the weights are
     then untouched), and `TornLoad` on every rank when a rank's `load` failed."""
     if reader is not None:
@@ -60,12 +80,12 @@ def apply_shared(version: int, load: Callable[[Named], None],
         if failure is not None:
             log.warning("this rank cannot apply v%d: %s", version, failure)
         elif not payload:
-            log.warning("rank 0 cannot apply v%d (see its log)", version)
+            log.warning("the holder of this node's copy cannot apply v%d (see its log)", version)
         else:
             try:
                 named = reader.named_tensors(payload, version)
             except Exception as exc:
-                log.warning("cannot map rank 0's copy of v%d: %s", version, exc)
+                log.warning("cannot map this node's copy of v%d: %s", version, exc)
         if not agree(named is not None and failure is None):
             if failure is not None:
                 raise failure
@@ -77,7 +97,7 @@ def apply_shared(version: int, load: Callable[[Named], None],
             load(named)
         except Exception as exc:
             loaded = exc
-        # (rank 0 keeps its copy locked until this vote: every rank is done with it)
+        # (each holder keeps its copy locked until this vote: every rank is done with it)
         if not agree(loaded is None):
             raise TornLoad(version, loaded) from loaded
         return
@@ -118,7 +138,7 @@ def describe(replica: PartedReplica) -> bytes:
 
 
 class SharedCopyReader:
-    """The other ranks' side: map rank 0's copy (once per buffer) and name its tensors."""
+    """The other ranks' side: map its node's copy (once per buffer) and name its tensors."""
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -126,7 +146,7 @@ class SharedCopyReader:
     def named_tensors(self, payload: bytes, version: int) -> list[tuple[str, torch.Tensor]]:
         copy = SharedCopy.model_validate(msgpack.unpackb(payload, raw=False))
         if copy.version != version:
-            raise RuntimeError(f"rank 0 holds v{copy.version}, not v{version}")
+            raise RuntimeError(f"this node's copy holds v{copy.version}, not v{version}")
         layouts, wanted = [], {}
         for part in copy.parts:
             key = (copy.pid, part.region.fd, part.region.inode)
@@ -136,9 +156,9 @@ class SharedCopyReader:
             wanted[key] = view
             arena = view[part.offset:part.offset + arena_bytes(part.manifest)]
             layouts.append(BoundLayout.over(part.manifest, arena))
-        self._maps = wanted  # buffers rank 0 no longer uses are unmapped
+        self._maps = wanted  # buffers the holder no longer uses are unmapped
         return list(whole_tensors(layouts).items())
 
     def forget(self) -> None:
-        """Unmap rank 0's copy (it may free it: the memory goes back once no rank maps it)."""
+        """Unmap the node's copy (it may free it: the memory goes back once no rank maps it)."""
         self._maps = {}

@@ -40,10 +40,16 @@ from tensorhub.engines import (
     LoadOutcome,
     SwapController,
     Update,
+    copy_holders,
     outcome_in,
 )
 from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
-from tensorhub_plugins.sglang.status import SchedulerStatus
+from tensorhub_plugins.sglang.reports import (
+    DirectoryReports,
+    Reports,
+    connect_store_reports,
+)
+from tensorhub_plugins.sglang.status import NO_STATUS, SchedulerStatus
 
 # How long a new version may wait for a same-layout peer (native path) when no checkpoint
 # copy holds it yet; then the checkpoint path pulls it inside the pause.
@@ -78,17 +84,23 @@ class Driver:
     after `instance` (see `naming.start_instance`)."""
 
     def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int,
-                 instance: str, one_copy: bool = False, api_key: str | None = None):
-        """`api_key`: the server's `--api-key`, which SGLang requires of every call to it."""
+                 instance: str, one_copy: bool = False, api_key: str | None = None,
+                 nodes: int = 1):
+        """`api_key`: the server's `--api-key`, which SGLang requires of every call to it;
+        `nodes`: the engine's nodes (on several, the ranks report through the engine's
+        store, `reports`; this driver runs on node 0)."""
         self.settings = settings
+        self.nodes = nodes
+        self._reports: Reports | None = DirectoryReports() if nodes == 1 else None
         self.api_key = api_key or None
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
         self.port = port
         self.tp_size = tp_size
         self.instance = instance
-        # The checkpoint copies: rank 0's alone when the ranks share it (`shared_copy`).
-        self.names = [worker_name(instance, r) for r in range(1 if one_copy else tp_size)]
+        # The checkpoint copies: each node's lowest rank's when the ranks share (`shared_copy`).
+        self.names = [worker_name(instance, r) for r in
+                      (copy_holders(tp_size, nodes) if one_copy else range(tp_size))]
         self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.following = False
         self.latest: int | None = None  # as of the last poll
@@ -124,8 +136,13 @@ class Driver:
             return json.loads(r.read())
 
     def applied(self) -> list[SchedulerStatus]:
-        """What each rank's scheduler last reported (`status.SchedulerStatus`)."""
-        return [SchedulerStatus.read(rank) for rank in range(self.tp_size)]
+        """What each rank's scheduler last reported (`status.SchedulerStatus`); "no status
+        yet" for every rank while the engine's store is not known (several nodes)."""
+        if self._reports is None:
+            self._reports = connect_store_reports(self.instance)
+            if self._reports is None:
+                return [SchedulerStatus(error=NO_STATUS) for _ in range(self.tp_size)]
+        return [SchedulerStatus.read(rank, self._reports) for rank in range(self.tp_size)]
 
     def held(self) -> tuple[int, int | None]:
         """(the model's latest version, the newest version every checkpoint copy holds)."""

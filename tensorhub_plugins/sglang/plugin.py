@@ -5,7 +5,8 @@ kills the server), so every step is guarded.
 In the server's main process, which runs it before spawning the schedulers, it also names
 this server instance and makes its private status directory (`naming.start_instance`), adds
 `GET /tensorhub/status` to SGLang's HTTP app (`routes`), puts the weight version spans on
-every choice of the OpenAI-compatible answers (`spans`) and starts the driver."""
+every choice of the OpenAI-compatible answers (`spans`) and starts the driver. On an engine
+that spans nodes only node 0's main process does (it serves HTTP); the others serve none."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def _start_main() -> None:
 
     settings = load_settings(None)
     driver = None
+    node_rank = int(_arg("--node-rank", "0"))
+    if settings is not None and node_rank != 0:
+        # This node serves no HTTP: node 0's driver updates the engine, and this node's
+        # ranks take its instance name and report to it (`worker.engine_instance`, `reports`).
+        log.info("TensorHub: node %d of this engine: node 0 drives its updates", node_rank)
+        return
     if settings is not None:
         from tensorhub.engines import one_copy_per_engine
         from tensorhub_plugins.sglang.driver import Driver
@@ -85,10 +92,10 @@ def _start_main() -> None:
         instance, status_dir = start_instance(settings, port)
         tp_size = int(_arg("--tp-size", _arg("--tp", _arg("--tensor-parallel-size", "1"))))
         pp_size = int(_arg("--pp-size", _arg("--pipeline-parallel-size", "1")))
+        nodes = int(_arg("--nnodes", "1"))
         driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
-                        one_copy=one_copy_per_engine(tp_size, pp_size,
-                                                     int(_arg("--nnodes", "1"))),
-                        api_key=_arg("--api-key", ""))
+                        one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
+                        api_key=_arg("--api-key", ""), nodes=nodes)
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

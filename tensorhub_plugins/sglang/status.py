@@ -1,5 +1,6 @@
-"""What a scheduler tells the driver: one typed status per TP rank, in the instance's
-private status directory (`naming.status_path`).
+"""What a scheduler tells the driver: one typed status per TP rank, through the instance's
+report channel (`reports`: a private status directory on one node, the engine's store across
+nodes).
 
 The loader runs inside SGLang's `/update_weights_from_tensor`, whose answer it cannot
 shape, so each scheduler writes what it now serves here (whole or not at all) and the
@@ -12,7 +13,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tensorhub_plugins.sglang.naming import status_path, write_json
+from tensorhub_plugins.sglang.reports import DirectoryReports, Reports
 
 NO_STATUS = "no status yet"
 
@@ -45,19 +46,17 @@ class SchedulerStatus(BaseModel):
     install: str | None = None  # how the last checkpoint-path version was written: whole, sparse
     changed: int | None = None  # elements a sparse install wrote
 
-    def write(self, rank: int) -> None:
+    def write(self, rank: int, reports: Reports | None = None) -> None:
         """Publish it for the driver (nothing when no server main process reads it)."""
-        path = status_path(rank)
-        if path is not None:
-            write_json(path, self.model_copy(update={"at": time.time()}).model_dump())
+        (reports or DirectoryReports()).write(
+            rank, self.model_copy(update={"at": time.time()}).model_dump_json())
 
     @classmethod
-    def read(cls, rank: int) -> SchedulerStatus:
-        path = status_path(rank)
+    def read(cls, rank: int, reports: Reports | None = None) -> SchedulerStatus:
+        text = (reports or DirectoryReports()).read(rank)
         try:
-            if path is None:
-                raise OSError("no status directory")
-            with open(path) as f:
-                return cls.model_validate_json(f.read())
-        except (OSError, ValueError, ValidationError):
+            if text is None:
+                raise ValueError("no report")
+            return cls.model_validate_json(text)
+        except (ValueError, ValidationError):
             return cls(error=NO_STATUS)

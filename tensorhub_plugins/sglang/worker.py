@@ -50,8 +50,10 @@ from tensorhub.engines import (
     alone,
     apply_shared,
     checkpoint_tensors,
+    copy_holders,
     from_checkpoint,
     load_settings,
+    node_of,
     one_copy_per_engine,
     restore_after,
     tied_optional,
@@ -59,6 +61,12 @@ from tensorhub.engines import (
 from tensorhub_plugins.sglang import sparse
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
+from tensorhub_plugins.sglang.reports import (
+    Reports,
+    StoreReports,
+    engine_store,
+    publish_store_address,
+)
 from tensorhub_plugins.sglang.status import Memory, SchedulerStatus
 
 log = logging.getLogger("tensorhub.sglang")
@@ -68,15 +76,22 @@ class Scheduler:
     """TensorHub in one SGLang scheduler (one TP rank): its native holder, its checkpoint
     copy when it keeps one, what its live parameters hold, and the status it reports."""
 
-    def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str):
+    def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str,
+                 votes: RankVote | None = None, reports: Reports | None = None,
+                 nodes: int = 1):
+        """`votes`: the TP ranks' votes, if already made (their rounds must stay in step:
+        one per process); `reports`: where this rank reports (default: the status
+        directory of a one-node engine); `nodes`: the nodes the engine's ranks span."""
         self.settings = settings
+        self.reports = reports
         self.rank = rank
-        self.one_copy = one_copy  # the TP ranks share rank 0's checkpoint copy
+        self.one_copy = one_copy  # the TP ranks of a node share its lowest rank's copy
+        self.nodes = nodes
         self.name = worker_name(instance, rank)  # the checkpoint copy's
         self.native_name = native_worker_name(instance, rank)
         self.native: NativeHolder | None = None
         self.checkpoint: CheckpointHolder | None = None
-        self.reader = SharedCopyReader()  # ranks other than 0: their view of rank 0's copy
+        self.reader = SharedCopyReader()  # the other ranks' view of their node's copy
         self.applied: int | None = None
         self.torn = False
         self.last: dict = {}  # the last update's path, sources, apply_ms and its steps
@@ -92,7 +107,14 @@ class Scheduler:
         self._applying = False  # an update is writing the live parameters (no preparing)
         self._error: str | None = None  # the last error reported to the driver
         self._tried: tuple | None = None  # (version, live key) `prepare` last ran for
-        self._votes: RankVote | None = None
+        self._votes: RankVote | None = votes
+        self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
+
+    @property
+    def holds_copy(self) -> bool:
+        """Whether this rank keeps a checkpoint copy of its own when it needs one: every
+        rank, or only each node's lowest when the ranks share (`shared_copy`)."""
+        return not self.one_copy or self.rank in copy_holders(_tp_size(), self.nodes)
 
     def memory(self) -> Memory:
         """Bytes this scheduler spends on TensorHub beside SGLang's own parameters."""
@@ -116,7 +138,7 @@ class Scheduler:
                 native_layout=native.layout_id if native is not None else None,
                 params_moved=native.params_moved() if native is not None else None,
                 memory=self.memory(), prepared=self.prepared, **self._install,
-                **self.last).write(self.rank)
+                **self.last).write(self.rank, self.reports)
         except OSError as exc:
             log.warning("cannot write the scheduler status: %s", exc)
 
@@ -235,7 +257,7 @@ class Scheduler:
         failure: Exception | None = None
         holder = None
         try:  # whatever fails here, every rank must still reach the vote
-            if not shared or self.rank == 0:
+            if not shared or self.holds_copy:
                 holder = self._copy()
                 if holder.loadable is None and holder.applied is None:
                     optional = tied_optional(model.config)
@@ -274,9 +296,9 @@ class Scheduler:
             try:
                 apply_shared(version, load, self._tp_broadcast, self.tp_vote, holder=holder,
                              failure=failure,
-                             reader=self.reader if self.rank != 0 else None, fetch=fetch)
+                             reader=None if self.holds_copy else self.reader, fetch=fetch)
             finally:
-                self.reader.forget()  # rank 0 may free its copy (`checkpoint_copy`)
+                self.reader.forget()  # its holder may free the copy (`checkpoint_copy`)
             return sources
         if holder is None or failure is not None:
             agree(False)  # the other ranks learn that this one cannot, and refuse it too
@@ -361,7 +383,7 @@ class Scheduler:
         else:
             if self.native is not None:
                 self.native.hold_applied(version)
-            if settings.checkpoint_copy == "never" or (self.one_copy and self.rank != 0):
+            if settings.checkpoint_copy == "never" or not self.holds_copy:
                 self._drop_copy()  # (a rank that fell back alone built its own copy)
         if self.native is not None and self.native.params_moved():
             log.error("SGLang moved a parameter's storage: the native holder is stale")
@@ -373,17 +395,13 @@ class Scheduler:
         mem = self.memory()
         log.info("applied v%d via the %s path from %s in %.1f ms (TensorHub memory: compact "
                  "region %d B, checkpoint copy %d B)", version, taken,
-                 ",".join(sources) or ("rank 0's copy" if self.one_copy and self.rank and
+                 ",".join(sources) or ("its node's copy" if not self.holds_copy and
                                        taken == "checkpoint" else "the local copy"),
                  self.last["apply_ms"], mem.compact_bytes, mem.checkpoint_copy_bytes)
 
     def _rank_votes(self) -> RankVote:
         if self._votes is None:
-            import torch.distributed as dist
-            from sglang.srt.distributed.parallel_state import get_tp_group
-
-            timeout = self.settings.update_timeout + env.VOTE_MARGIN_S
-            self._votes = RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
+            self._votes = tp_votes(self.settings)
         return self._votes
 
     def _native_outcome(self, version: int, failure: Exception | None) -> Exception | None:
@@ -399,7 +417,14 @@ class Scheduler:
         return failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
 
     def _tp_broadcast(self, payload: bytes | None) -> bytes:
-        return self._rank_votes().broadcast(payload)
+        """The broadcast among this node's ranks, from its copy's holder: the TP ranks'
+        own votes on one node (one round counter per group of ranks)."""
+        if self._node_votes is None:
+            votes = self._rank_votes()
+            mine = node_of(votes.ranks.index(votes.rank), len(votes.ranks), self.nodes)
+            self._node_votes = votes if len(mine) == len(votes.ranks) else RankVote(
+                [votes.ranks[i] for i in mine], votes.rank, votes.timeout)
+        return self._node_votes.broadcast(payload)
 
     def tp_vote(self, ok: bool) -> bool:
         """Whether every TP rank of this engine is ready: a version is applied on all ranks
@@ -450,7 +475,7 @@ class Scheduler:
         """Serve the newest version before SGLang takes requests (natively when a
         same-layout peer holds it)."""
         settings = self.settings
-        if settings.checkpoint_copy == "always" and (self.rank == 0 or not self.one_copy):
+        if settings.checkpoint_copy == "always" and self.holds_copy:
             self._copy()
         self.record()
         latest = FleetView(self.native.replica.session, settings.model).latest()
@@ -500,6 +525,31 @@ def _tp_rank() -> int:
         return 0
 
 
+def tp_votes(settings: EngineSettings) -> RankVote:
+    """The votes of this engine's TP ranks (over the engine's distributed store)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    timeout = settings.update_timeout + env.VOTE_MARGIN_S
+    return RankVote(get_tp_group().ranks, dist.get_rank(), timeout)
+
+
+def engine_instance(settings: EngineSettings, port: int, rank: int,
+                    votes: RankVote) -> str:
+    """The instance name every rank of an engine on several nodes uses: that of node 0's
+    main process (the one that serves HTTP and drives), which TP rank 0 inherited and
+    shares with the other ranks over the engine's store. The main process of another node
+    names no instance (it does not drive)."""
+    shared = votes.broadcast(instance_name(settings, port).encode() if rank == 0 else None)
+    if not shared:
+        raise RuntimeError("TP rank 0 did not share the engine's instance name in time")
+    return shared.decode()
+
+
+def _node_rank(args) -> int:
+    return int(getattr(args, "node_rank", 0) or 0)
+
+
 def native_params(model, rank: int, tp_size: int) -> list[tuple[str, torch.Tensor]]:
     """The live parameters, named for the native layout. At TP > 1 every rank's shards
     have the same names and shapes but other bytes: the names carry the rank, so rank r's
@@ -525,10 +575,23 @@ def after_load_model(result, runner):
     scheduler = None
     try:
         rank = _tp_rank()
+        nodes = int(getattr(args, "nnodes", 1) or 1)
+        votes = reports = None
+        instance = None
+        if nodes > 1 and _tp_size() > 1:
+            # Only node 0's main process drives: every rank takes its instance name and
+            # reports through the engine's store, which node 0's driver reads (`reports`).
+            votes = tp_votes(settings)
+            instance = engine_instance(settings, args.port, rank, votes)
+            store = engine_store()
+            reports = StoreReports(store, instance)
+            if rank == 0 and _node_rank(args) == 0:
+                publish_store_address(store)
         scheduler = _scheduler = Scheduler(
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
-                                                getattr(args, "nnodes", 1)),
-            instance_name(settings, args.port))
+                                                nodes),
+            instance or instance_name(settings, args.port), votes=votes, reports=reports,
+            nodes=nodes)
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,

@@ -1,11 +1,27 @@
-"""Whether the ranks of a vLLM engine share one checkpoint copy (`engines/shared_copy.py`),
-decided alike by the front end (whose workers hold versions) and by every worker."""
+"""Whether the ranks of a vLLM engine share one checkpoint copy per node
+(`engines/shared_copy.py`), and which ranks hold those copies, decided alike by the front
+end (whose workers hold versions) and by every worker from vLLM's own parallel config."""
 
 from __future__ import annotations
 
+from tensorhub.engines import copy_holders as _copy_holders
 from tensorhub.engines import one_copy_per_engine as _one_copy
+
+
+def engine_nodes(parallel_config) -> int:
+    """The nodes one engine's ranks span (vLLM's nodes per data-parallel rank)."""
+    return int(getattr(parallel_config, "nnodes_within_dp",
+                       getattr(parallel_config, "nnodes", 1)) or 1)
 
 
 def one_copy_per_engine(parallel_config) -> bool:
     return _one_copy(parallel_config.world_size, parallel_config.pipeline_parallel_size,
-                     getattr(parallel_config, "nnodes", 1))
+                     engine_nodes(parallel_config))
+
+
+def copy_holders(parallel_config) -> list[int]:
+    """The ranks that hold a copy: each node's lowest when they share, else every rank."""
+    world = parallel_config.world_size
+    if not one_copy_per_engine(parallel_config):
+        return list(range(world))
+    return _copy_holders(world, engine_nodes(parallel_config))

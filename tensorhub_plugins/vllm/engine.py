@@ -35,12 +35,13 @@ from tensorhub.engines import (
     apply_shared,
     checkpoint_tensors,
     from_checkpoint,
+    node_of,
     outcome_in,
     restore_after,
     tied_optional,
 )
 from tensorhub_plugins.vllm.commands import Check, Init, Prefetch, Release, parse
-from tensorhub_plugins.vllm.copies import one_copy_per_engine
+from tensorhub_plugins.vllm.copies import copy_holders, engine_nodes, one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
 
@@ -66,10 +67,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.holder: CheckpointHolder | None = None
-        # The ranks share rank 0's copy (`engines/shared_copy.py`): only rank 0 holds one.
+        # The ranks of a node share its lowest rank's copy (`engines/shared_copy.py`): only
+        # that rank holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
         self._votes: RankVote | None = None
+        self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
         self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
         self.applied: int | None = None  # the version this rank's model holds (None: disk)
 
@@ -99,6 +102,22 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             self._votes = RankVote(self._group().ranks, dist.get_rank(), self._vote_timeout)
         return self._votes
 
+    def _node_broadcast(self) -> RankVote:
+        """The broadcast among this node's ranks, from its copy's holder: the engine's own
+        votes on one node (one round counter per group of ranks)."""
+        if self._node_votes is None:
+            import torch.distributed as dist
+
+            group = self._group()
+            mine = node_of(group.rank_in_group, len(group.ranks),
+                           engine_nodes(self.parallel_config))
+            if len(mine) == len(group.ranks):
+                self._node_votes = self._rank_votes()
+            else:
+                self._node_votes = RankVote([group.ranks[i] for i in mine], dist.get_rank(),
+                                            self._vote_timeout)
+        return self._node_votes
+
     def _agree(self, ok: bool) -> bool:
         """Whether every rank of this engine is ready: one version per engine, on all
         ranks or on none (a rank that does not answer in time counts as a no)."""
@@ -112,9 +131,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             self._vote_timeout = init_info.pull_timeout + settings.VOTE_MARGIN_S
             if self.holder is not None:
                 self.holder.close()
-            if self.one_copy and self._group().rank_in_group != 0:
+            if self.one_copy and self._group().rank_in_group not in copy_holders(
+                    self.parallel_config):
                 self._shared = SharedCopyReader()
-                log.info("TensorHub: this rank loads from rank 0's checkpoint copy")
+                log.info("TensorHub: this rank loads from its node's checkpoint copy")
                 return
             self.holder = CheckpointHolder(
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
@@ -189,7 +209,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 raise
 
     def _apply_version(self, version: int, fetch: bool = False) -> None:
-        if self.one_copy:  # rank 0's copy, mapped by the other ranks
+        if self.one_copy:  # each node's copy, mapped by the node's other ranks
             apply_shared(version, self._load, self._broadcast, self._agree,
                          holder=self.holder, reader=self._shared, fetch=fetch)
         elif self.holder is None:  # (init failed here): the other ranks must still hear it
@@ -213,7 +233,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             raise failure or TensorHubError("another rank could not load the checkpoint")
 
     def _broadcast(self, payload: bytes | None) -> bytes:
-        return self._rank_votes().broadcast(payload)
+        return self._node_broadcast().broadcast(payload)
 
     def _load(self, named) -> None:
         initialize_layerwise_reload(self.model)

@@ -42,7 +42,7 @@ from tensorhub.engines import (
 )
 from tensorhub_plugins.vllm import versions
 from tensorhub_plugins.vllm.commands import Check, Command, Init, Prefetch, Release
-from tensorhub_plugins.vllm.copies import one_copy_per_engine
+from tensorhub_plugins.vllm.copies import copy_holders
 
 log = logging.getLogger("tensorhub.vllm")
 router = APIRouter()
@@ -55,14 +55,16 @@ class UpdateRequest(BaseModel):
 
 class Frontend:
     def __init__(self, settings: EngineSettings, engine_client, name: str, world_size: int,
-                 one_copy: bool = False):
+                 holders: list[int] | None = None):
+        """`holders`: the ranks that hold a checkpoint copy (`copies.copy_holders`; default
+        every rank)."""
         self.settings = settings
         self.engine = engine_client
         self.name = name
         self.workers = [name] if world_size == 1 else [f"{name}-rank{r}"
                                                        for r in range(world_size)]
-        if one_copy:
-            self.workers = self.workers[:1]  # rank 0 holds the engine's one copy
+        if holders is not None and world_size > 1:
+            self.workers = [self.workers[r] for r in holders]  # each node's copy holder
         self.fleet = FleetView.connect(settings.coordinator, settings.model, timeout=5.0)
         self.last_error: str | None = None
         self.pending = False  # the copy is pulling a version newer than it holds
@@ -272,7 +274,7 @@ async def start_frontend(engine_client, args) -> Frontend | None:
     versions.install()
     frontend = Frontend(settings, engine_client, settings.instance_name(
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
-        one_copy_per_engine(config.parallel_config))
+        copy_holders(config.parallel_config))
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
     if settings.mode == "follow":

@@ -1,0 +1,89 @@
+"""SGLang at TP=2 with one rank on each of two emulated hosts, started as SGLang documents
+multi-node serving (`--nnodes 2 --node-rank R --dist-init-addr`), the TensorHub plugin on
+both: only node 0 drives, node 1's rank reports to it through the engine's store, and the
+engine joins late at v1 and follows v2 and v3 (confirmed by every rank) with greedy tokens
+equal to HF's, pulling one copy per node per version."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration.sglang_server import SGLangServer
+from integration.test_sglang import LOADER, sglang_env, wait_sglang
+from integration.tp_fleet import TOKENS
+from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
+from tensorhub_testing.cluster import available
+
+pytestmark = pytest.mark.skipif(available() is not None,
+                                reason=f"no emulated hosts here: {available()}")
+DIST_INIT_PORT = 5000
+
+
+def sglang_on_two_hosts(sglang_python: str, root, tp: int):
+    """How `engine_on_two_hosts` starts an SGLang engine of `tp` ranks, half on each host
+    (each host's ranks bound to cores of their own where the machine has them)."""
+
+    def launch(model_dir, address, node0, node1):
+        engines = []
+        for rank, host in enumerate((node0, node1)):
+            cores = "|".join(str(c) for c in range(tp // 2)) if tp > 2 else str(rank)
+            env = {**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": cores,
+                   "GLOO_SOCKET_IFNAME": "eth0", "SGLANG_HOST_IP": host.address,
+                   "HOST_IP": host.address}
+            args = ["--custom-weight-loader", LOADER, "--tp-size", str(tp), "--nnodes", "2",
+                    "--node-rank", str(rank),
+                    "--dist-init-addr", f"{node0.address}:{DIST_INIT_PORT}"]
+            engines.append(SGLangServer(sglang_python, model_dir, extra_args=args, env=env,
+                                        log_path=root / f"sglang-node{rank}.log").on(host))
+        for engine in engines:
+            engine.launch()
+        return engines
+
+    return launch
+
+
+@pytest.fixture(scope="module")
+def nodes_engine(tmp_path_factory, sglang_python):
+    root = tmp_path_factory.mktemp("sglang-nodes")
+    with engine_on_two_hosts(root, sglang_on_two_hosts(sglang_python, root, 2),
+                             healthy_timeout=480) as fleet:
+        yield fleet
+
+
+def confirmed(fleet, version: int, ranks: int = 2) -> dict:
+    """The engine serves `version` by SGLang's label and by the driver, which saw every
+    rank (node 1's too) report it applied."""
+    wait_sglang(fleet.engine, version)
+    status = fleet.engine.wait_serving(version)
+    assert [r["applied"] for r in status["ranks"]] == [version] * ranks, status["ranks"]
+    return status
+
+
+@pytest.mark.timeout(900)  # two engine processes start across hosts
+def test_an_sglang_engine_across_two_hosts_joins_late_and_follows_versions(nodes_engine):
+    engine = nodes_engine.engine
+    confirmed(nodes_engine, 1)
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[0]
+    for version in range(2, VERSIONS + 1):
+        nodes_engine.publish(version)
+        confirmed(nodes_engine, version)
+        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[version - 1]
+    # no swap was refused for want of a rank's report; node 1 serves no HTTP and starts
+    # no driver of its own
+    assert "no status yet" not in engine.log_path.read_text()
+    assert "cannot update this server" not in nodes_engine.other.log_path.read_text()
+
+
+def test_an_sglang_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine):
+    """One rank per node: each node's rank keeps its own checkpoint copy, so the engine
+    pulls at most two models' bytes per version (its nodes), and holds two copies."""
+    status = nodes_engine.engine.tensorhub_status()
+    assert len(status["workers"]) == 2, status["workers"]
+    model = model_bytes(nodes_engine.versions.state(VERSIONS))
+    coordinator = nodes_engine.fleet.status()
+    for version in range(2, VERSIONS + 1):
+        nbytes, readers = pulled(coordinator, version, status["name"])
+        print(f"SGLang TP=2 on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
+              f"({nbytes / model:.2f} x the model)")
+        assert model <= nbytes <= 2 * model
+    assert holders(coordinator, VERSIONS, status["workers"]) == set(status["workers"])

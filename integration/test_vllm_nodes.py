@@ -1,0 +1,75 @@
+"""vLLM at TP=2 with one rank on each of two emulated hosts, started as vLLM documents
+multi-node serving (`--nnodes 2 --node-rank R --master-addr` with the `mp` executor,
+`--headless` on node 1), the TensorHub plugin on both: it joins late at v1 and follows v2
+and v3 with greedy tokens equal to HF's, pulling one copy per node per version."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration.test_vllm import PLUGIN_ARGS, plugin_env
+from integration.tp_fleet import TOKENS
+from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
+from integration.vllm_server import VLLMServer
+from tensorhub_testing.cluster import available
+
+pytestmark = pytest.mark.skipif(available() is not None,
+                                reason=f"no emulated hosts here: {available()}")
+MASTER_PORT = "29501"
+
+
+def vllm_on_two_hosts(vllm_python: str, root, tp: int):
+    """How `engine_on_two_hosts` starts a vLLM engine of `tp` ranks, half on each host."""
+
+    def launch(model_dir, address, node0, node1):
+        engines = []
+        for rank, host in enumerate((node0, node1)):
+            env = {**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
+                   "VLLM_HOST_IP": host.address, "MASTER_ADDR": node0.address}
+            args = [*PLUGIN_ARGS, "--tensor-parallel-size", str(tp), "--nnodes", "2",
+                    "--node-rank", str(rank), "--master-addr", node0.address,
+                    "--master-port", MASTER_PORT, "--distributed-executor-backend", "mp",
+                    *(["--headless"] if rank else [])]
+            engines.append(VLLMServer(vllm_python, model_dir, extra_args=args, env=env,
+                                      log_path=root / f"vllm-node{rank}.log").on(host))
+        for engine in engines:
+            engine.launch()
+        return engines
+
+    return launch
+
+
+@pytest.fixture(scope="module")
+def nodes_engine(tmp_path_factory, vllm_python):
+    root = tmp_path_factory.mktemp("vllm-nodes")
+    with engine_on_two_hosts(root, vllm_on_two_hosts(vllm_python, root, 2),
+                             healthy_timeout=480) as fleet:
+        yield fleet
+
+
+@pytest.mark.timeout(900)  # two engine processes start across hosts
+def test_a_vllm_engine_across_two_hosts_joins_late_and_follows_versions(nodes_engine):
+    engine = nodes_engine.engine
+    engine.wait_serving(1)
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[0]
+    for version in range(2, VERSIONS + 1):
+        nodes_engine.publish(version)
+        engine.wait_serving(version)
+        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[version - 1]
+
+
+def test_a_vllm_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine):
+    """One rank per node: each node's rank keeps its own copy, so the engine pulls at most
+    two models' bytes per version (its nodes), and holds two copies."""
+    workers = nodes_engine.engine.tensorhub_status()["workers"]
+    assert len(workers) == 2, workers
+    prefix = workers[0].rsplit("-rank", 1)[0]
+    model = model_bytes(nodes_engine.versions.state(VERSIONS))
+    coordinator = nodes_engine.fleet.status()
+    for version in range(2, VERSIONS + 1):
+        nbytes, readers = pulled(coordinator, version, prefix)
+        print(f"vLLM TP=2 on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
+              f"({nbytes / model:.2f} x the model)")
+        assert model <= nbytes <= 2 * model
+    assert holders(coordinator, VERSIONS, workers) == set(workers)

@@ -1,0 +1,95 @@
+"""What the cross-host engine tests (`test_vllm_nodes.py`, `test_sglang_nodes.py`) share: one
+TP=2 engine whose two ranks run on two emulated hosts (node 0 serves HTTP, node 1 runs the
+other rank), a coordinator and a trainer on a third host, and the checks every version gets.
+
+Each emulated host has a network, PID, UTS and mount namespace of its own
+(`tensorhub_testing.cluster`), joined by a bridge with shaped links; each engine host also
+gets a private `/dev/shm` (a tmpfs mounted in its mount namespace): SGLang decides that two
+ranks share a node by a shared-memory segment, so hosts that share the real `/dev/shm` look
+like one node to it and hang at start-up. The engine is started after the trainer published
+v1, so it joins late (from the trainer, across hosts) and then follows v2 and v3.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+from integration.engine_server import EngineServer
+from integration.tiny_model import Versions, pick_stable_prompts, save_version
+from integration.tp_fleet import TOKENS, TP_SHAPE
+from tensorhub_testing.cluster import Cluster, Host
+from tensorhub_testing.fleet import Fleet
+
+VERSIONS = 3
+SHM_SIZE = "2g"
+# launch(model folder, coordinator address, node 0's host, node 1's host) -> [node 0, node 1]
+Launch = Callable[[Path, str, Host, Host], list[EngineServer]]
+
+
+def private_shm(host: Host) -> None:
+    """A `/dev/shm` of the host's own (gone with its mount namespace when the host ends)."""
+    host.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_SIZE}", "tmpfs", "/dev/shm"],
+             check=True)
+
+
+@contextmanager
+def engine_on_two_hosts(root: Path, launch: Launch,
+                        healthy_timeout: float) -> Iterator[SimpleNamespace]:
+    """Versions 1-3 of a tiny float32 model whose heads split over two ranks, a trainer
+    (on its own host) that published v1, and the engine `launch` starts, healthy: its node
+    0 first in the list. Everything is stopped, and the hosts torn down, at the end."""
+    versions = Versions(root, count=VERSIONS, **TP_SHAPE)
+    prompts, expected = pick_stable_prompts(versions.dir, 4, 12, TOKENS,
+                                            state_dicts=versions.states)
+    folders = [save_version(versions.dir, versions.state(v), root / f"v{v}")
+               for v in range(1, VERSIONS + 1)]
+    with Cluster(3, egress="800mbit") as cluster, Fleet(cluster, log_dir=root) as fleet:
+        trainer_host, node0, node1 = cluster.hosts
+        for host in (node0, node1):
+            private_shm(host)
+        trainer = trainer_host.popen([sys.executable, "-m", "integration.line_trainer",
+                                      fleet.address], stdin=subprocess.PIPE, name="trainer",
+                                     log_path=str(root / "trainer.log"))
+        engines: list[EngineServer] = []
+
+        def publish(version: int) -> None:
+            trainer.send_line(str(folders[version - 1]))
+            assert trainer.next_json(120) == {"version": version}
+
+        try:
+            publish(1)
+            engines = launch(versions.dir, fleet.address, node0, node1)
+            engines[0].wait_healthy(healthy_timeout)
+            assert all(e.alive() for e in engines), engines[1].log_tail()
+            yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected,
+                                  engine=engines[0], other=engines[1], fleet=fleet,
+                                  publish=publish)
+        finally:
+            for engine in reversed(engines):
+                engine.stop(timeout=5)  # (a headless vLLM node ignores SIGTERM for long)
+            trainer.stop()
+
+
+def pulled(status: dict, version: int, reader_prefix: str) -> tuple[int, set[str]]:
+    """Bytes of `version` the engine's workers (names starting `reader_prefix`) pulled, and
+    the workers that read them, as the coordinator's `status` (`Fleet.status`) records."""
+    records = [t for t in status["transfers"]
+               if t["version"] == version and t["ok"] and t["reader"].startswith(reader_prefix)]
+    return sum(t["nbytes"] for t in records), {t["reader"] for t in records}
+
+
+def holders(status: dict, version: int, names: list[str]) -> set[str]:
+    """Which of the workers `names` hold `version` (their checkpoint copies), as the
+    coordinator's `status` says."""
+    return {h["name"] for model in status["models"] for v in model["versions"]
+            if v["version"] == version for h in v["holders"]
+            if h["name"] in names and not h["withdrawn"]}
+
+
+def model_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
