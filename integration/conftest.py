@@ -17,6 +17,14 @@ from integration.engine_venvs import engine_python
 from tensorhub.tools.processes import ChildProcess
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every engine test is `slow`: out of the fast loop (`pytest -m "not slow"`)."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 def _engine_python(target: str) -> str:
     if os.environ.get("TENSORHUB_TEST_ENGINES", "1") == "0":
         pytest.skip(f"TENSORHUB_TEST_ENGINES=0: no {target} venv, so no {target} server")

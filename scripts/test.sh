@@ -17,4 +17,10 @@ fi
 echo "test.sh: set-up done in $((SECONDS - started)) s; linting, then running the tests" >&2
 cd "$here"
 "$venv/bin/ruff" check .
-exec "$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider "$@"
+if [ $# -gt 0 ]; then  # (arguments: one pytest run with them, e.g. -m "not slow")
+  exec "$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider "$@"
+fi
+# The fast loop first (no engine, no namespace: a few minutes), so a broken unit fails early;
+# then everything else.
+"$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider -m "not slow"
+exec "$venv/bin/python" -m pytest tests integration -q -p no:cacheprovider -m slow

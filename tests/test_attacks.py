@@ -32,6 +32,8 @@ from tensorhub.core.errors import CoordinatorUnavailable, TransferError
 from tensorhub.core.transport import Peer, ReadOp, grants
 from tensorhub.core.transport.zmq import ZmqTransport
 
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
+
 TOKEN = "attack-test-token"
 STATE = {"w": torch.arange(65536, dtype=torch.float32).reshape(256, 256),
          "b": torch.linspace(-1, 1, 7)}

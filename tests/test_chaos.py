@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tensorhub.tools.chaos import ChaosConfig, run_chaos
+
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 
 
 def test_after_random_kills_every_replica_is_bit_exact_on_the_newest_and_none_read_torn():

@@ -4,10 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tensorhub import Publisher, Replica
 from tensorhub.tools.processes import ChildProcess
+
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 
 
 def _tensorhub(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

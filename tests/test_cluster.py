@@ -29,10 +29,13 @@ from tensorhub_testing.cluster import (
 needs_cluster = pytest.mark.skipif(namespaces.available() is not None,
                                    reason=str(namespaces.available()))
 
+pytestmark = pytest.mark.slow  # (namespaces: not in the fast loop)
+
 # What a program sees of the host it runs on.
 WHOAMI = """
 import json, os, socket, time
 from tensorhub.core.transport.cma import host_identity
+
 print(json.dumps({"hostname": socket.gethostname(), "pid_ns": os.readlink("/proc/self/ns/pid"),
                   "pid": os.getpid(), "cwd": os.getcwd(), "identity": host_identity(),
                   "links": sorted(os.listdir("/sys/class/net"))}), flush=True)

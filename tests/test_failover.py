@@ -3,10 +3,14 @@ only what it had not read yet."""
 
 from __future__ import annotations
 
+import pytest
+
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
 from tensorhub.tools.demo import synthetic_state_dict
 from tensorhub.tools.processes import ChildProcess
+
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 
 
 def test_kill_9_of_a_parent_mid_pull_completes_bit_exact_from_another_holder(

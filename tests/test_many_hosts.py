@@ -10,8 +10,9 @@ import pytest
 from tensorhub_testing.cluster import Cluster, HostSpec, available
 from tensorhub_testing.fleet import Fleet
 
-pytestmark = pytest.mark.skipif(available() is not None,
-                                reason=f"no emulated hosts here: {available()}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(available() is not None,
+                                 reason=f"no emulated hosts here: {available()}")]
 
 
 def _pulled(proc, timeout: float = 180.0, retries: int = 0) -> dict:

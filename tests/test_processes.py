@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tensorhub import Publisher
 from tensorhub.core.checksum import checksum
 from tensorhub.tools.demo import synthetic_state_dict
 from tensorhub.tools.processes import ChildProcess
+
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 
 
 def _replica(address: str, name: str, transport: str, versions: int) -> ChildProcess:

@@ -17,6 +17,8 @@ from tensorhub.tools.chaos import CoordinatorProcess, replica_process
 from tensorhub.tools.demo import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
+
 
 @pytest.fixture
 def coordinator_proc():

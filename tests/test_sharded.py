@@ -26,6 +26,8 @@ from tensorhub.tools.chaos import CoordinatorProcess
 from tensorhub.tools.processes import ChildProcess
 from tensorhub_testing.waits import wait_for
 
+pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
+
 
 def rank_state(rank: int, version: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s own tensors at `version`: one large (its own item), two tiny."""
