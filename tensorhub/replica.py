@@ -51,12 +51,13 @@ from tensorhub.core.errors import (
     TransferError,
 )
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.layout_diff import explain_mismatch
 from tensorhub.core.memory import describe
+from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchError
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
-from tensorhub.publisher import NamedTensors, named_list
 from tensorhub.reader.patches import PatchPuller, apply_chain
 from tensorhub.reader.session import Parents, PullSession, Reader
 from tensorhub.reader.striped import StripedReader
@@ -344,7 +345,12 @@ class Replica:
                            poll_max=settings.POLL_MAX)
         registrations = self.session.registrations
         if warm is None:
-            self._plan(pull, pull.first_request())
+            try:
+                self._plan(pull, pull.first_request())
+            except CoordinatorError as exc:
+                if exc.code != "layout_mismatch" or self.layout is None:
+                    raise
+                raise self._mismatch(version, exc) from None
         plan = pull.plan
         if pull.held_already:
             self._end(pull.end(ok=True))
@@ -357,8 +363,9 @@ class Replica:
                 raise
         if plan.layout_id != self.layout.layout_id:
             self._end(pull.end(ok=False, error="layout mismatch"))
-            raise LayoutError(f"{self.model} v{plan.version} has layout {plan.layout_id}, "
-                              f"this replica {self.layout.layout_id}")
+            raise self._mismatch(plan.version, LayoutError(
+                f"{self.model} v{plan.version} has layout {plan.layout_id}, this replica "
+                f"{self.layout.layout_id}"))
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
         self.session.pulling = lambda: pull.progress(time.monotonic())
@@ -418,6 +425,21 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _mismatch(self, version: int | str, refusal: TensorHubError) -> TensorHubError:
+        """A `LayoutError` that says how our tensors differ from the layout `version` is
+        published in (its manifest, from the coordinator); `refusal` as it is when the
+        published layout is ours (an untrusted one) or cannot be had."""
+        try:
+            reply = self.session.call(GetManifest(model=self.model, version=version,
+                                                  part=self.part.part))
+        except TensorHubError:
+            return refusal
+        if reply.layout_id == self.layout.layout_id:
+            return refusal
+        return LayoutError(explain_mismatch(self.model, reply.version, self.layout.manifest,
+                                            reply.manifest, self.layout.layout_id,
+                                            reply.layout_id))
 
     def _install(self, previous: int | None, dest: list[torch.Tensor],
                  deadline: float) -> None:
