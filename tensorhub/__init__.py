@@ -5,6 +5,7 @@ version; workers pull a version one-sided from peers that hold it and then serve
 """
 
 from tensorhub.core.errors import (
+    AddressError,
     CoordinatorError,
     CoordinatorUnavailable,
     IntegrityError,
@@ -17,6 +18,7 @@ from tensorhub.publisher import Publisher
 from tensorhub.replica import Replica
 
 __all__ = [
+    "AddressError",
     "CoordinatorError",
     "CoordinatorUnavailable",
     "IntegrityError",

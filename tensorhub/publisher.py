@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +35,12 @@ from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import as_bytes
+from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchWriter
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 
 log = logging.getLogger("tensorhub.publisher")
-
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
 
 @dataclass(frozen=True)
 class PatchStats:
@@ -53,11 +51,6 @@ class PatchStats:
     version: int
     density: float
     nbytes: int
-
-
-def named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return [(name, t.detach()) for name, t in items]
 
 
 class Publisher:
@@ -150,7 +143,8 @@ class Publisher:
         if self.part.parts > 1:
             raise ValueError("declare: a sharded trainer's parts cannot be declared yet; "
                              "its readers ask for plans when the first version comes")
-        manifest = manifest_of(named_list(named_tensors), self.compact_threshold)
+        manifest = manifest_of(named_list(named_tensors, empty_ok=False),
+                               self.compact_threshold)
         try:
             self.session.call(Declare(worker_id=self.session.worker_id, model=self.model,
                                       manifest=manifest))
@@ -177,7 +171,7 @@ class Publisher:
         if self.part.parts > 1 and version is None:
             raise ValueError("a sharded publish needs an explicit version, the same on every "
                              "rank (the training step, say)")
-        named = named_list(named_tensors)
+        named = named_list(named_tensors, empty_ok=False)
         latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
         if version <= latest:

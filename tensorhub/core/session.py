@@ -34,7 +34,7 @@ from tensorhub.core.data_types import (
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
-from tensorhub.core.net import local_address_towards, reachable_announce
+from tensorhub.core.net import check_coordinator_address, local_address_towards, reachable_announce
 from tensorhub.core.stripes import POLL_WINDOW, PROGRESS_BYTES
 from tensorhub.core.topology import worker_labels
 from tensorhub.core.transport import Transport, make_transport
@@ -62,6 +62,7 @@ class WorkerSession:
         """`register_wait`: how long to keep trying to register while the coordinator does
         not answer (not up yet, restarting: a lost request is sent again); 0: one try.
         `owners`: a trainer's model credentials, shown from its first registration on."""
+        check_coordinator_address(coordinator)  # (before a transport is made for it)
         self.name = name
         self.role = role
         self.labels = worker_labels(labels)
