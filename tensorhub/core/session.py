@@ -152,10 +152,12 @@ class WorkerSession:
             try:
                 return attempt(min(self.client.timeout,
                                    max(0.1, deadline - time.monotonic())))
-            except CoordinatorUnavailable as exc:
+            except CoordinatorUnavailable:
                 if time.monotonic() >= deadline:
                     raise
-                log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
+                # (one short line a try: the error itself, with its hints, comes at the end)
+                log.warning("%s: no answer from the coordinator at %s; trying again for up "
+                            "to %.0f s more", self.name, self.client.address,
                             deadline - time.monotonic())
 
     def _recover(self) -> None:

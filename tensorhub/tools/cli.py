@@ -341,10 +341,7 @@ def _publish(args: argparse.Namespace) -> int:
         while args.linger and not stop:  # keep serving the last version until told to stop
             time.sleep(0.1)
     finally:
-        if stop:  # told to stop: no waiting for retention
-            pub.session.close()
-        else:
-            pub.close()
+        pub.close(retain=not stop)  # told to stop: no waiting for retention
     return 0
 
 
