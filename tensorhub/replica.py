@@ -65,6 +65,14 @@ from tensorhub.reader.striped import StripedReader
 log = logging.getLogger("tensorhub.replica")
 
 
+def failure_text(exc: BaseException) -> str:
+    """How a failed pull is recorded (the coordinator's status shows it): Ctrl-C as
+    "interrupted", never an empty text."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return str(exc) or type(exc).__name__
+
+
 class Replica:
     def __init__(
         self,
@@ -369,10 +377,12 @@ class Replica:
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
         self.session.pulling = lambda: pull.progress(time.monotonic())
+        reading = False  # whether a read into `dest` may have begun
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
+            reading = True
             verifier = Verifier(plan, dest) if self.verify else None
             try:
                 if self.whole_items:
@@ -395,9 +405,11 @@ class Replica:
             self.session.pulling = None
             if relay:
                 self.session.progress.zero_()  # our children stop reading from us
-            self._end(pull.end(ok=False, error=str(exc)))
-            if relay:
+            self._end(pull.end(ok=False, error=failure_text(exc)))
+            if relay and reading:
                 self._stop_serving_partial(plan.version, deadline)
+            if not reading and previous is not None and not self.staging:
+                self._hold_again(previous)
             raise
         try:
             self._install(previous, dest, deadline)
@@ -425,6 +437,18 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _hold_again(self, version: int) -> None:
+        """A pull stopped before any byte of our buffers changed (interrupted while it
+        waited for reads of `version` to end, say): we still hold `version` whole, so we
+        are on it again and offer it as before."""
+        self.version = version
+        try:
+            self.session.hold(self.model, version, self.layout, self._checksums, self.part)
+        except TensorHubError as exc:  # (superseded meanwhile and forgotten: no matter)
+            log.log(logging.INFO if exc.code == "unknown_version" else logging.WARNING,
+                    "%s: still on %s v%d, not offered to readers again: %s",
+                    self.session.name, self.model, version, exc)
 
     def _mismatch(self, version: int | str, refusal: TensorHubError) -> TensorHubError:
         """A `LayoutError` that says how our tensors differ from the layout `version` is
