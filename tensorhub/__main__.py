@@ -1,0 +1,7 @@
+"""`python -m tensorhub ...`: the `tensorhub` command, where its script is not on PATH."""
+
+import sys
+
+from tensorhub.tools.cli import main
+
+sys.exit(main())
