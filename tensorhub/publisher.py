@@ -54,6 +54,18 @@ class PatchStats:
 
 
 class Publisher:
+    """The trainer's handle on one model: `publish(state_dict)` makes the tensors a new
+    immutable version that replicas pull one-sided, from the trainer or from each other.
+
+    By default each publish copies the tensors into buffers of its own (host memory the
+    size of the model), so the trainer may step at once; `zero_copy=True` serves the
+    trainer's own tensors instead, which must then stay untouched until `release()`.
+    Creating one registers with the coordinator: one try of `timeout` seconds unless
+    `register_wait` says to keep trying. `close()` (or leaving a `with` block) first waits,
+    up to `retain_timeout`, until `min_replicas` replicas hold the newest version, so it
+    outlives the trainer; `close(retain=False)` skips that wait.
+    """
+
     def __init__(
         self,
         coordinator: str,

@@ -74,6 +74,21 @@ def failure_text(exc: BaseException) -> str:
 
 
 class Replica:
+    """A worker's copy of one model: `pull()` brings its buffers to a version, verified
+    against the version's checksums, and from then on it serves that version to others.
+
+    Give it your own tensors (an engine's live parameters, in the publisher's names,
+    dtypes, shapes and order) or none (it allocates them from the first version's
+    layout). `wait_for_newer(timeout)` blocks until a newer version is announced.
+
+    What a failed pull leaves: in place (default) the replica reads straight into its
+    buffers, so a pull that fails after reading began leaves it holding nothing (`version`
+    is None; a pull stopped before any byte changed, Ctrl-C while it waited, leaves it on
+    the version it held). With `staging=True` it reads into a second copy (host or device
+    memory the size of the model) while it keeps serving the old version, and any failed
+    pull leaves it exactly on its previous version.
+    """
+
     def __init__(
         self,
         coordinator: str,
