@@ -56,7 +56,7 @@ from tensorhub.core.memory import describe
 from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchError
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
-from tensorhub.core.session import WorkerSession
+from tensorhub.core.session import WorkerSession, default_name
 from tensorhub.core.transport import Transport
 from tensorhub.reader.patches import PatchPuller, apply_chain
 from tensorhub.reader.session import Parents, PullSession, Reader
@@ -95,7 +95,7 @@ class Replica:
         model: str,
         named_tensors: NamedTensors | None = None,
         *,
-        name: str = "replica",
+        name: str | None = None,
         transport: str | Transport | None = None,
         staging: bool = False,
         verify: bool = True,
@@ -109,7 +109,9 @@ class Replica:
         coordinator_wait: float = 0.0,
         patches: bool = True,
     ):
-        """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
+        """`name`: how status and logs show this worker (default: `replica-HOST-PID`, with
+        a number after the first in a process).
+        `named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
         joining with no weights of its own). `whole_items`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
@@ -123,7 +125,8 @@ class Replica:
         self.staging = staging
         self.verify = verify
         self.whole_items = whole_items
-        self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
+        self.session = WorkerSession(coordinator, name or default_name("replica"), "replica",
+                                     transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
         self._device = device
         self.layout: BoundLayout | None = None

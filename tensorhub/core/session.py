@@ -7,7 +7,10 @@ so the coordinator's soft state comes back without any worker restarting.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -44,6 +47,17 @@ log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
 
 
+
+
+_named = itertools.count()
+
+
+def default_name(role: str) -> str:
+    """A worker name nobody else has by default: the role, this host and process, and a
+    number for each further one in the process (`replica-gpu3-4182`, `replica-gpu3-4182-2`),
+    so that status and logs tell workers given no name apart."""
+    n = next(_named)
+    return f"{role}-{socket.gethostname()}-{os.getpid()}" + (f"-{n + 1}" if n else "")
 
 
 class WorkerSession:
