@@ -642,6 +642,9 @@ class TransferRecord(Strict):
     seconds: float
     ok: bool
     error: str | None = None
+    # Wall-clock time (Unix seconds) the coordinator recorded it: `tensorhub status` shows
+    # it, so an operator can tell a pull of a minute ago from one of an hour ago.
+    ended_at: float | None = None
 
 
 class PullInFlight(PullProgress):

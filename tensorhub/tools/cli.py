@@ -138,7 +138,8 @@ def _status(args: argparse.Namespace) -> int:
         print("recent pulls (reader <- source):")
         for t in reply.transfers[-20:]:
             rate = t.nbytes / t.seconds / 1e9 if t.seconds else 0.0
-            print(f"  {t.reader} <- {t.source}: {t.model} v{t.version} "
+            at = time.strftime("%H:%M:%S ", time.localtime(t.ended_at)) if t.ended_at else ""
+            print(f"  {at}{t.reader} <- {t.source}: {t.model} v{t.version} "
                   f"{t.nbytes / 2**20:.1f} MiB {rate:.2f} GB/s {'ok' if t.ok else t.error}")
     return 0
 
@@ -149,9 +150,11 @@ def _replica(args: argparse.Namespace) -> int:
     each version named on stdin."""
     from tensorhub.core.checksum import checksum
     from tensorhub.core.errors import TensorHubError
+    from tensorhub.core.session import default_name
     from tensorhub.replica import Replica
 
     deadline = time.monotonic() + args.timeout
+    args.name = args.name or default_name("replica")
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
                       whole_items=args.whole_items, coordinator_wait=min(120.0, args.timeout))
     stop = []
@@ -473,8 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "serve it to other readers.")
     _coordinator_flag(p)
     p.add_argument("--model", default="policy", help="the model to follow (default policy)")
-    p.add_argument("--name", default="replica",
-                   help="this worker's name in status and logs (default replica)")
+    p.add_argument("--name", default=None,
+                   help="this worker's name in status and logs (default replica-HOST-PID)")
     p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
                    help="default: $TENSORHUB_TRANSPORT or auto")
     p.add_argument("--versions", type=int, default=0, help="stop after N pulls (0: never)")
