@@ -320,14 +320,20 @@ class Replica:
                 self._plan(pull, pull.missing_request(unread))
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
-             max_replans: int = 3) -> int:
+             max_replans: int = 3, announce_wait: float = 0.0) -> int:
         """Pull `version` (or the latest) into this replica's buffers; return the version.
 
         A source that fails mid-read is reported (the coordinator drops its references)
         and only the missing ranges are re-planned from another holder, up to
         `max_replans` times. Raises `CoordinatorError` (unknown model/version, no holder
         left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
-        for what a failure leaves behind."""
+        for what a failure leaves behind.
+
+        `announce_wait`: a `version` not announced yet (the trainer has not published it)
+        is waited for up to this long, listening to announcements, before the pull's
+        `timeout` starts; 0: it fails at once (`CoordinatorError`, "unknown_version")."""
+        if isinstance(version, int) and announce_wait > 0:
+            self._await_announcement(version, announce_wait)
         deadline = time.monotonic() + timeout
         late_before = self._late_reads()  # a late read landing from here on: verify again
         self.last_pull_patches = []
@@ -455,6 +461,19 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _await_announcement(self, version: int, wait: float) -> None:
+        """Block until `version` (or a newer one) is announced, up to `wait` seconds: a
+        reader that asked for a plan again and again instead would cost the coordinator a
+        refusal of a few KiB each time, across every link between it and the reader."""
+        if self._watcher is None:
+            self._watcher = VersionWatcher(self.session, self.model)
+        if self._watcher.wait_newer(version - 1, wait) is None:
+            latest = self._watcher.latest()
+            raise CoordinatorError(
+                f"{self.model!r} v{version} was not announced within {wait:g} s (latest: "
+                f"{'none' if latest is None else f'v{latest}'}); is the trainer publishing?",
+                code="unknown_version")
 
     def _hold_again(self, version: int) -> None:
         """A pull stopped before any byte of our buffers changed (interrupted while it
