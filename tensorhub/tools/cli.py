@@ -96,6 +96,7 @@ def _keygen(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from tensorhub.core.client import CoordinatorClient
     from tensorhub.core.data_types import StatusRequest
+    from tensorhub.core.patch import PATCH_SUFFIX, is_patch_model, patch_model
 
     if args.watch:
         try:
@@ -124,13 +125,17 @@ def _status(args: argparse.Namespace) -> int:
     for p in reply.pulls:
         print(f"  pulling {p.reader} <- {p.model} v{p.version}: {p.done / 2**20:.1f} of "
               f"{p.total / 2**20:.1f} MiB in {p.seconds:.0f} s")
+    listed = {m.model for m in reply.models}
+    patches = {m.model: m for m in reply.models if is_patch_model(m.model)
+               and m.model.removesuffix(PATCH_SUFFIX) in listed}
     for m in reply.models:
+        if m.model in patches:
+            continue  # (shown under the model it patches)
         print(f"model {m.model}: latest v{m.latest}")
-        for v in m.versions:
-            holders = ", ".join(
-                f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
-                for h in v.holders) or "no holder"
-            print(f"  v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: {holders}")
+        _print_versions(m, "  ")
+        if patch_model(m.model) in patches:
+            print(f"  patches ({patch_model(m.model)}):")
+            _print_versions(patches[patch_model(m.model)], "    ")
     if reply.suspect_readers:
         print(f"readers failing on every holder they try (check their transport settings): "
               f"{', '.join(reply.suspect_readers)}")
@@ -141,6 +146,30 @@ def _status(args: argparse.Namespace) -> int:
             at = time.strftime("%H:%M:%S ", time.localtime(t.ended_at)) if t.ended_at else ""
             print(f"  {at}{t.reader} <- {t.source}: {t.model} v{t.version} "
                   f"{t.nbytes / 2**20:.1f} MiB {rate:.2f} GB/s {'ok' if t.ok else t.error}")
+    return 0
+
+
+def _print_versions(m, indent: str) -> None:
+    for v in m.versions:
+        holders = ", ".join(
+            f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
+            for h in v.holders) or "no holder"
+        print(f"{indent}v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: "
+              f"{holders}")
+
+
+def _forget(args: argparse.Namespace) -> int:
+    """Drop a model nobody uses any more (and its patches) from the coordinator."""
+    from tensorhub.core.client import CoordinatorClient
+    from tensorhub.core.data_types import Forget
+
+    client = CoordinatorClient(args.coordinator, timeout=args.timeout)
+    try:
+        reply = client.call(Forget(model=args.model))
+    finally:
+        client.close()
+    print("forgot " + "; ".join(f"{m} ({', '.join(f'v{v}' for v in vs) or 'no version'})"
+                                for m, vs in reply.versions.items()))
     return 0
 
 
@@ -469,6 +498,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the coordinator's answer (default 5)")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser("forget", help="drop a model nobody uses any more, and its patches",
+                       description="Drop MODEL and its patches (MODEL.patch) from the "
+                       "coordinator's records, so that status lists only the models in use. "
+                       "Refused, naming them, while any worker holds, publishes or reads it.")
+    p.add_argument("model", help="the model to forget")
+    _coordinator_flag(p)
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator's answer (default 5)")
+    p.set_defaults(func=_forget)
 
     p = sub.add_parser("replica", help="a replica process: pull each new version, serve it on",
                        description="Allocate buffers from the model's manifest, pull every new "
