@@ -430,7 +430,7 @@ class Replica:
             if relay:
                 self.session.progress.zero_()  # our children stop reading from us
             self._end(pull.end(ok=False, error=failure_text(exc)))
-            if relay and reading:
+            if relay:
                 self._stop_serving_partial(plan.version, deadline)
             if not reading and previous is not None and not self.staging:
                 self._hold_again(previous)
