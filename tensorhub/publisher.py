@@ -42,6 +42,7 @@ from tensorhub.core.transport import Transport
 
 log = logging.getLogger("tensorhub.publisher")
 
+
 @dataclass(frozen=True)
 class PatchStats:
     """The last patch a publisher offered: its base and version, the share of words that
@@ -57,9 +58,10 @@ class Publisher:
     """The trainer's handle on one model: `publish(state_dict)` makes the tensors a new
     immutable version that replicas pull one-sided, from the trainer or from each other.
 
-    By default each publish copies the tensors into buffers of its own (host memory the
-    size of the model), so the trainer may step at once; `zero_copy=True` serves the
-    trainer's own tensors instead, which must then stay untouched until `release()`.
+    By default each publish copies the tensors into buffers of its own (memory the size
+    of the model, on the tensors' device), so the trainer may step at once;
+    `zero_copy=True` serves the trainer's own tensors instead, which must then stay
+    untouched until `release()`.
     Creating one registers with the coordinator: one try of `timeout` seconds unless
     `register_wait` says to keep trying. `close()` (or leaving a `with` block) first waits,
     up to `retain_timeout`, until `min_replicas` replicas hold the newest version, so it

@@ -46,9 +46,6 @@ T = TypeVar("T")
 log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
 
-
-
-
 _named = itertools.count()
 
 
