@@ -317,7 +317,8 @@ def test_the_transfer_history_reads_back_as_records_and_keeps_the_latest():
 
     table = Table(max_transfers=3)
     records = [TransferRecord(reader="r", source=f"s{i}", model="m", version=1, nbytes=i,
-                              seconds=0.5, ok=i % 2 == 0, error=None if i % 2 == 0 else "x")
+                              seconds=0.5, ok=i % 2 == 0, error=None if i % 2 == 0 else "x",
+                              ended_at=1000.0 + i)
                for i in range(5)]
     for rec in records:
         table.record(rec)

@@ -4,6 +4,7 @@ each recent pull ended."""
 import os
 import re
 import socket
+import time
 
 import torch
 
@@ -30,3 +31,14 @@ def test_recent_pulls_show_the_time_they_ended(coordinator, capsys):
         assert main(["status", "--coordinator", coordinator.address]) == 0
         out = capsys.readouterr().out
     assert re.search(r"^  \d\d:\d\d:\d\d reader <- trainer: lm v1 ", out, re.MULTILINE), out
+
+
+def test_a_transfer_recorded_without_a_time_is_stamped_as_it_is_recorded():
+    from tensorhub.coordinator.table import Table
+    from tensorhub.core.data_types import TransferRecord
+
+    table = Table()
+    before = time.time()
+    table.record(TransferRecord(reader="r", source="s", model="m", version=1, nbytes=1,
+                                seconds=0.1, ok=True))
+    assert before <= table.transfers[0].ended_at <= time.time()
