@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tensorhub.core.errors import (
+    AddressError,
     CoordinatorError,
     CoordinatorUnavailable,
     IntegrityError,
@@ -40,6 +41,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AddressError",
     "CoordinatorError",
     "CoordinatorUnavailable",
     "IntegrityError",

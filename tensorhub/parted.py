@@ -25,19 +25,21 @@ from tensorhub.core.errors import (
     TransferError,
 )
 from tensorhub.core.layout import BoundLayout
+from tensorhub.core.session import default_name
 from tensorhub.replica import Replica
 
 log = logging.getLogger("tensorhub.parted")
 
 
 class PartedReplica:
-    def __init__(self, coordinator: str, model: str, *, name: str = "replica",
+    def __init__(self, coordinator: str, model: str, *, name: str | None = None,
                  transport: str | None = None, token: str | None = None,
                  timeout: float = 10.0, labels: dict[str, str] | None = None,
                  whole_items: bool = False):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`."""
-        self.coordinator, self.model, self.name = coordinator, model, name
+        self.coordinator, self.model = coordinator, model
+        self.name = name or default_name("replica")
         self._kw = {"transport": transport, "token": token, "timeout": timeout,
                     "labels": labels, "whole_items": whole_items}
         self.replicas: list[Replica] = [self._replica(0)]

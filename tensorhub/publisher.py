@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +35,12 @@ from tensorhub.core.errors import CoordinatorError, TensorHubError
 from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import as_bytes
+from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchWriter
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 
 log = logging.getLogger("tensorhub.publisher")
-
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,20 @@ class PatchStats:
     nbytes: int
 
 
-def named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return [(name, t.detach()) for name, t in items]
-
-
 class Publisher:
+    """The trainer's handle on one model: `publish(state_dict)` makes the tensors a new
+    immutable version that replicas pull one-sided, from the trainer or from each other.
+
+    By default each publish copies the tensors into buffers of its own (memory the size
+    of the model, on the tensors' device), so the trainer may step at once;
+    `zero_copy=True` serves the trainer's own tensors instead, which must then stay
+    untouched until `release()`.
+    Creating one registers with the coordinator: one try of `timeout` seconds unless
+    `register_wait` says to keep trying. `close()` (or leaving a `with` block) first waits,
+    up to `retain_timeout`, until `min_replicas` replicas hold the newest version, so it
+    outlives the trainer; `close(retain=False)` skips that wait.
+    """
+
     def __init__(
         self,
         coordinator: str,
@@ -76,13 +83,19 @@ class Publisher:
         token: str | None = None,
         timeout: float = 10.0,
         coordinator_wait: float = 120.0,
+        register_wait: float = 0.0,
         labels: dict[str, str] | None = None,
         part: int = 0,
         parts: int = 1,
         patches: bool = True,
         owners: dict[str, str] | None = None,
     ):
-        """`owners`: the credentials of the models an earlier run of this trainer bound
+        """`coordinator_wait`: how long a call is tried again while a coordinator that
+        answered before does not (a restart, a pause). `register_wait`: how long the
+        constructor keeps trying one that has not answered yet (a job that starts it along
+        with the trainer); 0: one try of `timeout` seconds, as a `Replica` makes, so a wrong
+        address fails within `timeout`.
+        `owners`: the credentials of the models an earlier run of this trainer bound
         (`Publisher.owners`, saved with its checkpoint): a resumed job shows them, else
         the coordinator keeps the models its first trainer's (`coordinator/owners.py`).
         `part` of `parts`: this trainer rank publishes one part of each version, and the
@@ -104,7 +117,7 @@ class Publisher:
         self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
         self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
-                                     timeout, register_wait=coordinator_wait, owners=owners)
+                                     timeout, register_wait=register_wait, owners=owners)
         self.session.published = self._published
         self._layout: BoundLayout | None = None
         self._buffers_version = 0  # the version our buffers hold whole (0: none, or torn)
@@ -150,7 +163,8 @@ class Publisher:
         if self.part.parts > 1:
             raise ValueError("declare: a sharded trainer's parts cannot be declared yet; "
                              "its readers ask for plans when the first version comes")
-        manifest = manifest_of(named_list(named_tensors), self.compact_threshold)
+        manifest = manifest_of(named_list(named_tensors, empty_ok=False),
+                               self.compact_threshold)
         try:
             self.session.call(Declare(worker_id=self.session.worker_id, model=self.model,
                                       manifest=manifest))
@@ -177,7 +191,7 @@ class Publisher:
         if self.part.parts > 1 and version is None:
             raise ValueError("a sharded publish needs an explicit version, the same on every "
                              "rank (the training step, say)")
-        named = named_list(named_tensors)
+        named = named_list(named_tensors, empty_ok=False)
         latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
         if version <= latest:
@@ -307,11 +321,14 @@ class Publisher:
                     f"published theirs", code="aborted")
             time.sleep(0.02)
 
-    def retained(self, timeout: float | None = None) -> bool:
+    def retained(self, timeout: float | None = None,
+                 waiting: tuple[str, str] | None = None) -> bool:
         """Wait until `min_replicas` replicas hold our current version in our layout (a
         holder of another layout cannot serve our readers). False when no replica is
         registered and none is reading it for 1 s (nobody could keep it); raises
-        `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`)."""
+        `TensorHubError` ("last_holder") after `timeout` (default `retain_timeout`).
+        `waiting`: (who waits, how to skip it), said in a warning as soon as it is clear
+        that this waits: a wait that is not said looks like a hang."""
         if self.version is None or self._latest(patient=False) > self.version:
             return True  # (a newer version supersedes ours: nothing to keep)
         timeout = self.retain_timeout if timeout is None else timeout
@@ -323,6 +340,12 @@ class Publisher:
                 layout_id=self.layout_id))
             if r.replica_holders >= self.min_replicas:
                 return True
+            if waiting is not None and (r.replicas or r.active_reads):
+                log.warning("%s v%d: %s waits up to %g s until %d replica(s) hold it (%d "
+                            "do, %d read(s) in flight), so that the trainer's copy is not "
+                            "its last; %s", self.model, self.version, waiting[0], timeout,
+                            self.min_replicas, r.replica_holders, r.active_reads, waiting[1])
+                waiting = None
             if r.replicas == 0 and r.active_reads == 0:
                 # Nobody could keep it, unless a replica is re-registering this instant
                 # (a reader re-buffering for a new sharding): seen twice, 1 s apart.
@@ -344,7 +367,8 @@ class Publisher:
         first waits until the version is retained by replicas (see `retained`)."""
         if self.version is None:
             return
-        if not force and not self.retained(timeout):
+        if not force and not self.retained(
+                timeout, waiting=("release()", "release(force=True) skips the wait")):
             log.warning("%s v%d: no replica to keep it; releasing the only copy", self.model,
                         self.version)
         self._drop_current(timeout)
@@ -358,10 +382,13 @@ class Publisher:
                                   force=True)
             self.version = None
 
-    def close(self) -> None:
-        """Unregister, after waiting (bounded) for replicas to hold the newest version."""
+    def close(self, retain: bool = True) -> None:
+        """Unregister, after waiting (up to `retain_timeout`) for `min_replicas` replicas to
+        hold the newest version, said at once when they do not yet; `retain=False`: no
+        wait (the newest version is gone unless a replica holds it already)."""
         try:
-            if self.version is not None and not self.retained():
+            if retain and self.version is not None and not self.retained(
+                    waiting=("close()", "close(retain=False) skips the wait")):
                 log.warning("%s v%d: no replica holds it; it is gone when the trainer exits",
                             self.model, self.version)
         except TensorHubError as exc:

@@ -51,12 +51,13 @@ from tensorhub.core.errors import (
     TransferError,
 )
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
+from tensorhub.core.layout_diff import explain_mismatch
 from tensorhub.core.memory import describe
+from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchError
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
-from tensorhub.core.session import WorkerSession
+from tensorhub.core.session import WorkerSession, default_name
 from tensorhub.core.transport import Transport
-from tensorhub.publisher import NamedTensors, named_list
 from tensorhub.reader.patches import PatchPuller, apply_chain
 from tensorhub.reader.session import Parents, PullSession, Reader
 from tensorhub.reader.striped import StripedReader
@@ -64,14 +65,37 @@ from tensorhub.reader.striped import StripedReader
 log = logging.getLogger("tensorhub.replica")
 
 
+def failure_text(exc: BaseException) -> str:
+    """How a failed pull is recorded (the coordinator's status shows it): Ctrl-C as
+    "interrupted", never an empty text."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return str(exc) or type(exc).__name__
+
+
 class Replica:
+    """A worker's copy of one model: `pull()` brings its buffers to a version, verified
+    against the version's checksums, and from then on it serves that version to others.
+
+    Give it your own tensors (an engine's live parameters, in the publisher's names,
+    dtypes, shapes and order) or none (it allocates them from the first version's
+    layout). `wait_for_newer(timeout)` blocks until a newer version is announced.
+
+    What a failed pull leaves: in place (default) the replica reads straight into its
+    buffers, so a pull that fails after reading began leaves it holding nothing (`version`
+    is None; a pull stopped before any byte changed, Ctrl-C while it waited, leaves it on
+    the version it held). With `staging=True` it reads into a second copy (host or device
+    memory the size of the model) while it keeps serving the old version, and any failed
+    pull leaves it exactly on its previous version.
+    """
+
     def __init__(
         self,
         coordinator: str,
         model: str,
         named_tensors: NamedTensors | None = None,
         *,
-        name: str = "replica",
+        name: str | None = None,
         transport: str | Transport | None = None,
         staging: bool = False,
         verify: bool = True,
@@ -85,7 +109,9 @@ class Replica:
         coordinator_wait: float = 0.0,
         patches: bool = True,
     ):
-        """`named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
+        """`name`: how status and logs show this worker (default: `replica-HOST-PID`, with
+        a number after the first in a process).
+        `named_tensors`: the worker's own buffers (live parameters), in checkpoint layout.
         None: allocate buffers from the manifest of the first version pulled (a worker
         joining with no weights of its own). `whole_items`: whole-item plans, no
         striping (one source a pull). `part`: which part of a sharded version this replica
@@ -99,7 +125,8 @@ class Replica:
         self.staging = staging
         self.verify = verify
         self.whole_items = whole_items
-        self.session = WorkerSession(coordinator, name, "replica", transport, labels, token,
+        self.session = WorkerSession(coordinator, name or default_name("replica"), "replica",
+                                     transport, labels, token,
                                      timeout, register_wait=coordinator_wait)
         self._device = device
         self.layout: BoundLayout | None = None
@@ -293,14 +320,20 @@ class Replica:
                 self._plan(pull, pull.missing_request(unread))
 
     def pull(self, version: int | str = "latest", timeout: float = 60.0,
-             max_replans: int = 3) -> int:
+             max_replans: int = 3, announce_wait: float = 0.0) -> int:
         """Pull `version` (or the latest) into this replica's buffers; return the version.
 
         A source that fails mid-read is reported (the coordinator drops its references)
         and only the missing ranges are re-planned from another holder, up to
         `max_replans` times. Raises `CoordinatorError` (unknown model/version, no holder
         left), `TransferError`, `IntegrityError` or `LayoutError`; see the class docstring
-        for what a failure leaves behind."""
+        for what a failure leaves behind.
+
+        `announce_wait`: a `version` not announced yet (the trainer has not published it)
+        is waited for up to this long, listening to announcements, before the pull's
+        `timeout` starts; 0: it fails at once (`CoordinatorError`, "unknown_version")."""
+        if isinstance(version, int) and announce_wait > 0:
+            self._await_announcement(version, announce_wait)
         deadline = time.monotonic() + timeout
         late_before = self._late_reads()  # a late read landing from here on: verify again
         self.last_pull_patches = []
@@ -344,7 +377,15 @@ class Replica:
                            poll_max=settings.POLL_MAX)
         registrations = self.session.registrations
         if warm is None:
-            self._plan(pull, pull.first_request())
+            try:
+                self._plan(pull, pull.first_request())
+            except CoordinatorError as exc:
+                # (a layout the coordinator knows but no longer plans reads from, "untrusted",
+                # is no difference of tensors: that refusal says what to do itself)
+                if exc.code != "layout_mismatch" or self.layout is None \
+                        or "untrusted" in str(exc):
+                    raise
+                raise self._mismatch(version, exc) from None
         plan = pull.plan
         if pull.held_already:
             self._end(pull.end(ok=True))
@@ -357,15 +398,18 @@ class Replica:
                 raise
         if plan.layout_id != self.layout.layout_id:
             self._end(pull.end(ok=False, error="layout mismatch"))
-            raise LayoutError(f"{self.model} v{plan.version} has layout {plan.layout_id}, "
-                              f"this replica {self.layout.layout_id}")
+            raise self._mismatch(plan.version, LayoutError(
+                f"{self.model} v{plan.version} has layout {plan.layout_id}, this replica "
+                f"{self.layout.layout_id}"))
         dest = self._staged if self.staging else self.layout.item_bytes
         previous = self.version
         self.session.pulling = lambda: pull.progress(time.monotonic())
+        reading = False  # whether a read into `dest` may have begun
         try:
             if not self.staging and previous is not None:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
+            reading = True
             verifier = Verifier(plan, dest) if self.verify else None
             try:
                 if self.whole_items:
@@ -388,9 +432,11 @@ class Replica:
             self.session.pulling = None
             if relay:
                 self.session.progress.zero_()  # our children stop reading from us
-            self._end(pull.end(ok=False, error=str(exc)))
+            self._end(pull.end(ok=False, error=failure_text(exc)))
             if relay:
                 self._stop_serving_partial(plan.version, deadline)
+            if not reading and previous is not None and not self.staging:
+                self._hold_again(previous)
             raise
         try:
             self._install(previous, dest, deadline)
@@ -418,6 +464,46 @@ class Replica:
                  self.model, plan.version, ",".join(stats.sources), stats.nbytes / 2**20,
                  stats.seconds, stats.gbps)
         return plan.version
+
+    def _await_announcement(self, version: int, wait: float) -> None:
+        """Block until `version` (or a newer one) is announced, up to `wait` seconds: a
+        reader that asked for a plan again and again instead would cost the coordinator a
+        refusal of a few KiB each time, across every link between it and the reader."""
+        if self._watcher is None:
+            self._watcher = VersionWatcher(self.session, self.model)
+        if self._watcher.wait_newer(version - 1, wait) is None:
+            latest = self._watcher.latest()
+            raise CoordinatorError(
+                f"{self.model!r} v{version} was not announced within {wait:g} s (latest: "
+                f"{'none' if latest is None else f'v{latest}'}); is the trainer publishing?",
+                code="unknown_version")
+
+    def _hold_again(self, version: int) -> None:
+        """A pull stopped before any byte of our buffers changed (interrupted while it
+        waited for reads of `version` to end, say): we still hold `version` whole, so we
+        are on it again and offer it as before."""
+        self.version = version
+        try:
+            self.session.hold(self.model, version, self.layout, self._checksums, self.part)
+        except TensorHubError as exc:  # (superseded meanwhile and forgotten: no matter)
+            log.log(logging.INFO if exc.code == "unknown_version" else logging.WARNING,
+                    "%s: still on %s v%d, not offered to readers again: %s",
+                    self.session.name, self.model, version, exc)
+
+    def _mismatch(self, version: int | str, refusal: TensorHubError) -> TensorHubError:
+        """A `LayoutError` that says how our tensors differ from the layout `version` is
+        published in (its manifest, from the coordinator); `refusal` as it is when the
+        published layout is ours (an untrusted one) or cannot be had."""
+        try:
+            reply = self.session.call(GetManifest(model=self.model, version=version,
+                                                  part=self.part.part))
+        except TensorHubError:
+            return refusal
+        if reply.layout_id == self.layout.layout_id:
+            return refusal
+        return LayoutError(explain_mismatch(self.model, reply.version, self.layout.manifest,
+                                            reply.manifest, self.layout.layout_id,
+                                            reply.layout_id))
 
     def _install(self, previous: int | None, dest: list[torch.Tensor],
                  deadline: float) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import zmq
 
-from tensorhub import CoordinatorError, Publisher, Replica
+from tensorhub import CoordinatorError, LayoutError, Publisher, Replica
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
@@ -115,7 +115,7 @@ def test_a_replica_whose_tensors_have_another_shape_gets_a_layout_error(coordina
         pub.publish(STATE)
         wrong = {"w": torch.zeros(4, 5), "b": torch.zeros(4)}
         with Replica(coordinator.address, "policy", wrong, transport="zmq") as rep:
-            with pytest.raises(CoordinatorError, match="layout") as err:
+            with pytest.raises(LayoutError, match="'w' is float32\\[4, 5\\] here") as err:
                 rep.pull(timeout=5)
             assert err.value.code == "layout_mismatch"
             assert rep.version is None
@@ -317,7 +317,8 @@ def test_the_transfer_history_reads_back_as_records_and_keeps_the_latest():
 
     table = Table(max_transfers=3)
     records = [TransferRecord(reader="r", source=f"s{i}", model="m", version=1, nbytes=i,
-                              seconds=0.5, ok=i % 2 == 0, error=None if i % 2 == 0 else "x")
+                              seconds=0.5, ok=i % 2 == 0, error=None if i % 2 == 0 else "x",
+                              ended_at=1000.0 + i)
                for i in range(5)]
     for rec in records:
         table.record(rec)

@@ -9,7 +9,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorhub.coordinator import declarations, holdings, membership, planning, publishing
+from tensorhub.coordinator import (
+    declarations,
+    forgetting,
+    holdings,
+    membership,
+    planning,
+    publishing,
+)
 from tensorhub.coordinator import status as fleet_status
 from tensorhub.coordinator.planning import PlanReply
 from tensorhub.coordinator.prepare import Prepared
@@ -20,6 +27,7 @@ from tensorhub.core.data_types import (
     Declare,
     Envelope,
     ErrorReply,
+    Forget,
     GetDeclared,
     GetManifest,
     Heartbeat,
@@ -55,7 +63,7 @@ HANDLERS: dict[type, Handler] = {
     ReadDone: planning.read_done,
     StandBy: declarations.stand_by, Declare: declarations.declare,
     GetDeclared: declarations.get_declared,
-    StatusRequest: fleet_status.status,
+    StatusRequest: fleet_status.status, Forget: forgetting.forget,
 }  # fmt: skip
 PLANS = (PlanRequest, StripedPlanRequest, ReplanStripes, ConfirmParents)
 _ACK_BYTES = encode(ACK)  # heartbeats alone are thousands a second

@@ -10,12 +10,14 @@ coordinator goes on serving.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -31,6 +33,8 @@ from tensorhub.coordinator.table import Table
 from tensorhub.coordinator.trust import Trust
 from tensorhub.core import curve
 from tensorhub.core.data_types import ErrorReply
+from tensorhub.core.errors import AddressError
+from tensorhub.core.net import split_tcp
 from tensorhub.core.wire import MAX_MESSAGE_BYTES, encode
 
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
@@ -114,6 +118,24 @@ def settle_gc(young: int = 20_000) -> None:
     gc.set_threshold(young, 10, 10)
 
 
+@contextlib.contextmanager
+def _in_use_said(bind: str, announce: str | None, which: str) -> Iterator[None]:
+    """A bind whose address is taken fails naming both of the coordinator's addresses
+    (the announcement one is the request port + 1 unless given), and the way out."""
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        taken = bind if which == "requests" else announce
+        raise AddressError(
+            f"cannot bind {taken} ({which}): the address is in use (another coordinator?). A "
+            f"coordinator binds {bind} for requests and {announce or 'a free port'} for "
+            f"announcements (the request port + 1 unless --announce is given): pick "
+            f"--bind with a port whose next one is free too, or stop the other process",
+            code="address_in_use") from None
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -165,7 +187,10 @@ class Coordinator:
         if config.token:
             self.gate = curve.TokenGate(self._ctx, config.token)
             self._gates.append(self.gate)
-        self._router.bind(config.bind)
+        said = config.announce or (announce_address_for(config.bind)
+                                   if split_tcp(config.bind) is not None else None)
+        with _in_use_said(config.bind, said, "requests"):
+            self._router.bind(config.bind)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         # A requested port 0 means "any free port": the announcement port is then random
         # too (bound port + 1 may be taken by anyone).
@@ -173,7 +198,8 @@ class Coordinator:
             announce_address_for(self.address) if not config.bind.endswith(":0") else None
         )
         if announce and not announce.endswith(":0"):
-            self._pub.bind(announce)
+            with _in_use_said(config.bind, announce, "announcements"):
+                self._pub.bind(announce)
             self.announce_address = announce
         else:
             port = self._pub.bind_to_random_port(self.address.rpartition(":")[0])

@@ -297,6 +297,7 @@ class Leases(dict[str, Lease]):
 
 _TRANSFER_FIELDS = tuple(TransferRecord.model_fields)
 _transfer_row = operator.attrgetter(*_TRANSFER_FIELDS)  # a record's fields as a tuple
+assert _TRANSFER_FIELDS[-1] == "ended_at"  # (`Transfers.append` stamps the last field)
 
 
 class Transfers:
@@ -312,7 +313,10 @@ class Transfers:
         return TransferRecord(**dict(zip(_TRANSFER_FIELDS, row, strict=True)))
 
     def append(self, rec: TransferRecord) -> None:
-        self._rows.append(_transfer_row(rec))
+        row = _transfer_row(rec)
+        if rec.ended_at is None:  # (the last field: stamped as it is recorded)
+            row = (*row[:-1], time.time())
+        self._rows.append(row)
 
     def keep_last(self, count: int) -> None:
         while len(self._rows) > count:

@@ -19,6 +19,7 @@ from tensorhub import settings
 from tensorhub.core import curve
 from tensorhub.core.data_types import Envelope, ErrorReply, Registered
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
+from tensorhub.core.net import check_coordinator_address
 from tensorhub.core.wire import WireError, decode_reply, encode, foreign
 
 # A busy reply's retry_after is scaled by 1 +- this (uniform): readers refused together
@@ -75,7 +76,7 @@ class CoordinatorClient:
         """`curve_server_key`: the coordinator's CURVE public key, when it was given one
         (`tensorhub keygen`; default: from the environment, see `core/curve.py`). With a
         token the connection is CURVE in any case (the key then derived from the token)."""
-        self.address = address
+        self.address = check_coordinator_address(address)
         self.token = token if token is not None else token_from_env()
         self.credentials = credentials or Credentials(self.token)
         self.timeout = timeout

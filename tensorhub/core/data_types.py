@@ -427,11 +427,19 @@ class GetDeclared(Strict):
     model: Name
 
 
+class Forget(Strict):
+    """Drop a model nobody uses any more, and its patches, from the coordinator's records
+    (`coordinator/forgetting.py` says when it may)."""
+
+    type: Literal["forget"] = "forget"
+    model: Name
+
+
 Request = Annotated[
     Register | Heartbeat | Unregister | Publish | Hold | Withdraw | PlanRequest
     | StripedPlanRequest | ReplanStripes | ConfirmParents | ReadDone | GetManifest
     | StatusRequest | HoldingsRequest | RetentionRequest | LatestRequest
-    | PublishStatus | StandBy | Declare | GetDeclared,
+    | PublishStatus | StandBy | Declare | GetDeclared | Forget,
     Field(discriminator="type"),
 ]
 
@@ -453,7 +461,7 @@ class ErrorReply(Strict):
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
         "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
-        "unreachable", "aborted", "probation",
+        "unreachable", "aborted", "probation", "in_use",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None
@@ -642,6 +650,9 @@ class TransferRecord(Strict):
     seconds: float
     ok: bool
     error: str | None = None
+    # Wall-clock time (Unix seconds) the coordinator recorded it: `tensorhub status` shows
+    # it, so an operator can tell a pull of a minute ago from one of an hour ago.
+    ended_at: float | None = None
 
 
 class PullInFlight(PullProgress):
@@ -707,9 +718,17 @@ class Announcement(Strict):
     source: Source | None = None
 
 
+class Forgotten(Strict):
+    """The versions forgotten, by model (the model, and its patch model if it had one)."""
+
+    type: Literal["forgotten"] = "forgotten"
+    model: Name
+    versions: dict[Name, list[Version]]
+
+
 Reply = Annotated[
     ErrorReply | Registered | Ack | HeartbeatReply | Published | Withdrawn | ReadPlan
     | ManifestReply | StatusReply | HoldingsReply | Retention | Announcement | PublishStatusReply
-    | Placement | Declared,
+    | Placement | Declared | Forgotten,
     Field(discriminator="type"),
 ]

@@ -46,3 +46,9 @@ class LayoutError(TensorHubError):
     """Local tensors do not match the layout (names, dtypes, shapes)."""
 
     code = "layout_mismatch"
+
+
+class AddressError(TensorHubError, ValueError):
+    """A coordinator address that is not a ZeroMQ address (`tcp://HOST:PORT`)."""
+
+    code = "bad_address"

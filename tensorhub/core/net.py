@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from tensorhub import settings
+from tensorhub.core.errors import AddressError
 
 log = logging.getLogger("tensorhub.net")
 
@@ -31,6 +32,19 @@ def split_tcp(address: str) -> tuple[str, int] | None:
         return host.strip("[]") or "*", int(port)
     except ValueError:
         return None
+
+
+def check_coordinator_address(address: str) -> str:
+    """`address` if it is a ZeroMQ address a client can connect to (`tcp://HOST:PORT`, or
+    `ipc://` / `inproc://`); else `AddressError` naming it and the form expected."""
+    if isinstance(address, str) and address.startswith(("ipc://", "inproc://")):
+        return address
+    if isinstance(address, str) and split_tcp(address) is not None:
+        return address
+    example = f"tcp://{address}" if isinstance(address, str) and ":" in address \
+        and "://" not in address else "tcp://127.0.0.1:5555"
+    raise AddressError(f"coordinator address {address!r} is not of the form tcp://HOST:PORT "
+                       f"(e.g. {example})")
 
 
 def is_loopback(host: str | None) -> bool:

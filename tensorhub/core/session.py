@@ -7,7 +7,10 @@ so the coordinator's soft state comes back without any worker restarting.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -34,7 +37,7 @@ from tensorhub.core.data_types import (
 from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable, TensorHubError
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
-from tensorhub.core.net import local_address_towards, reachable_announce
+from tensorhub.core.net import check_coordinator_address, local_address_towards, reachable_announce
 from tensorhub.core.stripes import POLL_WINDOW, PROGRESS_BYTES
 from tensorhub.core.topology import worker_labels
 from tensorhub.core.transport import Transport, make_transport
@@ -43,7 +46,15 @@ T = TypeVar("T")
 log = logging.getLogger("tensorhub.session")
 POLL_SLOTS = 64  # poll buffers: one per stripe a pull reads (stripes are at most 64)
 
+_named = itertools.count()
 
+
+def default_name(role: str) -> str:
+    """A worker name nobody else has by default: the role, this host and process, and a
+    number for each further one in the process (`replica-gpu3-4182`, `replica-gpu3-4182-2`),
+    so that status and logs tell workers given no name apart."""
+    n = next(_named)
+    return f"{role}-{socket.gethostname()}-{os.getpid()}" + (f"-{n + 1}" if n else "")
 
 
 class WorkerSession:
@@ -62,6 +73,7 @@ class WorkerSession:
         """`register_wait`: how long to keep trying to register while the coordinator does
         not answer (not up yet, restarting: a lost request is sent again); 0: one try.
         `owners`: a trainer's model credentials, shown from its first registration on."""
+        check_coordinator_address(coordinator)  # (before a transport is made for it)
         self.name = name
         self.role = role
         self.labels = worker_labels(labels)
@@ -151,10 +163,12 @@ class WorkerSession:
             try:
                 return attempt(min(self.client.timeout,
                                    max(0.1, deadline - time.monotonic())))
-            except CoordinatorUnavailable as exc:
+            except CoordinatorUnavailable:
                 if time.monotonic() >= deadline:
                     raise
-                log.warning("%s: %s; trying again for up to %.0f s more", self.name, exc,
+                # (one short line a try: the error itself, with its hints, comes at the end)
+                log.warning("%s: no answer from the coordinator at %s; trying again for up "
+                            "to %.0f s more", self.name, self.client.address,
                             deadline - time.monotonic())
 
     def _recover(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import queue
 import signal
 import sys
@@ -18,6 +19,18 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:5555"  # loopback: nothing is exposed unless asked
+
+
+def _coordinator_default() -> str:
+    """Where the commands that talk to a coordinator find it by default: the engines'
+    TENSORHUB_COORDINATOR when set, else the loopback default."""
+    return settings.COORDINATOR.get() or DEFAULT_COORDINATOR
+
+
+def _coordinator_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=_coordinator_default(),
+                   help=f"the coordinator's address (default: $TENSORHUB_COORDINATOR, else "
+                        f"{DEFAULT_COORDINATOR})")
 
 
 def _positive(text: str) -> float:
@@ -86,9 +99,16 @@ def _keygen(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from tensorhub.core.client import CoordinatorClient
     from tensorhub.core.data_types import StatusRequest
+    from tensorhub.core.patch import PATCH_SUFFIX, is_patch_model, patch_model
 
     if args.watch:
-        from tensorhub.tools.live_view import watch
+        try:
+            from tensorhub.tools.live_view import watch
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").partition(".")[0] != "rich":
+                raise
+            raise SystemExit("tensorhub status --watch needs the rich package: pip install "
+                             "rich (or pip install 'tensorhub[watch]')") from None
 
         watch(args.coordinator, interval=args.interval, timeout=args.timeout)
         return 0
@@ -108,13 +128,17 @@ def _status(args: argparse.Namespace) -> int:
     for p in reply.pulls:
         print(f"  pulling {p.reader} <- {p.model} v{p.version}: {p.done / 2**20:.1f} of "
               f"{p.total / 2**20:.1f} MiB in {p.seconds:.0f} s")
+    listed = {m.model for m in reply.models}
+    patches = {m.model: m for m in reply.models if is_patch_model(m.model)
+               and m.model.removesuffix(PATCH_SUFFIX) in listed}
     for m in reply.models:
+        if m.model in patches:
+            continue  # (shown under the model it patches)
         print(f"model {m.model}: latest v{m.latest}")
-        for v in m.versions:
-            holders = ", ".join(
-                f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
-                for h in v.holders) or "no holder"
-            print(f"  v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: {holders}")
+        _print_versions(m, "  ")
+        if patch_model(m.model) in patches:
+            print(f"  patches ({patch_model(m.model)}):")
+            _print_versions(patches[patch_model(m.model)], "    ")
     if reply.suspect_readers:
         print(f"readers failing on every holder they try (check their transport settings): "
               f"{', '.join(reply.suspect_readers)}")
@@ -122,8 +146,33 @@ def _status(args: argparse.Namespace) -> int:
         print("recent pulls (reader <- source):")
         for t in reply.transfers[-20:]:
             rate = t.nbytes / t.seconds / 1e9 if t.seconds else 0.0
-            print(f"  {t.reader} <- {t.source}: {t.model} v{t.version} "
+            at = time.strftime("%H:%M:%S ", time.localtime(t.ended_at)) if t.ended_at else ""
+            print(f"  {at}{t.reader} <- {t.source}: {t.model} v{t.version} "
                   f"{t.nbytes / 2**20:.1f} MiB {rate:.2f} GB/s {'ok' if t.ok else t.error}")
+    return 0
+
+
+def _print_versions(m, indent: str) -> None:
+    for v in m.versions:
+        holders = ", ".join(
+            f"{h.name}{'(withdrawn)' if h.withdrawn else ''}[{h.active_reads} reads]"
+            for h in v.holders) or "no holder"
+        print(f"{indent}v{v.version} layout {v.layout_id} {v.nbytes / 2**20:.1f} MiB: "
+              f"{holders}")
+
+
+def _forget(args: argparse.Namespace) -> int:
+    """Drop a model nobody uses any more (and its patches) from the coordinator."""
+    from tensorhub.core.client import CoordinatorClient
+    from tensorhub.core.data_types import Forget
+
+    client = CoordinatorClient(args.coordinator, timeout=args.timeout)
+    try:
+        reply = client.call(Forget(model=args.model))
+    finally:
+        client.close()
+    print("forgot " + "; ".join(f"{m} ({', '.join(f'v{v}' for v in vs) or 'no version'})"
+                                for m, vs in reply.versions.items()))
     return 0
 
 
@@ -133,9 +182,11 @@ def _replica(args: argparse.Namespace) -> int:
     each version named on stdin."""
     from tensorhub.core.checksum import checksum
     from tensorhub.core.errors import TensorHubError
+    from tensorhub.core.session import default_name
     from tensorhub.replica import Replica
 
     deadline = time.monotonic() + args.timeout
+    args.name = args.name or default_name("replica")
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
                       whole_items=args.whole_items, coordinator_wait=min(120.0, args.timeout))
     stop = []
@@ -284,7 +335,10 @@ def _publish(args: argparse.Namespace) -> int:
     from tensorhub.publisher import Publisher
     from tensorhub.tools.demo import synthetic_state_dict
 
-    if (args.path is None) == (args.synthetic_mb is None):
+    if args.path is None and args.synthetic_mb is None:
+        raise SystemExit("tensorhub publish: nothing to publish: give a checkpoint PATH (a "
+                         "safetensors file or folder) or --synthetic-mb MIB")
+    if args.path is not None and args.synthetic_mb is not None:
         raise SystemExit("tensorhub publish: give a checkpoint PATH or --synthetic-mb, not both")
     import torch
 
@@ -344,10 +398,7 @@ def _publish(args: argparse.Namespace) -> int:
         while args.linger and not stop:  # keep serving the last version until told to stop
             time.sleep(0.1)
     finally:
-        if stop:  # told to stop: no waiting for retention
-            pub.session.close()
-        else:
-            pub.close()
+        pub.close(retain=not stop)  # told to stop: no waiting for retention
     return 0
 
 
@@ -373,11 +424,21 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tensorhub-plugins")  # (the distribution's name, pyproject.toml)
+    except PackageNotFoundError:  # (run from a source tree that is not installed)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tensorhub",
         description="TensorHub: publish LLM weight versions from a trainer; engines pull them "
                     "one-sided from whichever peer already holds them.")
+    parser.add_argument("--version", action="version", version=f"tensorhub {_version()}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -437,28 +498,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_keygen)
 
     p = sub.add_parser("status", help="models, versions, holders and recent pulls")
-    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
+    _coordinator_flag(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", action="store_true",
                    help="redraw the fleet every --interval seconds (Ctrl-C ends): versions, "
                         "holders, pulls in flight with progress and GB/s, recent pulls")
     p.add_argument("--interval", type=_positive, default=1.0,
                    help="seconds between redraws with --watch (default 1)")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator's answer (default 5)")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser("forget", help="drop a model nobody uses any more, and its patches",
+                       description="Drop MODEL and its patches (MODEL.patch) from the "
+                       "coordinator's records, so that status lists only the models in use. "
+                       "Refused, naming them, while any worker holds, publishes or reads it.")
+    p.add_argument("model", help="the model to forget")
+    _coordinator_flag(p)
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator's answer (default 5)")
+    p.set_defaults(func=_forget)
 
     p = sub.add_parser("replica", help="a replica process: pull each new version, serve it on",
                        description="Allocate buffers from the model's manifest, pull every new "
                        "version as it is announced (or as stdin names it: --on-demand), and "
                        "serve it to other readers.")
-    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
-    p.add_argument("--model", default="policy")
-    p.add_argument("--name", default="replica")
+    _coordinator_flag(p)
+    p.add_argument("--model", default="policy", help="the model to follow (default policy)")
+    p.add_argument("--name", default=None,
+                   help="this worker's name in status and logs (default replica-HOST-PID)")
     p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
                    help="default: $TENSORHUB_TRANSPORT or auto")
     p.add_argument("--versions", type=int, default=0, help="stop after N pulls (0: never)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this long")
-    p.add_argument("--pull-timeout", type=float, default=60.0)
+    p.add_argument("--pull-timeout", type=float, default=60.0,
+                   help="longest one pull may take (default 60 s)")
     p.add_argument("--linger", action="store_true",
                    help="after the last pull, keep serving until SIGTERM")
     p.add_argument("--json", action="store_true", help="one JSON line per pull")
@@ -482,16 +556,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "--versions new versions, each after --wait-replicas replicas hold the "
                        "previous one; --linger keeps serving the last until SIGTERM.")
     p.add_argument("path", nargs="?", default=None, help="safetensors file or folder")
-    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
-    p.add_argument("--model", default="policy")
-    p.add_argument("--name", default="trainer")
+    _coordinator_flag(p)
+    p.add_argument("--model", default="policy", help="the model to publish (default policy)")
+    p.add_argument("--name", default="trainer",
+                   help="this worker's name in status and logs (default trainer)")
     p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
                    help="default: $TENSORHUB_TRANSPORT or auto")
     p.add_argument("--synthetic-mb", type=float, default=None,
                    help="publish synthetic weights of this many MiB instead of PATH")
     p.add_argument("--tiny", type=int, default=100,
                    help="with --synthetic-mb: small tensors among them (default 100)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --synthetic-mb: seed of the synthetic weights (default 0)")
     p.add_argument("--versions", type=int, default=1, help="versions to publish (default 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="with --synthetic-mb: the weights' dtype (default float32)")
@@ -524,24 +600,34 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Drive the real coordinator with simulated workers and "
                        "links; print completion time / lower bound per fleet size, beside a "
                        "star and a ring.")
-    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
-    p.add_argument("--model-gib", type=float, default=8.0)
-    p.add_argument("--chunk-mib", type=float, default=64.0)
-    p.add_argument("--nic-gbps", type=float, default=100.0)
-    p.add_argument("--dcs", type=int, default=1, help="datacenters (workers round robin)")
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256],
+                   help="fleet sizes to simulate, one run each (default 8 16 32 64 128 256)")
+    p.add_argument("--model-gib", type=float, default=8.0,
+                   help="size of the simulated version in GiB (default 8)")
+    p.add_argument("--chunk-mib", type=float, default=64.0,
+                   help="chunk size in MiB the version is pulled and served in (default 64)")
+    p.add_argument("--nic-gbps", type=float, default=100.0,
+                   help="each simulated worker's NIC bandwidth in Gbit/s (default 100)")
+    p.add_argument("--dcs", type=int, default=1,
+                   help="datacenters, workers dealt round robin among them (default 1)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a plot of the runs to this PNG file (needs matplotlib)")
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("demo", help="coordinator + trainer + replicas on this machine",
                        description="Start a coordinator and replica processes, publish a few "
                        "versions from an in-process trainer, and show who pulled from whom.")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--versions", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=2,
+                   help="replica processes to start (default 2)")
+    p.add_argument("--versions", type=int, default=3,
+                   help="versions the trainer publishes (default 3)")
     p.add_argument("--size-mb", type=int, default=256, help="size of the fake model (MiB)")
     p.add_argument("--transport", choices=["nixl", "zmq", "cma", "auto"], default=None,
                    help="default: $TENSORHUB_TRANSPORT or auto (shared memory / cma on this "
                         "host)")
-    p.add_argument("--port", type=int, default=5655)
+    p.add_argument("--port", type=int, default=5655,
+                   help="the demo coordinator's request port on 127.0.0.1; announcements "
+                        "use the next one (default 5655)")
     p.set_defaults(func=_demo)
     return parser
 
@@ -558,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     except TensorHubError as exc:
         print(f"tensorhub: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # (`tensorhub status | head`: the reader has gone)
+        # What is still buffered for stdout goes nowhere, not into a second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
 
 
 if __name__ == "__main__":
