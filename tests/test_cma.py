@@ -20,6 +20,8 @@ from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.cma import CmaNotPermitted, CmaTransport
 from tensorhub.tools.processes import ChildProcess
 
+pytestmark = pytest.mark.slow  # (a holder process per test: not in the fast loop)
+
 HOLDER = """
 import json, time, torch
 from tensorhub.core.transport.cma import CmaTransport

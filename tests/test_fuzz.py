@@ -29,6 +29,8 @@ from tensorhub.core.data_types import DTYPES, ErrorReply, Reply, Request, Status
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.wire import decode_reply, encode
 
+pytestmark = pytest.mark.slow  # (hundreds of generated requests per test: not in the fast loop)
+
 TOKEN = "fuzz-token"
 REPLY_TYPES = get_args(get_args(Reply)[0])
 REQUEST_TYPES = get_args(get_args(Request)[0])

@@ -24,6 +24,8 @@ from tests.test_warm_pulls import (
     sums,
 )
 
+pytestmark = pytest.mark.slow  # (waits for declarations and late versions: not in the fast loop)
+
 
 def _stand_by(replicas: list[Replica]) -> None:
     """Until every replica has a parent in each stripe (a leaf waits out the grace)."""

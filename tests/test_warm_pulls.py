@@ -18,6 +18,8 @@ from tensorhub.core.wire import encode
 from tensorhub.tools.demo import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 
+pytestmark = pytest.mark.slow  # (parents that leave, leases that end: not in the fast loop)
+
 
 def sums(tensors) -> dict[str, str]:
     return {n: checksum(t) for n, t in tensors.items()}
