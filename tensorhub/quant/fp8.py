@@ -1,7 +1,9 @@
-"""What the fp8 recipes share: the e4m3 type, its range, and the result of a quantizer."""
+"""What the fp8 recipes share: the e4m3 type, its range, the result of a quantizer, and the
+128 x 128 block cast the block recipes of both engines make (they differ in the scale)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,3 +29,22 @@ def check_matrix(weight: torch.Tensor) -> None:
         raise ValueError(f"a quantizer takes a 2-d [out, in] weight, not {tuple(weight.shape)}")
     if not weight.is_floating_point() or weight.dtype == FP8:
         raise ValueError(f"a quantizer takes bf16/fp16/fp32 weights, not {weight.dtype}")
+
+
+def block_cast(weight: torch.Tensor, scale_of: Callable[[torch.Tensor], torch.Tensor]
+               ) -> Fp8Weight:
+    """DeepGEMM's `per_block_cast_to_fp8`, as both engines copy it: the weight zero-padded to
+    whole 128 x 128 blocks, each block's amax (floored at 1e-4) made a scale by `scale_of`
+    (vLLM: amax / 448; SGLang: that rounded up to a power of two), values multiplied by
+    `1.0 / scale`."""
+    check_matrix(weight)
+    m, n = weight.shape
+    padded = torch.zeros((-(-m // BLOCK) * BLOCK, -(-n // BLOCK) * BLOCK), dtype=weight.dtype,
+                         device=weight.device)
+    padded[:m, :n] = weight
+    blocks = padded.view(-1, BLOCK, padded.size(1) // BLOCK, BLOCK)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = scale_of(amax)
+    values = (blocks * (1.0 / scale)).to(FP8)
+    return Fp8Weight(values.view_as(padded)[:m, :n].contiguous(),
+                     scale.view(blocks.size(0), blocks.size(2)))

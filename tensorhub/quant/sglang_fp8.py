@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorhub.quant.fp8 import BLOCK, FP8, FP8_MAX, Fp8Weight, check_matrix
+from tensorhub.quant.fp8 import FP8, FP8_MAX, Fp8Weight, block_cast, check_matrix
 
 
 def sglang_per_tensor(weight: torch.Tensor) -> Fp8Weight:
@@ -43,14 +43,4 @@ def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
 def sglang_block_ue8m0(weight: torch.Tensor) -> Fp8Weight:
     """128 x 128 blocks with power-of-two scales: (fp8 values, [ceil(out/128),
     ceil(in/128)] fp32 scales). SGLang calls it on bf16 weights only."""
-    check_matrix(weight)
-    m, n = weight.shape
-    padded = torch.zeros((-(-m // BLOCK) * BLOCK, -(-n // BLOCK) * BLOCK), dtype=weight.dtype,
-                         device=weight.device)
-    padded[:m, :n] = weight
-    blocks = padded.view(-1, BLOCK, padded.size(1) // BLOCK, BLOCK)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = ceil_to_ue8m0(amax / FP8_MAX)
-    values = (blocks * (1.0 / scale)).to(FP8)
-    return Fp8Weight(values.view_as(padded)[:m, :n].contiguous(),
-                     scale.view(blocks.size(0), blocks.size(2)))
+    return block_cast(weight, lambda amax: ceil_to_ue8m0(amax / FP8_MAX))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorhub.quant.fp8 import BLOCK, FP8, FP8_MAX, FP8_MIN, Fp8Weight, check_matrix
+from tensorhub.quant.fp8 import FP8, FP8_MAX, FP8_MIN, Fp8Weight, block_cast, check_matrix
 
 # vLLM quantizes this many elements at a time (its fp32 intermediate stays small); the
 # bytes do not depend on it, only the peak memory.
@@ -74,14 +74,4 @@ def vllm_block(weight: torch.Tensor) -> Fp8Weight:
     """`fp8_per_block`: 128 x 128 blocks (the weight zero-padded to whole blocks), each
     with an fp32 scale amax / 448 (amax floored at 1e-4); values multiplied by
     `1.0 / scale`. The scale is vLLM's `weight_scale_inv`."""
-    check_matrix(weight)
-    m, n = weight.shape
-    padded = torch.zeros((-(-m // BLOCK) * BLOCK, -(-n // BLOCK) * BLOCK), dtype=weight.dtype,
-                         device=weight.device)
-    padded[:m, :n] = weight
-    blocks = padded.view(-1, BLOCK, padded.size(1) // BLOCK, BLOCK)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / FP8_MAX
-    values = (blocks * (1.0 / scale)).to(FP8)
-    return Fp8Weight(values.view_as(padded)[:m, :n].contiguous(),
-                     scale.view(blocks.size(0), blocks.size(2)))
+    return block_cast(weight, lambda amax: amax / FP8_MAX)
