@@ -380,10 +380,9 @@ class Replica:
             try:
                 self._plan(pull, pull.first_request())
             except CoordinatorError as exc:
-                # (a layout the coordinator knows but no longer plans reads from, "untrusted",
+                # (a layout the coordinator knows but plans no reads from, `layout_unserved`,
                 # is no difference of tensors: that refusal says what to do itself)
-                if exc.code != "layout_mismatch" or self.layout is None \
-                        or "untrusted" in str(exc):
+                if exc.code != "layout_mismatch" or self.layout is None:
                     raise
                 raise self._mismatch(version, exc) from None
         plan = pull.plan

@@ -45,13 +45,15 @@ def plan(state: CoordinatorState, req: PlanRequest | StripedRequest) -> PlanRepl
         raise Reject("layout_mismatch",
                      f"nobody holds {req.model!r} v{vrec.version} in layout {lid}; "
                      f"known layouts: {', '.join(vrec.layouts)}")
+    # A layout the coordinator knows but plans no reads from ("layout_unserved": not a
+    # difference of tensors; the reader takes the publisher's layout instead).
     if layout.untrusted:
-        raise Reject("layout_mismatch",
+        raise Reject("layout_unserved",
                      f"holders of {req.model!r} v{vrec.version} in layout {lid} disagree on "
                      f"its bytes: it is untrusted; read the publisher's layout "
                      f"({vrec.origin_layout})")
     if not state.vouched(vrec, lid, layout):
-        raise Reject("layout_mismatch",
+        raise Reject("layout_unserved",
                      f"{req.model!r} v{vrec.version} in layout {lid} is vouched for by "
                      f"{len(layout.vouchers)} address(es) only (its checksums come from its "
                      f"holders, not the publisher): read the publisher's layout "

@@ -461,7 +461,7 @@ class ErrorReply(Strict):
     code: Literal[
         "bad_request", "unauthorized", "unknown_worker", "unknown_model", "unknown_version",
         "stale_version", "layout_mismatch", "no_holder", "busy", "last_holder", "internal",
-        "unreachable", "aborted", "probation", "in_use",
+        "unreachable", "aborted", "probation", "in_use", "layout_unserved",
     ]  # fmt: skip
     message: str
     retry_after: float | None = None
