@@ -205,7 +205,6 @@ def holdings(state: CoordinatorState, req: HoldingsRequest) -> HoldingsReply:
     mrec = state.table.models.get(req.model)
     wanted = set(req.names)
     holdings: dict[str, list[int]] = {n: [] for n in req.names}
-    named = Counter(w.name for w in state.table.workers.values() if w.name in wanted)
     for v, vrec in sorted(mrec.versions.items()) if mrec else []:
         if vrec.parts is not None:
             for name in wanted:
@@ -217,7 +216,7 @@ def holdings(state: CoordinatorState, req: HoldingsRequest) -> HoldingsReply:
         held = Counter(w.name for wid in holding
                        if (w := state.table.workers.get(wid)) is not None and w.name in wanted)
         for name, n in held.items():
-            if n == named[name]:
+            if n == state.table.named[name]:
                 holdings[name].append(v)
     pulls = {n: state.table.last_pull[n][1] for n in req.names if n in state.table.last_pull}
     return HoldingsReply(latest=mrec.latest if mrec else 0, holdings=holdings, pulls=pulls,

@@ -35,6 +35,7 @@ def register(state: CoordinatorState, req: Register) -> Registered:
         progress=req.progress, secret=secret, grant_key=req.grant_key, peer=peer)
     state.account_metadata(worker, req.endpoint)
     state.table.workers[worker_id] = worker
+    state.table.named[worker.name] += 1
     if peer:
         state.peer_workers[peer] += 1
     if req.role == "replica":
@@ -132,6 +133,9 @@ def forget_worker(state: CoordinatorState, worker_id: str, why: str, reason: str
     worker = state.table.workers.pop(worker_id, None)
     if worker is None:
         return
+    state.table.named[worker.name] -= 1
+    if not state.table.named[worker.name]:
+        del state.table.named[worker.name]
     state.release_metadata(worker)
     state.owners.worker_gone(worker_id)
     state.metrics.evictions.labels(reason).inc()

@@ -393,9 +393,11 @@ class CoordinatorState:
         is its worker's choice, see `holdings.holdings`)."""
         for r, layout in enumerate(vrec.part_layouts()):
             part_name = Part.worker_name(name, r)
-            named = {w.worker_id for w in self.table.workers.values() if w.name == part_name}
-            if layout is None or not named or not named <= {
-                    h.worker_id for h in layout.holders.values() if not h.withdrawn}:
+            workers = self.table.workers
+            holding = sum(1 for h in layout.holders.values() if not h.withdrawn
+                          and (w := workers.get(h.worker_id)) is not None
+                          and w.name == part_name) if layout is not None else 0
+            if not holding or holding != self.table.named[part_name]:
                 return False
         return True
 

@@ -337,6 +337,9 @@ class Transfers:
 @dataclass
 class Table:
     workers: dict[str, WorkerRec] = field(default_factory=dict)
+    # live workers by name (names are the workers' choice: several may share one), kept
+    # by `membership` as workers come and go, so that no holdings question walks them all
+    named: Counter[str] = field(default_factory=Counter)
     models: dict[str, ModelRec] = field(default_factory=dict)
     leases: Leases = field(default_factory=Leases)
     transfers: Transfers = field(default_factory=Transfers)
