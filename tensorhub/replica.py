@@ -492,7 +492,7 @@ class Replica:
     def _mismatch(self, version: int | str, refusal: TensorHubError) -> TensorHubError:
         """A `LayoutError` that says how our tensors differ from the layout `version` is
         published in (its manifest, from the coordinator); `refusal` as it is when the
-        published layout is ours (an untrusted one) or cannot be had."""
+        published layout is ours or cannot be had."""
         try:
             reply = self.session.call(GetManifest(model=self.model, version=version,
                                                   part=self.part.part))

@@ -19,7 +19,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tensorhub import settings
@@ -45,8 +45,7 @@ class Followed(Protocol):
     def repair(self) -> Any:
         """Load the version served before again, whole (from peers if need be)."""
 
-    # Optional: `async news(timeout) -> bool` waits at most `timeout` for an announcement
-    # (`FleetView.news`); `pending: bool` says the copy is pulling a newer version.
+    # Optional: `pending: bool` says the copy is pulling a newer version.
 
 
 async def _done(result: Any) -> Any:
@@ -70,9 +69,13 @@ class PendingPulls:
 
 
 class FollowLoop:
-    def __init__(self, engine: Followed, poll_interval: float):
+    def __init__(self, engine: Followed, poll_interval: float,
+                 news: Callable[[float], Awaitable[bool]] | None = None):
+        """`news(timeout)`: waits at most `timeout` for the coordinator's announcement of a
+        version (`FleetView.news`), so a look follows a publish at once."""
         self.engine = engine
         self.poll_interval = poll_interval
+        self.news = news
         self._retry_at: dict[int, float] = {}  # a version whose swap failed: not before
         self._repair_at = 0.0  # torn weights: the next try to load the served version again
 
@@ -110,15 +113,14 @@ class FollowLoop:
 
     async def run(self, stopped: Callable[[], bool] = lambda: False) -> None:
         """Look every `poll_interval` seconds until `stopped()` (or cancelled), and at once
-        when the coordinator announces a version (`engine.news`, where the engine has it);
-        while the engine's copy is pulling a newer version (`engine.pending`), every
-        `settings.POLL_PENDING` seconds, so that the swap follows the pull closely."""
-        news = getattr(self.engine, "news", None)
+        when the coordinator announces a version (`news`, where given); while the engine's
+        copy is pulling a newer version (`engine.pending`), every `settings.POLL_PENDING`
+        seconds, so that the swap follows the pull closely."""
         while not stopped():
             await self.step()
             if getattr(self.engine, "pending", False):
                 await asyncio.sleep(min(self.poll_interval, settings.POLL_PENDING))
-            elif news is not None:
-                await news(self.poll_interval)
+            elif self.news is not None:
+                await self.news(self.poll_interval)
             else:
                 await asyncio.sleep(self.poll_interval)

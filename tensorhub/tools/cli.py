@@ -182,20 +182,19 @@ def _replica(args: argparse.Namespace) -> int:
     each version named on stdin."""
     from tensorhub.core.checksum import checksum
     from tensorhub.core.errors import TensorHubError
-    from tensorhub.core.session import default_name
     from tensorhub.replica import Replica
 
     deadline = time.monotonic() + args.timeout
-    args.name = args.name or default_name("replica")
     replica = Replica(args.coordinator, args.model, name=args.name, transport=args.transport,
                       whole_items=args.whole_items, coordinator_wait=min(120.0, args.timeout))
+    name = replica.session.name  # (its default: replica-HOST-PID)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     asked = _stdin_lines(stop) if args.on_demand else None
     pulled = 0
     try:
         if args.standby and _stand_by(replica, deadline, stop) and args.json:
-            print(json.dumps({"event": "standing_by", "name": args.name}), flush=True)
+            print(json.dumps({"event": "standing_by", "name": name}), flush=True)
         while not stop and (args.versions == 0 or pulled < args.versions):
             left = min(1.0, max(0.0, deadline - time.monotonic()))
             if asked is not None:  # as an RL driver tells its rollout workers at a sync
@@ -222,7 +221,7 @@ def _replica(args: argparse.Namespace) -> int:
             pulled += 1
             s = replica.last_pull
             if args.json:
-                event = {"event": "pulled", "name": args.name, "version": version,
+                event = {"event": "pulled", "name": name, "version": version,
                          "sources": s.sources, "by_source": s.by_source, "nbytes": s.nbytes,
                          "seconds": s.seconds, "gbps": s.gbps, "started_at": started_at,
                          "ended_at": time.time(), "planned": replica.last_pull_planned,
@@ -231,7 +230,7 @@ def _replica(args: argparse.Namespace) -> int:
                     event["checksums"] = {n: checksum(t) for n, t in replica.tensors.items()}
                 print(json.dumps(event), flush=True)
             else:
-                print(f"{args.name}: v{version} from {'+'.join(s.sources)} "
+                print(f"{name}: v{version} from {'+'.join(s.sources)} "
                       f"{s.nbytes / 2**20:.1f} MiB in {s.seconds * 1e3:.1f} ms "
                       f"({s.gbps:.2f} GB/s)", flush=True)
         if args.linger:

@@ -107,7 +107,7 @@ class Driver:
         self.held_version: int | None = None  # newest every checkpoint copy held then
         self.last_error: str | None = None
         self._first_seen: dict[int, float] = {}
-        self.follow = FollowLoop(self, settings.poll_interval)
+        self.follow = FollowLoop(self, settings.poll_interval, news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._drained: tuple[bool, float] | None = None  # `wait`: (drained, seconds)
         self._stop = threading.Event()
@@ -162,11 +162,6 @@ class Driver:
         peers = [self.fleet.in_layout(lid) for lid in dict.fromkeys(layouts)]
         return (all(p.held_by_others(version, ours) for p in peers),
                 all(p.others(ours) for p in peers))
-
-    async def news(self, timeout: float) -> bool:
-        """Follow mode waits here between looks: woken by the coordinator's announcement of
-        a version, so a swap starts as soon as the copy holds it."""
-        return await self.fleet.news(timeout)
 
     def next_update(self) -> Update | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""

@@ -70,7 +70,8 @@ class Frontend:
         self.pending = False  # the copy is pulling a version newer than it holds
         self.pulls = PendingPulls()
         self._task: asyncio.Task | None = None
-        self.follow = FollowLoop(self, settings.poll_interval)  # run in follow mode
+        self.follow = FollowLoop(self, settings.poll_interval,  # run in follow mode
+                                 news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
@@ -195,11 +196,6 @@ class Frontend:
         return await self.swap(target)
 
     # ------------------------------------------------------------------ follow mode
-    async def news(self, timeout: float) -> bool:
-        """Follow mode waits here between looks: woken by the coordinator's announcement of
-        a version, so a swap starts as soon as the copy holds it."""
-        return await self.fleet.news(timeout)
-
     async def next_update(self) -> Update | None:
         """The newest version every rank holds, if newer than the one served."""
         latest, held = await self.holdings()
