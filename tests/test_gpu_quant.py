@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tensorhub.quant import (
     vllm_per_channel,
     vllm_per_tensor,
 )
+from tensorhub.quant.fp8 import FP8_MAX, block_cast
 from tensorhub_testing.fp8_weights import bf16_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -41,9 +43,18 @@ def differing_bytes(a: torch.Tensor, b: torch.Tensor) -> int:
 @pytest.mark.parametrize(("engine", "recipe"),
                          [(e, r) for e, recipes in RECIPES.items() for r in recipes])
 def test_a_reference_makes_the_same_bytes_on_cuda_as_on_cpu(engine, recipe):
+    """Except where the engine's own recipe does not: vLLM's block scale is `amax / 448.0`,
+    which PyTorch computes on CUDA as `amax * (1 / 448)` with the reciprocal rounded to
+    float32 (a division by a scalar), on CPU as a true division. Half the blocks' scales of a
+    1024 x 1024 weight then differ in their last bit, and about 0.1 % of the values by one
+    fp8 step; the bytes are the device's, as the engine's are."""
     quantize = RECIPES[engine][recipe]
+    on_cpu = quantize
+    if (engine, recipe) == ("vllm", "block"):
+        reciprocal = float(torch.tensor(1.0) / torch.tensor(FP8_MAX))  # exact in float32
+        on_cpu = partial(block_cast, scale_of=lambda amax: amax * reciprocal)
     for name, w in bf16_weights().items():
-        cpu, cuda = quantize(w), quantize(w.cuda())
+        cpu, cuda = on_cpu(w), quantize(w.cuda())
         assert differing_bytes(cpu.weight, cuda.weight.cpu()) == 0, f"{name}: values"
         assert differing_bytes(cpu.scale, cuda.scale.cpu()) == 0, f"{name}: scales"
 
@@ -67,8 +78,9 @@ def test_an_engines_cuda_quantizers_make_the_references_bytes(engine, tmp_path):
     for recipe, quantize in RECIPES[engine].items():
         for name, w in weights.items():
             assert f"{name}.{recipe}.weight" in out, f"{engine} {recipe} did not run on CUDA"
-            ref = quantize(w)
+            ref = quantize(w.cuda())  # on the engine's device: the bytes are the device's
             got_w, got_s = out[f"{name}.{recipe}.weight"], out[f"{name}.{recipe}.scale"]
-            assert differing_bytes(ref.weight, got_w) == 0, f"{engine} {recipe} {name}: values"
-            assert differing_bytes(ref.scale.float().reshape(got_s.shape), got_s) == 0, \
+            assert differing_bytes(ref.weight.cpu(), got_w) == 0, \
+                f"{engine} {recipe} {name}: values"
+            assert differing_bytes(ref.scale.cpu().float().reshape(got_s.shape), got_s) == 0, \
                 f"{engine} {recipe} {name}: scales"

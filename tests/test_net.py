@@ -22,8 +22,20 @@ def _sysfs(tmp_path, nets: dict[str, str], rdma: list[str] = ()):
 
 def test_a_fleet_on_one_host_uses_loopback(tmp_path):
     net, ib = _sysfs(tmp_path, {"lo": "unknown", "eth0": "up"})
-    assert ucx_defaults(host="127.0.0.1", sys_net=net, sys_ib=ib) == \
+    assert ucx_defaults(host="127.0.0.1", sys_net=net, sys_ib=ib, dev=tmp_path) == \
         {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+
+
+def test_a_gpu_host_gets_a_transport_that_reaches_gpu_memory(tmp_path):
+    """NIXL refuses to create its UCX backend on a host with NVIDIA GPUs when UCX_TLS has no
+    CUDA transport (seen on an H200: "Invalid UCX_TLS=tcp,cma ... Add cuda_copy")."""
+    net, ib = _sysfs(tmp_path, {"lo": "unknown"})
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()
+    assert ucx_defaults(host="127.0.0.1", sys_net=net, sys_ib=ib, dev=tmp_path)["UCX_TLS"] \
+        == "tcp,cma,cuda_copy"
+    assert ucx_defaults(True, host="127.0.0.1", sys_net=net, sys_ib=ib, dev=tmp_path)[
+        "UCX_TLS"] == "tcp,cma,cuda_copy,cuda_ipc"
 
 
 def test_across_hosts_ucx_uses_the_interface_towards_the_coordinator(tmp_path, monkeypatch):

@@ -132,9 +132,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def nvidia_gpus(dev: Path = Path("/dev")) -> list[str]:
+    """The NVIDIA GPU device nodes of this host (`/dev/nvidia0`, ...), without loading CUDA."""
+    return sorted(p.name for p in dev.glob("nvidia[0-9]*"))
+
+
 def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
                  sys_net: Path = Path("/sys/class/net"),
-                 sys_ib: Path = Path("/sys/class/infiniband")) -> dict[str, str]:
+                 sys_ib: Path = Path("/sys/class/infiniband"),
+                 dev: Path = Path("/dev")) -> dict[str, str]:
     """UCX settings for where this process runs; only applied to variables the user left
     unset (`apply_ucx_defaults`). `host`: the address this worker advertises (the one on
     its route to the coordinator).
@@ -146,6 +152,9 @@ def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
       across hosts then stalled now and then (seen: a 0.8 MiB join took 8-50 s instead of
       0.2). If that interface cannot be found, every interface that is up, loopback only
       where there is no other.
+    - Where NVIDIA GPUs are present, `cuda_copy` too (and `cuda_ipc` with
+      TENSORHUB_CUDA_IPC=1): NIXL refuses to create its UCX backend on a GPU host whose
+      UCX_TLS cannot reach GPU memory, even for a worker whose buffers are all in host memory.
     - With RDMA devices UCX's own choice (which prefers them) is left alone.
     """
     if rdma_devices(sys_ib):
@@ -153,5 +162,9 @@ def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
     devices = "lo" if is_loopback(host) else interface_of(host)
     if devices is None:
         devices = ",".join(network_interfaces(sys_net)) or "lo"
-    return {"UCX_NET_DEVICES": devices,
-            "UCX_TLS": "tcp,cma,cuda_copy,cuda_ipc" if cuda_ipc else "tcp,cma"}
+    tls = ["tcp", "cma"]
+    if cuda_ipc or nvidia_gpus(dev):
+        tls.append("cuda_copy")
+    if cuda_ipc:
+        tls.append("cuda_ipc")
+    return {"UCX_NET_DEVICES": devices, "UCX_TLS": ",".join(tls)}

@@ -73,5 +73,8 @@ def vllm_per_tensor(weight: torch.Tensor) -> Fp8Weight:
 def vllm_block(weight: torch.Tensor) -> Fp8Weight:
     """`fp8_per_block`: 128 x 128 blocks (the weight zero-padded to whole blocks), each
     with an fp32 scale amax / 448 (amax floored at 1e-4); values multiplied by
-    `1.0 / scale`. The scale is vLLM's `weight_scale_inv`."""
+    `1.0 / scale`. The scale is vLLM's `weight_scale_inv`. Its bytes are the device's, as
+    the engine's are: on CUDA PyTorch divides by the scalar 448 as a multiplication by its
+    float32 reciprocal, so about half the scales differ from a CPU's in the last bit;
+    quantized bytes are only interchangeable between engines on the same kind of device."""
     return block_cast(weight, lambda amax: amax / FP8_MAX)
