@@ -396,3 +396,25 @@ def test_openai_answers_carry_the_version_spans_streaming_and_not(fleet):
                         if choice.get("finish_reason"):
                             last = choice
         assert last is not None and last["weight_versions"] == span, last
+
+
+def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_prompt(
+        fleet, sglang_python):
+    """`TENSORHUB_PAUSE=keep_kv` (SGLang's `in_place`, the radix cache not flushed): requests
+    in flight keep their KV and none fails; requests are salted by swap epoch, so a prompt
+    cached before the swap is computed again after it, with the new weights."""
+    from integration.kept_kv import check_keep_kv
+
+    model = "kept-kv"
+    engine = SGLangServer(sglang_python, fleet.versions.dir,
+                          env={**sglang_env(fleet.address), "TENSORHUB_MODEL": model,
+                               "TENSORHUB_PAUSE": "keep_kv"},
+                          extra_args=["--custom-weight-loader", LOADER,
+                                      "--enable-cache-report"],
+                          log_path=fleet.root / "kept-kv.log")
+    with engine, Publisher(fleet.address, model, name="kept-kv-trainer") as pub:
+        pub.publish(fleet.versions.state(1))
+        wait_sglang(engine, 1)
+        check_keep_kv(engine.url, engine.model, fleet.versions.dir, fleet.versions.state(1),
+                      fleet.versions.state(2), pub.publish, lambda v: wait_sglang(engine, v),
+                      fleet.prompts, TOKENS)

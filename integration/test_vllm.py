@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from integration.faults import load_fault_env
+from integration.kept_kv import check_keep_kv
 from integration.sharded import publish_in_two_ranks
 from integration.stream_client import StreamingClients
 from integration.tiny_model import Versions, hf_greedy, pick_stable_prompts
@@ -422,3 +423,22 @@ def test_a_client_streams_through_twenty_updates_without_a_failed_request(fleet)
         answers = client.stop()
     counts = check_answers_by_their_versions(answers, fleet.versions.dir, state_of)
     assert counts["several versions"] >= 1, f"no answer was cut by a swap: {counts}"
+
+
+def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_prompt(
+        fleet, vllm_python):
+    """`TENSORHUB_PAUSE=keep_kv`: requests in flight keep their KV (no recompute) and none
+    fails; the prefix cache is not reset but salted by swap epoch, so a prompt cached
+    before the swap is computed again after it, with the new weights."""
+    model = "kept-kv"
+    engine = VLLMServer(vllm_python, fleet.versions.dir,
+                        extra_args=[*PLUGIN_ARGS, "--enable-prompt-tokens-details"],
+                        env={**plugin_env(fleet.address), "TENSORHUB_MODEL": model,
+                             "TENSORHUB_PAUSE": "keep_kv"},
+                        log_path=fleet.root / "kept-kv.log")
+    with engine, Publisher(fleet.address, model, name="kept-kv-trainer") as pub:
+        pub.publish(fleet.versions.state(1))
+        wait_serving(engine, 1)
+        check_keep_kv(engine.url, engine.model, fleet.versions.dir, fleet.versions.state(1),
+                      fleet.versions.state(2), pub.publish, lambda v: wait_serving(engine, v),
+                      fleet.prompts, TOKENS)

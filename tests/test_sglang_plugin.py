@@ -313,7 +313,8 @@ def test_the_default_pause_keeps_requests_and_no_mode_maps_to_a_drain_sglang_lac
     from tensorhub_plugins.sglang.driver import PAUSE_MODES
 
     assert EngineSettings(coordinator="tcp://127.0.0.1:1").pause == "keep"
-    assert PAUSE_MODES == {"keep": "retract", "wait": "retract", "abort": "abort"}
+    assert PAUSE_MODES == {"keep": "retract", "keep_kv": "in_place", "wait": "retract",
+                           "abort": "abort"}
 
 
 def test_version_spans_go_on_the_choice_a_stream_chunk_finishes():

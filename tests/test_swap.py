@@ -144,3 +144,28 @@ def test_a_copy_counts_as_pulling_a_newer_version_for_a_bounded_time(monkeypatch
     monkeypatch.setattr(settings, "POLL_PENDING_FOR", 0.0)
     time.sleep(0.01)
     assert not pulls.pending(4, 3)  # it cannot get it: back to the slow rate
+
+
+def test_each_paused_swap_starts_a_new_salt_epoch_once_generation_is_paused():
+    """A request arriving once a swap has paused the engine is salted with a new epoch; one
+    that arrived before keeps the old one (its prompt may be cached under the old weights)."""
+    from tensorhub.engines import salted
+
+    seen: list[tuple[str, int]] = []
+
+    class Recording(Engine):
+        async def pause(self) -> None:
+            seen.append(("pause", ctl.epoch))
+
+        async def install(self, version: int, path: str, fetch: bool) -> dict | None:
+            seen.append((f"install {version}", ctl.epoch))
+            return None
+
+    ctl = controller(Recording())
+    swap(ctl, 1, pause=False)  # a join: nothing was served yet
+    swap(ctl, 2)
+    swap(ctl, 3)
+    assert seen == [("install 1", 0), ("pause", 0), ("install 2", 1), ("pause", 1),
+                    ("install 3", 2)]
+    assert salted(None, ctl.epoch) == "tensorhub-epoch-2"
+    assert salted("tenant-a", 2) == "tenant-a|tensorhub-epoch-2"

@@ -6,6 +6,7 @@ from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
 from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
 from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone, versions_to_release
+from tensorhub.engines.kv_salt import salted
 from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in, refusal_in
 from tensorhub.engines.restore import restore_after
@@ -55,6 +56,7 @@ __all__ = [
     "outcome_in",
     "refusal_in",
     "restore_after",
+    "salted",
     "show_tensorhub_logs",
     "tied_optional",
     "versions_to_release",

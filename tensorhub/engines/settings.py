@@ -32,7 +32,7 @@ class EngineSettings(BaseModel):
     coordinator: str = Field(description="coordinator address, e.g. tcp://127.0.0.1:5555")
     model: str = _field(settings.MODEL)
     mode: Literal["follow", "manual"] = _field(settings.MODE)
-    pause: Literal["keep", "wait", "abort"] = _field(settings.PAUSE)
+    pause: Literal["keep", "keep_kv", "wait", "abort"] = _field(settings.PAUSE)
     name: str = _field(settings.NAME)
     transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
     join_timeout: float = _field(settings.JOIN_TIMEOUT, gt=0)

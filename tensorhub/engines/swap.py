@@ -65,6 +65,10 @@ class SwapController:
         self.unloadable: dict | None = None  # the last version refused: {version, reason}
         self.last_update: dict | None = None
         self.updates = 0
+        # Swaps that paused generation so far: requests are salted with the epoch they
+        # arrived in (`kv_salt`). It moves on once the engine is paused, so a request of a
+        # new epoch is never scheduled on the weights of the one before.
+        self.epoch = 0
         self._lock = asyncio.Lock()
 
     async def _bounded(self, step: Awaitable, what: str):
@@ -92,6 +96,7 @@ class SwapController:
             try:
                 if pause and not was_torn:
                     await self._bounded(self.steps.pause(), "pausing generation")
+                    self.epoch += 1
                     marks["pause"] = time.perf_counter()
                 try:
                     extra = await self._bounded(self.steps.install(version, path, fetch),

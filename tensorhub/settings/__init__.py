@@ -118,9 +118,11 @@ MODE = _setting(
     "TENSORHUB_MODE", Literal["follow", "manual"], "follow",
     "engines: `follow` takes every version, `manual` only `POST /tensorhub/update`")
 PAUSE = _setting(
-    "TENSORHUB_PAUSE", Literal["keep", "wait", "abort"], "keep",
+    "TENSORHUB_PAUSE", Literal["keep", "keep_kv", "wait", "abort"], "keep",
     "engines: what a swap does to requests in flight: `keep` freezes them and they go on "
-    "with the new weights; `wait` lets them finish first; `abort` ends them")
+    "with the new weights, their KV recomputed; `keep_kv` the same keeping their KV (the "
+    "pause is the install; their later tokens attend to KV of the old weights); `wait` lets "
+    "them finish first; `abort` ends them")
 NAME = _setting("TENSORHUB_NAME", str, "",
                 "an engine's worker name (a random suffix is added)",
                 shown="`vllm-HOST:PORT` / `sglang-HOST:PORT`")

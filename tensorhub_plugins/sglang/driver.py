@@ -66,10 +66,12 @@ log = logging.getLogger("tensorhub.sglang")
 # `retract`: requests in flight go back to the waiting queue with the tokens they have and
 # continue after the install, their KV recomputed with the new weights (`in_place` would
 # keep KV computed with the old weights under tokens generated with the new ones, and leaves
-# SGLang unable to flush its prefix cache: see docs/sglang.md). `abort`: SGLang aborts them
+# SGLang unable to flush its prefix cache: see docs/sglang.md). `keep_kv`: `in_place`, the
+# requests and their KV stay where they are, the prefix cache is not flushed and requests
+# are salted by swap epoch instead (`salt`). `abort`: SGLang aborts them
 # (and its abort polls every 1 s until they are gone). `wait`: SGLang has no drain; the
 # driver waits (at most `swap_timeout`) until no request is in flight, then pauses as `keep`.
-PAUSE_MODES = {"keep": "retract", "wait": "retract", "abort": "abort"}
+PAUSE_MODES = {"keep": "retract", "keep_kv": "in_place", "wait": "retract", "abort": "abort"}
 
 
 def descriptor_payload(version: int, path: str = "checkpoint") -> str:
@@ -261,7 +263,7 @@ class Driver:
                     "serialized_named_tensors": [descriptor_payload(version, path)]
                     * self.tp_size,
                     "load_format": LOADER, "weight_version": str(version),
-                    "flush_cache": True}, bound)
+                    "flush_cache": self.settings.pause != "keep_kv"}, bound)
                 answered = True
                 marks["update"] = time.perf_counter()
             finally:

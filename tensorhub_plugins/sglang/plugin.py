@@ -97,6 +97,10 @@ def _start_main() -> None:
                         one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
                         api_key=_arg("--api-key", ""), nodes=nodes)
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
+        if settings.pause == "keep_kv":
+            from tensorhub_plugins.sglang.salt import salt_requests
+
+            salt_requests(lambda: driver.swaps.epoch)
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register("sglang.srt.utils.common.kill_process_tree", _before_self_kill,

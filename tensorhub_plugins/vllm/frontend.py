@@ -7,7 +7,8 @@ to a version that every rank already holds: pause → swap → reset prefix cach
 so the stall is the install alone, never the transfer. The sequence (check, pause, install,
 resume) is `engines.SwapController`'s; this module gives it vLLM's calls. In the default
 pause mode `keep`, requests in flight freeze for the install and go on with the new weights
-(their KV recomputed), and every answer's tokens carry the version that produced them
+(their KV recomputed; `keep_kv`: kept, the prefix cache salted by swap epoch instead of
+reset), and every answer's tokens carry the version that produced them
 (`versions.py`). A load that fails half-way is undone by the workers (`engines/restore.py`);
 if they cannot undo it, generation stays paused until a whole version is loaded.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field
@@ -38,6 +40,7 @@ from tensorhub.engines import (
     Update,
     authorized,
     load_settings,
+    salted,
     versions_to_release,
 )
 from tensorhub_plugins.vllm import versions
@@ -135,7 +138,7 @@ class Frontend:
             raise InstallFailed(outcome) from None
 
     async def pause(self) -> None:
-        if self.settings.pause == "keep" and hasattr(self.engine, "engine_core"):
+        if self.settings.pause in ("keep", "keep_kv") and hasattr(self.engine, "engine_core"):
             # The scheduler's own pause: requests freeze where they are. (`pause_generation`
             # would add a fixed sleep meant for requests that finish or abort.)
             await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
@@ -163,10 +166,12 @@ class Frontend:
                 raise InstallFailed(outcome) from None
             raise
         await self.engine.finish_weight_update(weight_version=str(version))
-        # KV computed with the old weights must not serve the new version: requests kept
-        # through the pause recompute theirs (on resume, with the new weights), and the
-        # prefix cache starts empty.
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        if self.settings.pause != "keep_kv":
+            # KV computed with the old weights must not serve the new version: requests
+            # kept through the pause recompute theirs (on resume, with the new weights),
+            # and the prefix cache starts empty. (`keep_kv`: they keep theirs, and the
+            # cache is salted by swap epoch instead: `salt_requests`.)
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
         return None
 
     async def resume(self) -> None:
@@ -254,6 +259,23 @@ class Frontend:
         }
 
 
+def salt_requests(engine_client, epoch: Callable[[], int]) -> None:
+    """Pause mode `keep_kv`: every request the engine core is given carries the swap epoch
+    it arrived in in its prefix-cache salt (`engines.kv_salt`), so a prompt cached under
+    one set of weights never serves a request that arrived under another."""
+    core = getattr(engine_client, "engine_core", None)
+    add = getattr(core, "add_request_async", None)
+    if add is None:
+        raise RuntimeError("TensorHub: TENSORHUB_PAUSE=keep_kv needs vLLM's engine core "
+                           "client (add_request_async), which this vLLM lacks; use keep")
+
+    async def add_salted(request, *args, **kwargs):
+        request.cache_salt = salted(request.cache_salt, epoch())
+        return await add(request, *args, **kwargs)
+
+    core.add_request_async = add_salted
+
+
 async def start_frontend(engine_client, args) -> Frontend | None:
     if engine_client is None:
         return None
@@ -271,6 +293,8 @@ async def start_frontend(engine_client, args) -> Frontend | None:
     frontend = Frontend(settings, engine_client, settings.instance_name(
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
         copy_holders(config.parallel_config))
+    if settings.pause == "keep_kv":
+        salt_requests(engine_client, lambda: frontend.swaps.epoch)
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
     if settings.mode == "follow":

@@ -1,0 +1,82 @@
+"""Pause mode `keep_kv` end to end, the same for both engines: requests in flight keep their
+KV through a swap, and a prompt cached before the swap is never served to a request after
+it. Engine-neutral (`/v1/completions` with token-id prompts; the engine must report cached
+prompt tokens: vLLM `--enable-prompt-tokens-details`, SGLang `--enable-cache-report`)."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from urllib.parse import urlparse
+
+from integration.stream_client import StreamingClients
+from integration.tiny_model import hf_greedy
+
+
+def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int
+             ) -> tuple[list[int], int]:
+    """One greedy completion: (its token ids, the prompt tokens the engine took from its
+    prefix cache)."""
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}),
+            {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+    finally:
+        conn.close()
+    assert r.status == 200, body
+    [choice] = body["choices"]
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return list(choice["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    pairs = zip(a, b, strict=False)
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], pairs))
+
+
+def check_keep_kv(url: str, model: str, model_dir: Path, old: dict, new: dict,
+                  publish: Callable[[dict], int], wait_serving: Callable[[int], object],
+                  prompts: Sequence[Sequence[int]], tokens: int) -> None:
+    """The engine serves `old`; publish `new` while clients stream, then:
+    - no request failed, and an answer's tokens before the swap equal HF's on `old`;
+    - a long prompt answered twice before the swap came from the cache the second time,
+      and after the swap is computed again (no token cached before the swap) and gives
+      HF's tokens on `new`."""
+    long_prompt = [t for _ in range(40) for t in prompts[0]][:300]
+    first, _ = complete(url, model, long_prompt, tokens)
+    again, cached = complete(url, model, long_prompt, tokens)
+    assert cached > 0 and again == first, f"the prompt was not cached ({cached} tokens)"
+    client = StreamingClients(url, prompts, tokens, model=model).start()
+    try:
+        time.sleep(1.0)
+        version = publish(new)
+        wait_serving(version)
+        time.sleep(1.0)
+    finally:
+        answers = client.stop()
+    after, cached_after = complete(url, model, long_prompt, tokens)
+    # (the clients' prompts, streamed after the swap too, may be cached under the new epoch)
+    theirs = max(shared_prefix(long_prompt, p) for p in prompts)
+    assert cached_after <= theirs < cached, \
+        f"{cached_after} prompt tokens came from before the swap ({theirs} shared with clients)"
+    [want] = hf_greedy(model_dir, [long_prompt], tokens, state_dict=new, skip_ties=True)
+    assert want is None or after == want, "the prompt after the swap differs from HF"
+    seen = set()
+    for a in answers:
+        assert a.ok, f"a request failed: {a.error}"
+        assert a.spans and a.spans[0]["start"] == 0, a.spans
+        seen |= {int(s["version"]) for s in a.spans}
+        if int(a.spans[0]["version"]) == version - 1:
+            end = a.spans[0]["end"]
+            [w] = hf_greedy(model_dir, [a.prompt], end, state_dict=old, skip_ties=True)
+            assert w is None or a.token_ids[:end] == w, "tokens before the swap differ"
+    assert seen == {version - 1, version}, f"saw versions {seen}"
