@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tensorhub.core.chunks import chunks_of
-from tensorhub.core.data_types import ByteRange, Item
+from tensorhub.core.data_types import ByteRange
+from tensorhub.core.layout import Item
 
 MIB = 1 << 20
 

@@ -18,7 +18,6 @@ from tensorhub.core.data_types import (
     Endpoint,
     ErrorReply,
     Hold,
-    Item,
     Manifest,
     MemoryDesc,
     PlanRequest,
@@ -29,7 +28,7 @@ from tensorhub.core.data_types import (
     TensorSpec,
     Unregister,
 )
-from tensorhub.core.layout import layout_id
+from tensorhub.core.layout import Item, layout_id
 
 ITEM = 4096  # four tensors of one chunk each
 MANIFEST = Manifest(tensors=[TensorSpec(name=f"t{i}", dtype="uint8", shape=[ITEM], nbytes=ITEM)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tensorhub.core.data_types import ByteRange, Item
+from tensorhub.core.data_types import ByteRange
+from tensorhub.core.layout import Item
 
 CHUNK_BYTES = 64 << 20  # equal to the puller's batch size: one chunk is one READ batch
 
