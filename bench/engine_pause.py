@@ -35,7 +35,7 @@ from integration.tiny_model import build_tiny_model, load_state_dict, make_promp
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.tools.cli import _change as next_version
-from tensorhub.tools.processes import coordinator_process
+from tensorhub_testing.local_fleet import coordinator_process
 from tensorhub_testing.status import coordinator_status
 
 ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024)

@@ -24,7 +24,7 @@ from bench.results import Report
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.publisher import Publisher
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 MODES = {
     # name: (replica flags, max readers per holder (None: the fleet size, i.e. unlimited))

@@ -41,7 +41,7 @@ from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.transport.nixl import apply_ucx_defaults, make_agent
 from tensorhub.replica import Replica
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 
 def _holder(*args: str) -> tuple[ChildProcess, dict]:

@@ -1,7 +1,7 @@
 """Patches against whole versions: how small a version's patch is, and what it saves a fleet.
 
 - encodings: a bf16 transformer trained with AdamW at RL learning rates (1e-6, 3e-6, 1e-5;
-  `tensorhub/tools/rl_steps.py`), each step's patch in the encodings considered, as bytes /
+  `tensorhub/tools/synthetic_weights.py`), each step's patch in the encodings considered, as bytes /
   model bytes, with the share of bf16 words the step changed (its density). TensorHub's is
   the byte-planar gaps + XOR with zstd (`core/patch.py`); the others are what it was chosen
   over.
@@ -31,7 +31,7 @@ import zstandard
 
 from bench.results import Report
 from tensorhub.core.patch import PatchWriter, apply_patch, changes
-from tensorhub.tools.rl_steps import AdamWSteps
+from tensorhub.tools.synthetic_weights import AdamWSteps
 from tensorhub_testing.cluster import Cluster, HostSpec, available, tcp_transfer
 from tensorhub_testing.fleet import Fleet
 

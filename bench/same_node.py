@@ -35,7 +35,7 @@ from tensorhub.core.transport import cma
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.nixl import apply_ucx_defaults
 from tensorhub.core.transport.shm import ShmReader, region_of
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 
 def _seconds(fn) -> float:

@@ -44,8 +44,8 @@ from integration.engine_venvs import engine_python
 from integration.sglang_server import SGLangServer
 from integration.tiny_model import build_tiny_model, load_state_dict
 from tensorhub import Publisher
-from tensorhub.tools.processes import coordinator_process
 from tensorhub_plugins.sglang.naming import LOADER
+from tensorhub_testing.local_fleet import coordinator_process
 
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 QUICK_ARCH = dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, vocab=1024)

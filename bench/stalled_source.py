@@ -17,8 +17,8 @@ import sys
 import time
 
 from bench.results import Report
-from tensorhub.tools.chaos import CoordinatorProcess
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
+from tensorhub_testing.local_fleet import CoordinatorProcess
 
 TRAINER = """
 import sys, threading, torch

@@ -30,7 +30,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.tools.processes import coordinator_process
+from tensorhub_testing.local_fleet import coordinator_process
 
 ARCH = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=1024)
 

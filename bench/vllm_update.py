@@ -27,7 +27,7 @@ from integration.engine_venvs import engine_python
 from integration.tiny_model import build_tiny_model, load_state_dict
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
-from tensorhub.tools.processes import coordinator_process
+from tensorhub_testing.local_fleet import coordinator_process
 
 ARCH = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024)
 

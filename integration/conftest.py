@@ -14,7 +14,7 @@ import pytest
 
 from integration.engine_server import EngineServer, free_port
 from integration.engine_venvs import engine_python
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 
 def pytest_collection_modifyitems(config, items) -> None:

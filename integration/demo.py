@@ -32,7 +32,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.tools.processes import coordinator_process
+from tensorhub_testing.local_fleet import coordinator_process
 
 
 def wait_all_serving(engines: list[EngineServer], version: int, since: float,

@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tensorhub.tools.processes import free_port
+from tensorhub.core.net import free_port
 
 PORT_RETRIES = 3  # fresh ports tried when a server's HTTP port was taken during startup
 SLOW_AFTER = 20.0  # seconds after which a request still unanswered has the stacks taken

@@ -221,7 +221,7 @@ def test_an_engine_whose_source_dies_mid_update_serves_on_and_catches_up(fleet):
 
     from safetensors.torch import save_file
 
-    from tensorhub.tools.processes import ChildProcess
+    from tensorhub.tools.child_process import ChildProcess
 
     v5 = fleet.root / "v5.safetensors"
     save_file({k: t.contiguous() for k, t in fleet.versions.state(5).items()}, str(v5))

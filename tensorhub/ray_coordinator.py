@@ -53,7 +53,7 @@ class CoordinatorActor:
         import ray
 
         from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-        from tensorhub.tools.processes import free_port
+        from tensorhub.core.net import free_port
 
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")

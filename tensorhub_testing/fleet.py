@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 from tensorhub_testing.cluster import Cluster, Host
 
 COORDINATOR_PORT = 5555

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 from tensorhub_testing.cluster import Cluster, Host
 
 RAY_PORT = 6380

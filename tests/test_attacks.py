@@ -476,8 +476,9 @@ def test_a_stranger_keeps_no_more_connections_than_its_budget(monkeypatch, tmp_p
     succeed (their median time is printed beside a quiet one's)."""
     import statistics
 
+    from tensorhub.core.net import free_port
     from tensorhub.core.transport.zmq import ZmqTransport
-    from tensorhub.tools.processes import ChildProcess, free_port
+    from tensorhub.tools.child_process import ChildProcess
 
     for var in ("TENSORHUB_TOKEN_FILE", "TENSORHUB_CURVE_SERVER_KEY",
                 "TENSORHUB_CURVE_SERVER_KEY_FILE"):
@@ -587,8 +588,8 @@ def test_a_status_request_is_answered_in_milliseconds_while_a_150000_tensor_publ
     behaviour is pinned without a clock above."""
     import statistics
 
-    from tensorhub.tools.chaos import CoordinatorProcess
-    from tensorhub.tools.processes import ChildProcess
+    from tensorhub.tools.child_process import ChildProcess
+    from tensorhub_testing.local_fleet import CoordinatorProcess
 
     coordinator = CoordinatorProcess().start()
     client = CoordinatorClient(coordinator.address, token="", timeout=60.0)

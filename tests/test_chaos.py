@@ -1,7 +1,7 @@
 """A bounded chaos run: replicas and the coordinator SIGKILLed while versions are published.
 
 CI runs 30 versions (about a minute); `TENSORHUB_CHAOS_VERSIONS=300` (or
-`python -m tensorhub.tools.chaos --versions 300`) runs a longer one.
+`python -m tensorhub_testing.chaos --versions 300`) runs a longer one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tensorhub.tools.chaos import ChaosConfig, run_chaos
+from tensorhub_testing.chaos import ChaosConfig, run_chaos
 
 pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 

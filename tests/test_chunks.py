@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tensorhub.core.chunks import chunks_of, merge
-from tensorhub.core.data_types import ByteRange, Item
+from tensorhub.core.chunks import chunks_of
+from tensorhub.core.data_types import ByteRange
+from tensorhub.core.layout import Item
 
 MIB = 1 << 20
 
@@ -35,8 +36,3 @@ def test_the_last_chunk_is_smaller_and_a_size_must_be_positive():
     assert [c.nbytes for c in chunks] == [2 * MIB, 2 * MIB, MIB]
     with pytest.raises(ValueError):
         chunks_of(_items(MIB), chunk_bytes=0)
-
-
-def test_adjacent_ranges_of_an_item_merge_into_one():
-    assert merge([_r(0, MIB, MIB), _r(1, 0, 4), _r(0, 0, MIB)]) == [_r(0, 0, 2 * MIB),
-                                                                  _r(1, 0, 4)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensorhub import Publisher, Replica
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 from tensorhub_testing.cluster import (
     Cluster,
     ClusterError,
@@ -327,7 +327,7 @@ def test_cli_help_describes_up_and_down():
 def test_the_product_imports_no_test_harness():
     """`tensorhub_testing` is not shipped: the package and its CLI must run without it."""
     probe = ("import sys, tensorhub, tensorhub.tools.cli, tensorhub.tools.demo, "
-             "tensorhub.tools.chaos; "
+             "tensorhub.tools.child_process, tensorhub.tools.synthetic_weights; "
              "print(sorted(m for m in sys.modules if m.startswith('tensorhub_testing')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)

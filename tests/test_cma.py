@@ -18,7 +18,7 @@ from tensorhub.core.transport import parallel_copy
 from tensorhub.core.transport.auto import AutoTransport
 from tensorhub.core.transport.base import Peer, ReadOp
 from tensorhub.core.transport.cma import CmaNotPermitted, CmaTransport
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 pytestmark = pytest.mark.slow  # (a holder process per test: not in the fast loop)
 

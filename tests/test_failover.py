@@ -7,8 +7,8 @@ import pytest
 
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
-from tensorhub.tools.demo import synthetic_state_dict
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
 

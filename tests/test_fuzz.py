@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
 from tensorhub.core import curve
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import DTYPES, ErrorReply, Reply, Request, StatusRequest
+from tensorhub.core.data_types import ErrorReply, Reply, Request, StatusRequest
 from tensorhub.core.errors import CoordinatorError
+from tensorhub.core.schema import DTYPES
 from tensorhub.core.wire import decode_reply, encode
 
 pytestmark = pytest.mark.slow  # (hundreds of generated requests per test: not in the fast loop)

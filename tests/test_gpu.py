@@ -11,7 +11,7 @@ import torch
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
 from tensorhub.core.layout import BoundLayout, manifest_of
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 GPU = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

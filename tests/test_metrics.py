@@ -12,7 +12,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorhub import Publisher, Replica
-from tensorhub.tools.processes import ChildProcess, free_port
+from tensorhub.core.net import free_port
+from tensorhub.tools.child_process import ChildProcess
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

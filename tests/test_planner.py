@@ -12,13 +12,12 @@ import pytest
 from tensorhub.coordinator.dispatch import HANDLERS, as_model
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState, Reject
-from tensorhub.core.chunks import CHUNK_BYTES, chunks_in, chunks_of, merge
+from tensorhub.core.chunks import CHUNK_BYTES, chunks_of
 from tensorhub.core.data_types import (
     ByteRange,
     Endpoint,
     ErrorReply,
     Hold,
-    Item,
     Manifest,
     MemoryDesc,
     PlanRequest,
@@ -29,7 +28,7 @@ from tensorhub.core.data_types import (
     TensorSpec,
     Unregister,
 )
-from tensorhub.core.layout import layout_id
+from tensorhub.core.layout import Item, layout_id
 
 ITEM = 4096  # four tensors of one chunk each
 MANIFEST = Manifest(tensors=[TensorSpec(name=f"t{i}", dtype="uint8", shape=[ITEM], nbytes=ITEM)
@@ -85,12 +84,6 @@ def test_chunks_put_the_compact_region_first_and_cut_every_chunk_bytes():
         [(0, 0, 100), (1, 0, 28)], [(1, 28, 128)], [(1, 156, 94)]]
     assert chunks_of(items, 128) == chunks  # deterministic: both sides agree on numbers
     assert CHUNK_BYTES == 64 << 20
-    pieces = chunks_in(chunks, [ByteRange(item=1, offset=20, nbytes=20)])
-    assert [(i, r.offset, r.nbytes) for i, r in pieces] == [(0, 20, 8), (1, 28, 12)]
-    assert merge([ByteRange(item=1, offset=28, nbytes=128), ByteRange(item=1, offset=0,
-                  nbytes=28)]) == [ByteRange(item=1, offset=0, nbytes=156)]
-    with pytest.raises(ValueError):
-        chunks_in(chunks, [ByteRange(item=1, offset=200, nbytes=100)])
 
 
 def test_a_plan_that_does_not_opt_in_is_whole_items_from_one_source(fleet_of):

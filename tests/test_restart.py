@@ -13,8 +13,8 @@ from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
-from tensorhub.tools.chaos import CoordinatorProcess, replica_process
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
+from tensorhub_testing.local_fleet import CoordinatorProcess, replica_process
 from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)
@@ -174,7 +174,7 @@ def test_a_replica_started_before_its_coordinator_registers_once_it_answers():
     """A worker whose first request goes unanswered (the coordinator not up yet, or killed
     with the request in its queue) registers on the next try instead of exiting."""
     from tensorhub.coordinator.server import Coordinator, CoordinatorConfig
-    from tensorhub.tools.processes import free_port
+    from tensorhub.core.net import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
     started: list[Coordinator] = []

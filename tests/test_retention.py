@@ -9,7 +9,7 @@ import pytest
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
 from tensorhub.core.errors import CoordinatorError, TensorHubError
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 
 def holders(coordinator, version: int) -> set[str]:

@@ -156,7 +156,7 @@ def test_across_nodes_the_ranks_report_to_node_0s_driver_through_the_engine_stor
     before rank 0 has said where the store is, every rank reads as "no status yet"."""
     import torch.distributed as dist
 
-    from tensorhub.tools.processes import free_port
+    from tensorhub.core.net import free_port
     from tensorhub_plugins.sglang.reports import StoreReports, publish_store_address
 
     name, _ = launch_on(monkeypatch, "node0")

@@ -22,8 +22,8 @@ from tensorhub.core.data_types import (
     StatusRequest,
 )
 from tensorhub.core.errors import CoordinatorError
-from tensorhub.tools.chaos import CoordinatorProcess
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
+from tensorhub_testing.local_fleet import CoordinatorProcess
 from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.slow  # (processes per test, or waits on timeouts: not in the fast loop)

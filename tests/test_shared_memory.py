@@ -20,7 +20,7 @@ from tensorhub.core.layout import BoundLayout, manifest_of
 from tensorhub.core.shared_memory import regions_of, shared_empty
 from tensorhub.core.transport.auto import AutoTransport
 from tensorhub.core.transport.base import Peer, ReadOp
-from tensorhub.tools.processes import ChildProcess
+from tensorhub.tools.child_process import ChildProcess
 
 NBYTES = 1 << 20
 

@@ -13,7 +13,7 @@ from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
 from tensorhub.engines.holder import CheckpointHolder
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 from tests.test_warm_pulls import (
     _buffers,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tensorhub import IntegrityError, Publisher, Replica
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 
 def _equal(a: dict, b: dict) -> bool:

@@ -10,7 +10,7 @@ from tensorhub.coordinator.trust import Trust, TrustConfig
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import StatusRequest
 from tensorhub.core.errors import TransferError
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 
 def from_address(coordinator: str, source: str) -> str:

@@ -15,7 +15,7 @@ from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import ConfirmParents, Envelope, LatestRequest
 from tensorhub.core.errors import TransferError
 from tensorhub.core.wire import encode
-from tensorhub.tools.demo import synthetic_state_dict
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.slow  # (parents that leave, leases that end: not in the fast loop)

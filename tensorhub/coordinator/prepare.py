@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-from tensorhub.core.data_types import Envelope, ErrorReply, Item, Manifest
+from tensorhub.core.data_types import Envelope, ErrorReply, Manifest
 from tensorhub.core.errors import LayoutError
-from tensorhub.core.layout import check_manifest, layout_id_sliced, plan_items
+from tensorhub.core.layout import Item, check_manifest, layout_id_sliced, plan_items
 from tensorhub.core.wire import Packed, WireError, decode_envelope_sliced, encode, foreign
 
 

@@ -21,12 +21,12 @@ from tensorhub.coordinator.forest import Forest
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
 from tensorhub.core.data_types import (
     Endpoint,
-    Item,
     Manifest,
     MemoryDesc,
     PullProgress,
     TransferRecord,
 )
+from tensorhub.core.layout import Item
 from tensorhub.core.wire import Packed, encode
 
 _seq = itertools.count()

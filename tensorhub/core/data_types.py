@@ -1,40 +1,29 @@
-"""Every structure that crosses a process boundary, as pydantic models in one place.
+"""Every message of the coordinator's protocol and what it describes (layouts, a holder's
+memory, its endpoint), as pydantic models in one place.
 
 The wire carries these models as msgpack (see `wire.py`); nothing is ever unpickled. Keeping
 them together makes the protocol readable in one sitting and keeps the coordinator, the
-workers and the engine plugins agreeing on one schema.
+workers and the engine plugins agreeing on one schema. What every field is checked against
+(the strict base model, the limits, the shared field types) is `schema.py`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-# Limits checked at the edge: a hostile or broken peer cannot make us allocate without bound.
-MAX_NAME = 512  # characters of a name (model, worker, tensor): longer than any real one
-MAX_TENSORS = 200_000  # tensors in one manifest: many times a large model's
-MAX_DIMS = 8  # dimensions of one tensor
-MAX_METADATA = 16 * 1024 * 1024  # bytes of a peer's opaque transport metadata (NIXL's blob)
-# The wire protocol's version: peers of releases that speak another one are refused with
-# a clear error (`wire.foreign`), not a failed validation.
-PROTOCOL = 5
-MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
-
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
-Version = Annotated[int, Field(ge=1, lt=2**62)]
-# The dtypes a manifest may name: those every transport copies as raw bytes.
-DTYPES = (
-    "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-    "int8", "uint8", "int16", "int32", "int64", "bool",
-)  # fmt: skip
-DType = Literal[DTYPES]  # type: ignore[valid-type]
-
-
-class Strict(BaseModel):
-    """Base: unknown fields are errors, so a typo or a hostile field never passes silently."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from tensorhub.core.schema import (
+    MAX_DIMS,
+    MAX_METADATA,
+    MAX_PARTS,
+    MAX_TENSORS,
+    PROTOCOL,
+    DType,
+    Name,
+    Strict,
+    Version,
+)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -71,15 +60,6 @@ class Manifest(Strict):
     compact_threshold: Annotated[int, Field(ge=0, lt=2**40)]
 
 
-class Item(Strict):
-    """A unit of transfer: the compact region (many tiny tensors) or one large tensor."""
-
-    kind: Literal["compact", "tensor"]
-    nbytes: int
-    tensors: list[int]  # indices into Manifest.tensors
-    offsets: list[int]  # byte offset of each tensor inside the item (compact region only)
-
-
 class MemoryDesc(Strict):
     """Where a holder keeps one item: registered memory a peer may read."""
 
@@ -99,24 +79,6 @@ class SharedRegion(Strict):
     inode: int = Field(ge=0)
     addr: int = Field(ge=0, lt=2**64)
     nbytes: int = Field(ge=1, lt=2**48)
-
-
-class SharedPart(Strict):
-    """One part of a checkpoint copy in shared memory: its manifest, and where its
-    `BoundLayout.allocate` arena lies (`offset` bytes into `region`)."""
-
-    manifest: Manifest
-    region: SharedRegion
-    offset: int = Field(ge=0, lt=2**48)
-
-
-class SharedCopy(Strict):
-    """An engine's checkpoint copy of `version`, as the engine's other ranks on the host
-    map it (`engines/shared_copy.py`): passed between ranks, never to the coordinator."""
-
-    pid: int = Field(ge=1)
-    version: Version
-    parts: list[SharedPart] = Field(max_length=MAX_PARTS)
 
 
 class Endpoint(Strict):

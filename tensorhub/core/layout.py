@@ -12,21 +12,32 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import msgpack
 import torch
 
 from tensorhub import settings
 from tensorhub.core.checksum import checksum
-from tensorhub.core.data_types import Item, Manifest, MemoryDesc, TensorSpec
+from tensorhub.core.data_types import Manifest, MemoryDesc, TensorSpec
 from tensorhub.core.errors import LayoutError
 from tensorhub.core.memory import as_bytes, describe, dtype_name, torch_dtype
+from tensorhub.core.schema import Strict
 from tensorhub.core.shared_memory import shared_empty
 
 ALIGN = 64  # bytes: where each tensor of a compact region starts (any dtype, a cache line)
 # Tensors under this many bytes share one compact region, read in one READ, not one each. It
 # is part of the layout (its id), so a trainer and its readers must agree on it.
 DEFAULT_COMPACT_THRESHOLD = 1 << 20
+
+
+class Item(Strict):
+    """A unit of transfer: the compact region (many tiny tensors) or one large tensor."""
+
+    kind: Literal["compact", "tensor"]
+    nbytes: int
+    tensors: list[int]  # indices into Manifest.tensors
+    offsets: list[int]  # byte offset of each tensor inside the item (compact region only)
 
 
 def manifest_of(

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from tensorhub.core.data_types import MAX_NAME
+from tensorhub.core.schema import MAX_NAME
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 

@@ -4,13 +4,15 @@ A worker must advertise addresses its peers can reach: a coordinator bound to `0
 announces on an address nobody can connect to, and a fallback server bound to 127.0.0.1 is
 invisible from the next host. The rule used everywhere: the address to advertise is the
 local address of the route towards the coordinator, since every peer reaches the
-coordinator too (override: `TENSORHUB_HOST_ADDRESS`).
+coordinator too (override: `TENSORHUB_HOST_ADDRESS`). A port to bind a local server on
+is drawn here too (`free_port`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import socket
 from pathlib import Path
 
@@ -90,6 +92,32 @@ def local_address_towards(coordinator: str) -> str:
         log.warning("cannot tell this host's address towards %s (%s); advertising 127.0.0.1 "
                     "(set %s)", coordinator, exc, settings.HOST_ADDRESS.name)
         return "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1, drawn below the kernel's
+    ephemeral range: a port from `bind(0)` can be handed to another process's own `bind(0)`
+    (a UCX or ZeroMQ listener) before ours binds it, and a server then fails with
+    "address already in use"."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(20000, low) if low > 21000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free TCP port found below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _bracket(host: str) -> str:

@@ -12,14 +12,13 @@ import msgpack
 from pydantic import BaseModel, RootModel, TypeAdapter, ValidationError
 
 from tensorhub.core.data_types import (
-    MAX_TENSORS,
-    PROTOCOL,
     Announcement,
     Envelope,
     MemoryDesc,
     Reply,
     TensorSpec,
 )
+from tensorhub.core.schema import MAX_TENSORS, PROTOCOL
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a larger frame is refused before it is decoded
 # No list or map in any message may be longer than this; msgpack refuses longer ones before

@@ -22,12 +22,14 @@ from collections.abc import Callable
 
 import msgpack
 import torch
+from pydantic import Field
 
 from tensorhub import settings
 from tensorhub.core import shared_memory
-from tensorhub.core.data_types import SharedCopy, SharedPart
+from tensorhub.core.data_types import Manifest, SharedRegion
 from tensorhub.core.errors import TensorHubError
 from tensorhub.core.layout import BoundLayout, arena_bytes
+from tensorhub.core.schema import MAX_PARTS, Strict, Version
 from tensorhub.core.shared_memory import map_region, regions_of
 from tensorhub.core.wire import encode
 from tensorhub.engines.holder import CheckpointHolder, TornLoad
@@ -36,6 +38,24 @@ from tensorhub.parted import PartedReplica, whole_tensors
 log = logging.getLogger("tensorhub.engines")
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+class SharedPart(Strict):
+    """One part of a checkpoint copy in shared memory: its manifest, and where its
+    `BoundLayout.allocate` arena lies (`offset` bytes into `region`)."""
+
+    manifest: Manifest
+    region: SharedRegion
+    offset: int = Field(ge=0, lt=2**48)
+
+
+class SharedCopy(Strict):
+    """An engine's checkpoint copy of `version`, as the engine's other ranks on the host
+    map it: passed between ranks, never to the coordinator."""
+
+    pid: int = Field(ge=1)
+    version: Version
+    parts: list[SharedPart] = Field(max_length=MAX_PARTS)
 
 
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:

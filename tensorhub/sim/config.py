@@ -70,11 +70,6 @@ class Completions:
         """Worst completion over the lower bound."""
         return self.worst / self.config.lower_bound
 
-    @property
-    def median_ratio(self) -> float:
-        times = sorted(self.finished.values())
-        return times[len(times) // 2] / self.config.lower_bound if times else math.inf
-
 
 def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:
     """A model of uint8 tensors: 64 tiny ones (the compact region) and large ones."""

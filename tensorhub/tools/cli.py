@@ -332,7 +332,7 @@ def _publish(args: argparse.Namespace) -> int:
     for tests and benchmarks that need a trainer on a host of its own."""
     from tensorhub.core.checksum import checksum
     from tensorhub.publisher import Publisher
-    from tensorhub.tools.demo import synthetic_state_dict
+    from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
     if args.path is None and args.synthetic_mb is None:
         raise SystemExit("tensorhub publish: nothing to publish: give a checkpoint PATH (a "
@@ -343,7 +343,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     trainer = None
     if args.adamw_lr is not None:
-        from tensorhub.tools.rl_steps import AdamWSteps
+        from tensorhub.tools.synthetic_weights import AdamWSteps
         trainer = AdamWSteps(args.synthetic_mb, args.adamw_lr, seed=args.seed)
         for _ in range(args.warmup):
             trainer.step()

@@ -9,35 +9,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from tensorhub import settings
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
 from tensorhub.publisher import Publisher
-from tensorhub.tools.processes import ChildProcess
-
-
-def synthetic_state_dict(total_mb: float, n_tiny: int = 500, seed: int = 0,
-                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A model-shaped state dict: `n_tiny` small tensors (norms, biases; 4-64 KiB) and large
-    matrices making up the rest of `total_mb`."""
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    elem = torch.empty((), dtype=dtype).element_size()
-    tiny_bytes = 0
-    for i in range(n_tiny):
-        n = int(torch.randint(1024, 16 * 1024, (1,), generator=g))
-        out[f"layers.{i // 4}.tiny.{i % 4}"] = torch.randn(n, generator=g).to(dtype)
-        tiny_bytes += n * elem
-    remaining = int(total_mb * 2**20) - tiny_bytes
-    big = 0
-    while remaining > 0:
-        rows = min(remaining // (4096 * elem), 2048) or 1
-        out[f"big.{big}.weight"] = torch.randn(rows, 4096, generator=g).to(dtype)
-        remaining -= rows * 4096 * elem
-        big += 1
-    return out
+from tensorhub.tools.child_process import ChildProcess
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -40,7 +40,3 @@ def valid(key: str, grant: str | None) -> bool:
         return False
     reader, mac = grant.rsplit(".", 1)
     return hmac.compare_digest(mac, _mac(key, reader))
-
-
-def reader_of(grant: str | None) -> str:
-    return grant.rsplit(".", 1)[0] if grant and "." in grant else "?"

@@ -27,8 +27,9 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field
 
 from tensorhub import settings
-from tensorhub.core.data_types import MAX_NAME, Endpoint
+from tensorhub.core.data_types import Endpoint
 from tensorhub.core.errors import TransferError
+from tensorhub.core.schema import MAX_NAME
 from tensorhub.core.transport import grants
 from tensorhub.core.transport.base import Peer, ReadOp, Transport, check_ops
 

@@ -6,7 +6,7 @@ follow versions and print per-tensor checksums of every version they accept, and
 in-process `Publisher`. Every accepted version is compared with what the trainer published:
 a mismatch is a torn read. At the end every live replica must hold the newest version.
 
-    python -m tensorhub.tools.chaos --versions 300 --replicas 4 --seed 1   # a longer run
+    python -m tensorhub_testing.chaos --versions 300 --replicas 4 --seed 1   # a longer run
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import random
-import subprocess
 import sys
 import time
 from collections import deque
@@ -26,45 +25,8 @@ import torch
 from tensorhub.core.checksum import checksum
 from tensorhub.core.errors import CoordinatorUnavailable
 from tensorhub.publisher import Publisher
-from tensorhub.tools.demo import synthetic_state_dict
-from tensorhub.tools.processes import ChildProcess, free_port
-
-log = logging.getLogger("tensorhub.tools.chaos")
-
-
-class CoordinatorProcess:
-    """A coordinator child that can be killed and restarted at the same addresses."""
-
-    def __init__(self, *extra: str, heartbeat_interval: float = 0.2, worker_ttl: float = 2.0):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.announce = f"tcp://127.0.0.1:{free_port()}"
-        self.args = ["--log-level", "WARNING", "coordinator", "--bind", self.address,
-                     "--announce", self.announce, "--heartbeat-interval",
-                     str(heartbeat_interval), "--worker-ttl", str(worker_ttl), *extra]
-        self.proc: ChildProcess | None = None
-        self.starts = 0
-
-    def start(self, timeout: float = 60.0) -> CoordinatorProcess:
-        self.proc = ChildProcess.tensorhub(*self.args, name="coordinator")
-        self.proc.next_line(timeout=timeout)  # it prints its addresses once bound
-        self.starts += 1
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-
-def replica_process(address: str, name: str, transport: str) -> ChildProcess:
-    return ChildProcess.tensorhub(
-        "--log-level", "WARNING", "replica", "--coordinator", address, "--name", name,
-        "--transport", transport, "--json", "--checksums", "--pull-timeout", "60",
-        "--timeout", "3600", name=name,
-        stderr=subprocess.STDOUT)  # its warnings and a crash come into the report's tails
+from tensorhub.tools.synthetic_weights import synthetic_state_dict
+from tensorhub_testing.local_fleet import CoordinatorProcess, replica_process
 
 
 @dataclass
@@ -188,7 +150,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.tools.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tensorhub_testing.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = ChaosConfig()
     for name, value in asdict(defaults).items():

@@ -1,10 +1,12 @@
-"""A small transformer trained in bf16 with AdamW at RL learning rates: versions whose changes
-are those of real optimizer steps, for `tensorhub publish --adamw-lr` and the patch benchmark.
+"""Weights to publish without a model, for the demo and `tensorhub publish --synthetic-mb`:
+a model-shaped state dict of random tensors (`synthetic_state_dict`), and a small
+transformer trained in bf16 with AdamW at RL learning rates (`AdamWSteps`,
+`tensorhub publish --adamw-lr`), whose versions change as real optimizer steps do.
 
-The loss is next-token prediction on random tokens, a stand-in for a policy-gradient loss:
-what decides how many bf16 words a step changes is AdamW's update size against bf16's
-rounding step, which the data does not change much. Pure torch (no model library), so any
-venv runs it.
+The AdamW model's loss is next-token prediction on random tokens, a stand-in for a
+policy-gradient loss: what decides how many bf16 words a step changes is AdamW's update size
+against bf16's rounding step, which the data does not change much. Pure torch (no model
+library), so any venv runs it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,28 @@ import torch
 from torch import nn
 
 VOCAB = 4096
+
+
+def synthetic_state_dict(total_mb: float, n_tiny: int = 500, seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A model-shaped state dict: `n_tiny` small tensors (norms, biases; 4-64 KiB) and large
+    matrices making up the rest of `total_mb`."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    tiny_bytes = 0
+    for i in range(n_tiny):
+        n = int(torch.randint(1024, 16 * 1024, (1,), generator=g))
+        out[f"layers.{i // 4}.tiny.{i % 4}"] = torch.randn(n, generator=g).to(dtype)
+        tiny_bytes += n * elem
+    remaining = int(total_mb * 2**20) - tiny_bytes
+    big = 0
+    while remaining > 0:
+        rows = min(remaining // (4096 * elem), 2048) or 1
+        out[f"big.{big}.weight"] = torch.randn(rows, 4096, generator=g).to(dtype)
+        remaining -= rows * 4096 * elem
+        big += 1
+    return out
 
 
 class TinyLM(nn.Module):

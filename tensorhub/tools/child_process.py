@@ -1,46 +1,19 @@
-"""Child processes for the demo, tests and benchmarks: started in their own process group,
-read line by line, always stopped by PID (SIGTERM, then SIGKILL) with a bounded wait."""
+"""A child process of the `tensorhub demo` (and of the tests and benchmarks that start
+TensorHub's own commands): started in its own process group, read line by line, always
+stopped by PID (SIGTERM, then SIGKILL) with a bounded wait."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import IO
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1, drawn below the kernel's
-    ephemeral range: a port from `bind(0)` can be handed to another process's own `bind(0)`
-    (a UCX or ZeroMQ listener) before ours binds it, and a server then fails with
-    "address already in use"."""
-    low = _ephemeral_low()
-    draw = random.SystemRandom()
-    for _ in range(200):
-        port = draw.randrange(20000, low) if low > 21000 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free TCP port found below the ephemeral range")
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class ChildProcess:
@@ -126,13 +99,3 @@ class ChildProcess:
         if self._log:
             self._log.close()
         return self.proc.returncode
-
-
-def coordinator_process(*args: str, log_path: str | None = None) -> tuple[ChildProcess, str]:
-    """A `tensorhub coordinator` child on free loopback ports, with extra `args`; returns it
-    and its request address. Its first line says it serves (`next_line`)."""
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc = ChildProcess([sys.executable, "-m", "tensorhub.tools.cli", "coordinator", "--bind",
-                         address, "--announce", f"tcp://127.0.0.1:{free_port()}", *args],
-                        name="coordinator", log_path=log_path)
-    return proc, address
