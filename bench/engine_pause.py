@@ -14,6 +14,7 @@ Measured in one run, for one engine (vLLM or SGLang, TP=1 or TP=2):
 Ratios are our figure over the baseline (a swap that adds 2 memcpys reads 2.0).
 
 Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
+     [--pause keep|keep_kv]
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def start_engine(kind: str, tp: int, model_dir, address: str, work) -> VLLMServer | SGLangServer:
-    env = {"TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy"}
+def start_engine(kind: str, tp: int, model_dir, address: str, work, pause: str = "keep"
+                 ) -> VLLMServer | SGLangServer:
+    env = {"TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy",
+           "TENSORHUB_PAUSE": pause}
     if kind == "vllm":
         extra = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
         if tp > 1:
@@ -91,6 +94,8 @@ def main() -> None:
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--updates", type=int, default=3, help="swaps of each kind (default 3)")
+    p.add_argument("--pause", choices=["keep", "keep_kv"], default="keep",
+                   help="the engine's TENSORHUB_PAUSE (default keep)")
     p.add_argument("--layers", type=int, default=ARCH["layers"])
     args = p.parse_args()
     from safetensors.torch import save_file
@@ -101,7 +106,8 @@ def main() -> None:
                                  **{**ARCH, "layers": args.layers})
     state = load_state_dict(model_dir)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    label = f"{args.engine} TP={args.tp}, {nbytes / 2**20:.0f} MiB bf16"
+    label = f"{args.engine} TP={args.tp}, {nbytes / 2**20:.0f} MiB bf16" + (
+        f", pause {args.pause}" if args.pause != "keep" else "")
     print(f"{label}: building done", flush=True)
     coordinator, address = coordinator_process()
     servers, publisher = [], None
@@ -109,7 +115,7 @@ def main() -> None:
         coordinator.next_line(timeout=60)
         publisher = Publisher(address, "policy", name="trainer")
         version = publisher.publish(state)
-        engine = start_engine(args.engine, args.tp, model_dir, address, work)
+        engine = start_engine(args.engine, args.tp, model_dir, address, work, args.pause)
         servers.append(engine)
         engine.wait_serving(version, timeout=600)
         client = StreamingClients(engine.url, make_prompts(4, 16, ARCH["vocab"]), TOKENS,
