@@ -333,3 +333,9 @@ def test_version_spans_go_on_the_choice_a_stream_chunk_finishes():
         {0: spans})[len("data: "):])
     assert done["choices"][0]["weight_versions"] == spans
     assert with_spans("data: [DONE]\n\n", {0: spans}) == "data: [DONE]\n\n"
+
+
+def test_keep_kv_is_refused_where_some_requests_could_not_be_salted():
+    from tensorhub_plugins.sglang.salt import why_not
+
+    assert "--tokenizer-worker-num 2" in why_not(2)

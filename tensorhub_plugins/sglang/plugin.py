@@ -88,6 +88,14 @@ def _start_main() -> None:
         from tensorhub_plugins.sglang.driver import Driver
         from tensorhub_plugins.sglang.naming import start_instance
 
+        if settings.pause == "keep_kv":
+            from tensorhub_plugins.sglang.salt import why_not
+
+            problem = why_not(int(_arg("--tokenizer-worker-num", "1")))
+            if problem is not None:
+                log.error("TensorHub: TENSORHUB_PAUSE=keep_kv cannot be honoured (%s); "
+                          "swaps pause as keep", problem)
+                settings = settings.model_copy(update={"pause": "keep"})
         port = int(_arg("--port", "30000"))
         instance, status_dir = start_instance(settings, port)
         tp_size = int(_arg("--tp-size", _arg("--tp", _arg("--tensor-parallel-size", "1"))))

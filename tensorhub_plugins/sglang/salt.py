@@ -16,12 +16,24 @@ from tensorhub.engines import salted
 TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 
 
+def why_not(tokenizer_workers: int) -> str | None:
+    """Why requests could not all be salted here (then `keep_kv` must not be used)."""
+    if tokenizer_workers > 1:
+        return (f"--tokenizer-worker-num {tokenizer_workers}: the other tokenizer processes "
+                f"would not salt their requests")
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+    if "cache_salt" not in getattr(TokenizedGenerateReqInput, "__struct_fields__", ()):
+        return "this SGLang's tokenized requests have no cache_salt"
+    return None
+
+
 def salt_requests(epoch: Callable[[], int]) -> None:
     """Salt every request SGLang tokenizes with `epoch()` at that moment."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_tokenized(result: Any, *args, **kwargs) -> Any:
-        if hasattr(result, "cache_salt"):
+        if hasattr(result, "cache_salt"):  # (embedding requests have none)
             result.cache_salt = salted(result.cache_salt, epoch())
         return result
 

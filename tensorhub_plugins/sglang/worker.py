@@ -338,6 +338,10 @@ class Scheduler:
             return
         self._applying = True
         try:
+            if torch.cuda.is_available():
+                # `keep_kv` pauses SGLang `in_place`, which leaves the batch its overlap
+                # scheduler launched running on the GPU: no weight is written under it.
+                torch.cuda.synchronize()
             self._apply(model, version, path)
         finally:
             self._applying = False

@@ -260,9 +260,9 @@ class Frontend:
 
 
 def salt_requests(engine_client, epoch: Callable[[], int]) -> None:
-    """Pause mode `keep_kv`: every request the engine core is given carries the swap epoch
-    it arrived in in its prefix-cache salt (`engines.kv_salt`), so a prompt cached under
-    one set of weights never serves a request that arrived under another."""
+    """Pause mode `keep_kv`: every request the engine core is given carries, in its
+    prefix-cache salt, the swap epoch it arrived in (`engines.kv_salt`), so a prompt cached
+    under one set of weights never serves a request that arrived under another."""
     core = getattr(engine_client, "engine_core", None)
     add = getattr(core, "add_request_async", None)
     if add is None:
@@ -294,6 +294,10 @@ async def start_frontend(engine_client, args) -> Frontend | None:
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
         copy_holders(config.parallel_config))
     if settings.pause == "keep_kv":
+        if (getattr(args, "api_server_count", None) or 1) > 1:
+            raise RuntimeError("TensorHub: TENSORHUB_PAUSE=keep_kv needs one API server "
+                               "(--api-server-count 1): each would count swaps on its own "
+                               "and salt requests unlike the others; or use keep")
         salt_requests(engine_client, lambda: frontend.swaps.epoch)
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
