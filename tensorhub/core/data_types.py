@@ -508,6 +508,9 @@ class Published(Strict):
     # The model's credential (its part's, for a sharded one), when this publish bound it:
     # kept by the trainer and shown with every later publish and registration.
     owner: str | None = Field(default=None, max_length=256)
+    # Bytes/s of the slowest of the model's readers' last whole pulls, if any: what the
+    # trainer weighs its next patch's cost against (`core/patch_budget.py`).
+    pull_rate: float | None = Field(default=None, gt=0, lt=1e15)
 
 
 class PublishStatusReply(Strict):

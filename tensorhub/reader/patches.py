@@ -73,12 +73,23 @@ def choose_chain(held: int, target: int, links: dict[int, Link], whole_nbytes: i
     return chain[::-1]
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What applying a chain took: seconds to apply it, and to check the `checked_bytes`
+    of the items it touched (a reader's rates, `core/patch_budget.py`)."""
+
+    apply_s: float
+    checked_bytes: int
+    check_s: float
+
+
 def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.Tensor],
-                layout_id: str, held_checksums: list[str], target: Announcement) -> None:
+                layout_id: str, held_checksums: list[str], target: Announcement) -> Applied:
     """Apply the chain's patches (oldest first) to `dest`, which holds the chain's base,
     and prove the result is `target`: every item a patch touched has the target's checksum,
     every other had it already. `PatchError` / `IntegrityError` otherwise (`dest` is then
     no version at all)."""
+    started = time.perf_counter()
     touched: set[int] = set()
     for link, layout in zip(chain, patches, strict=True):
         touched.update(apply_patch(memoryview(layout.tensors[0].numpy()), dest,
@@ -89,11 +100,14 @@ def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.
         if k not in touched and held_checksums[k] != target.checksums[k]:
             raise PatchError(f"item {k} differs in v{target.version}, and no patch of the "
                              f"chain changes it")
+    checking = time.perf_counter()
     # (checksums run without the GIL: the whole version is hashed again, on every core
     # same-host copies may use)
     with ThreadPoolExecutor(settings.copy_threads(), "tensorhub-patch-check") as pool:
         for done in [pool.submit(check_item, expected, k, dest[k]) for k in sorted(touched)]:
             done.result()
+    return Applied(checking - started, sum(dest[k].numel() for k in touched),
+                   time.perf_counter() - checking)
 
 
 class PatchPuller:
