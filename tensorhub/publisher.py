@@ -139,6 +139,7 @@ class Publisher:
         # what the next patch is weighed on, and the last weighing
         self.patch_costs = PatchCosts()
         self.last_patch_decision: PatchDecision | None = None
+        self._patch_started = 0.0
         self.version: int | None = None
         self.layout_id: str | None = None
 
@@ -294,6 +295,7 @@ class Publisher:
                      verdict.why)
             layout.copy_large_from(tensors)
             return None
+        self._patch_started = time.perf_counter()
         patch = PatchWriter(base, version, layout.layout_id,
                             budget=int(settings.PATCH_MAX_RATIO * layout.nbytes),
                             total_bytes=layout.nbytes)
@@ -314,9 +316,10 @@ class Publisher:
                      100 * settings.PATCH_MAX_RATIO)
             return
         data = patch.finish()
-        self.patch_costs.built(patch.words, patch.changed_words, patch.compare_s,
-                               patch.encode_s, len(data))
         if self._held_patches.publish(patch.version, patch.base, data):
+            made = time.perf_counter() - self._patch_started
+            self.patch_costs.built(patch.words, patch.changed_words, made - patch.encode_s,
+                                   patch.encode_s, len(data))
             self.last_patch = PatchStats(patch.base, patch.version, patch.density, len(data))
             log.info("%s v%d: patch from v%d, %.3f%% of the words changed, %.2f MiB "
                      "(%.4f of the version)", self.model, patch.version, patch.base,

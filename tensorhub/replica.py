@@ -460,7 +460,8 @@ class Replica:
             self._end(pull.end(ok=self.version == plan.version))
         stats: PullStats = pull.stats
         self.last_pull = stats
-        if self.version == plan.version and not self.whole_items:
+        if self.version == plan.version and previous is not None and not self.whole_items:
+            # (a first pull's time is mostly setting up: connections, registrations)
             self.patch_costs.pulled_whole(stats.nbytes, stats.seconds)
         self.last_pull_reread = pull.reread_bytes
         self.last_pull_bad_sources = sorted(
@@ -543,7 +544,7 @@ class Replica:
         if chain is None:
             return None
         verdict = self.patch_costs.reader_verdict(sum(link.nbytes for link in chain),
-                                                  self.layout.nbytes)
+                                                  self.layout.nbytes, len(chain))
         self.last_patch_verdict = verdict
         if not verdict.patch:
             log.info("%s: %s v%d whole, not as patches (%s)", self.session.name, self.model,
@@ -556,6 +557,8 @@ class Replica:
             log.warning("%s: pulling the patches to %s v%d failed (%s); pulling it whole",
                         self.session.name, self.model, target.version, exc)
             return None
+        self.patch_costs.pulled_patches(len(chain), sum(link.nbytes for link in chain),
+                                        time.monotonic() - started)
         previous = self.version
         dest = self._staged if self.staging else self.layout.item_bytes
         if self.staging:

@@ -75,16 +75,18 @@ def test_a_reader_with_a_slow_apply_rate_takes_the_whole():
 
 def test_rates_learn_from_measurements_and_a_known_one_stays():
     c = PatchCosts()
-    c.built(words=1000, changes=10, compare_s=1e-5, encode_s=2e-5, nbytes=15)
-    assert c.compare_s_per_word.per_unit == pytest.approx(1e-8)
+    c.built(words=1000, changes=10, make_s=1e-5, encode_s=2e-5, nbytes=15)
+    assert c.make_s_per_word.per_unit == pytest.approx(1e-8)
     assert c.encode_s_per_change.per_unit == pytest.approx(2e-6)
     assert c.bytes_per_change.per_unit == 1.5
-    c.built(words=1000, changes=10, compare_s=2e-5, encode_s=2e-5, nbytes=15)
-    assert c.compare_s_per_word.per_unit == pytest.approx(1.3e-8)  # 0.7 old + 0.3 new
+    c.built(words=1000, changes=10, make_s=2e-5, encode_s=2e-5, nbytes=15)
+    assert c.make_s_per_word.per_unit == pytest.approx(1.3e-8)  # 0.7 old + 0.3 new
     c.pulled_whole(100, 1.0)  # too small to tell a link's rate
     assert not c.pull_s_per_byte.measured
     c.pulled_whole(8 << 20, 1.0)
     assert c.pull_s_per_byte.per_unit == 1 / (8 << 20)
+    c.pulled_patches(patches=2, patch_bytes=8 << 20, seconds=1.2)
+    assert c.pull_s_per_patch.per_unit == pytest.approx(0.1)  # (1.2 s - 1 s at that rate) / 2
     known = costs(WAN)
     known.pulled_whole(8 << 20, 1e-3)
     assert known.pull_s_per_byte.per_unit == 1 / WAN
@@ -167,6 +169,7 @@ def test_a_reader_with_a_slow_apply_rate_pulls_the_whole_and_one_across_a_wan_th
         assert pub.last_patch is not None
         assert far.pull(2) == 2 and far.last_pull_patches == [2]
         assert far.last_patch_verdict.patch and far.patch_costs.check_s_per_byte.measured
+        assert far.patch_costs.apply_s_per_patch_byte.measured
         assert slow.pull(2) == 2 and slow.last_pull_patches == []
         assert not slow.last_patch_verdict.patch
         assert slow.last_pull.nbytes == slow.layout.nbytes

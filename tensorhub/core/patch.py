@@ -225,8 +225,7 @@ class PatchWriter:
         self.changed_words = 0
         self.words = 0
         self.abandoned = False
-        self.compare_s = 0.0  # time spent finding changes, and encoding them
-        self.encode_s = 0.0
+        self.encode_s = 0.0  # time spent encoding changes (a trainer's rate to learn)
 
     def item(self, k: int, old: torch.Tensor, new: torch.Tensor) -> None:
         """Item k's bytes before (`old`) and after (`new`); the writer gives up (`abandoned`)
@@ -244,22 +243,20 @@ class PatchWriter:
             if self.total_bytes:
                 allowed *= min(1.0, self._bytes_seen / self.total_bytes)
             left = int(allowed) - self.changed_words
-        started = time.perf_counter()
         try:
             found = changes(old, new, left)
         except (PatchError, RuntimeError):
             found = None
-        found_at = time.perf_counter()
-        self.compare_s += found_at - started
         if found is None:
             self.abandoned, self._items = True, []
             return
         positions, xor = found
         if len(positions):
             self.changed_words += len(positions)
+            started = time.perf_counter()
             entries, payload = encode_changes(positions, xor)
             self._items.append(_Encoded(k, word, entries, payload))
-            self.encode_s += time.perf_counter() - found_at
+            self.encode_s += time.perf_counter() - started
 
     @property
     def density(self) -> float:

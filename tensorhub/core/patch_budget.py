@@ -1,8 +1,8 @@
 """Whether a patch pays: decided before it is built, and again before a reader takes it.
 
 A patch is worth making only if a reader holding its base has the new version sooner
-through it than through the whole: the trainer's time to make it (compare every word,
-encode the changed ones), plus the patch's bytes at the readers' pull rate, plus a
+through it than through the whole: the trainer's time to make it (compare and copy every word,
+encode the changed ones, offer the patch), plus the patch's bytes at the readers' pull rate, plus a
 reader's time to apply it and check the items it touched, against the whole version's
 bytes at that pull rate. On one host a whole pull runs at memory speed and a patch rarely
 pays; across a WAN the whole crawls and a sparse patch wins many times over.
@@ -72,11 +72,12 @@ class Verdict:
 
 @dataclass
 class PatchCosts:
-    """The rates a decision weighs: the trainer's (compare, encode), the patch's size per
-    change, a reader's (apply, check) and the readers' whole-pull rate."""
+    """The rates a decision weighs: the trainer's (making a patch: per word compared, copied
+    and offered, and per change encoded), the patch's size per change, a reader's (the fixed
+    cost of a patch's pull, apply, check) and the readers' whole-pull rate."""
 
-    compare_s_per_word: Rate = field(
-        default_factory=lambda: Rate(settings.PATCH_PRIOR_COMPARE_S_PER_WORD))
+    make_s_per_word: Rate = field(
+        default_factory=lambda: Rate(settings.PATCH_PRIOR_MAKE_S_PER_WORD))
     encode_s_per_change: Rate = field(
         default_factory=lambda: Rate(settings.PATCH_PRIOR_ENCODE_S_PER_CHANGE))
     bytes_per_change: Rate = field(
@@ -85,18 +86,22 @@ class PatchCosts:
         default_factory=lambda: Rate(settings.PATCH_PRIOR_APPLY_S_PER_BYTE))
     check_s_per_byte: Rate = field(
         default_factory=lambda: Rate(settings.PATCH_PRIOR_CHECK_S_PER_BYTE))
+    pull_s_per_patch: Rate = field(
+        default_factory=lambda: Rate(settings.PATCH_PRIOR_PULL_S_PER_PATCH))
     pull_s_per_byte: Rate = field(default_factory=lambda: Rate(0.0))
 
     def pull_rate_told(self, bytes_per_s: float | None) -> None:
-        """The coordinator's word on the readers' pull rate (bytes/s), if it had one."""
-        if bytes_per_s:
-            self.pull_s_per_byte.observe(1.0, bytes_per_s)
+        """The coordinator's word on the readers' pull rate (bytes/s), if it had one: the
+        latest (it is a measurement of every reader already), unless the rate is pinned."""
+        if bytes_per_s and not self.pull_s_per_byte.pinned:
+            self.pull_s_per_byte.value = 1 / bytes_per_s
 
-    def built(self, words: int, changes: int, compare_s: float, encode_s: float,
+    def built(self, words: int, changes: int, make_s: float, encode_s: float,
               nbytes: int) -> None:
-        """A patch of `changes` changed words out of `words`, `nbytes` long, took
-        `compare_s` to find and `encode_s` to encode."""
-        self.compare_s_per_word.observe(compare_s, words)
+        """A patch of `changes` changed words out of `words`, `nbytes` long, took `make_s`
+        besides the `encode_s` its changes took to encode (comparing, copying, offering it:
+        all the trainer spent on it that a whole version does not cost)."""
+        self.make_s_per_word.observe(make_s, words)
         self.encode_s_per_change.observe(encode_s, changes)
         self.bytes_per_change.observe(nbytes, changes)
 
@@ -107,6 +112,12 @@ class PatchCosts:
         self.apply_s_per_patch_byte.observe(apply_s, patch_bytes)
         self.check_s_per_byte.observe(check_s, checked_bytes)
 
+    def pulled_patches(self, patches: int, patch_bytes: int, seconds: float) -> None:
+        """A reader pulled `patches` patches of `patch_bytes` in all in `seconds`: what it
+        took beyond their bytes at the whole-pull rate is each one's fixed cost."""
+        fixed = seconds - patch_bytes * self.pull_s_per_byte.per_unit
+        self.pull_s_per_patch.observe(fixed, patches)
+
     def pulled_whole(self, nbytes: int, seconds: float) -> None:
         """A reader pulled a whole version of `nbytes` in `seconds`."""
         if nbytes >= settings.PATCH_RATE_MIN_BYTES:
@@ -116,11 +127,12 @@ class PatchCosts:
         return nbytes * self.pull_s_per_byte.per_unit if self.pull_s_per_byte.measured \
             else None
 
-    def _reader_s(self, patch_bytes: float, nbytes: int) -> float:
-        """A reader's time for a patch: pull it, apply it, check what it touched (at a
+    def _reader_s(self, patch_bytes: float, nbytes: int, patches: int = 1) -> float:
+        """A reader's time for patches: pull them, apply them, check what they touched (at a
         density worth a patch, nearly every item of a model: all of them, counted)."""
-        return patch_bytes * (self.pull_s_per_byte.per_unit
-                              + self.apply_s_per_patch_byte.per_unit) \
+        return patches * self.pull_s_per_patch.per_unit \
+            + patch_bytes * (self.pull_s_per_byte.per_unit
+                             + self.apply_s_per_patch_byte.per_unit) \
             + nbytes * self.check_s_per_byte.per_unit
 
     def trainer_verdict(self, sampled_words: int, sampled_changes: int, words: int,
@@ -136,15 +148,15 @@ class PatchCosts:
             return Verdict(False, float("inf"), self._whole_s(nbytes),
                            f"{density:.2%} of the words changed: its patch would be over "
                            f"{settings.PATCH_MAX_RATIO:.0%} of the version")
-        make_s = words * self.compare_s_per_word.per_unit \
+        make_s = words * self.make_s_per_word.per_unit \
             + changes * self.encode_s_per_change.per_unit
         patch_s = make_s + self._reader_s(patch_bytes, nbytes)
         return self._weigh(patch_s, nbytes, f"{density:.2%} of the words changed")
 
-    def reader_verdict(self, patch_bytes: int, nbytes: int) -> Verdict:
-        """Whether a reader takes `patch_bytes` of patches rather than the whole version
-        of `nbytes`."""
-        return self._weigh(self._reader_s(patch_bytes, nbytes), nbytes,
+    def reader_verdict(self, patch_bytes: int, nbytes: int, patches: int = 1) -> Verdict:
+        """Whether a reader takes a chain of `patches` patches, `patch_bytes` in all, rather
+        than the whole version of `nbytes`."""
+        return self._weigh(self._reader_s(patch_bytes, nbytes, patches), nbytes,
                            f"{patch_bytes / nbytes:.4f} of the version as patches")
 
     def _weigh(self, patch_s: float, nbytes: int, what: str) -> Verdict:
