@@ -33,11 +33,11 @@ from tensorhub.reader.patches import Link, PatchPuller, choose_chain
 
 @pytest.fixture(autouse=True)
 def across_a_wan(monkeypatch):
-    """Every worker here weighs patches as if its readers sat across a 200 Mbit/s WAN, where
+    """Every worker here weighs patches as if its readers sat across a 20 Mbit/s WAN, where
     a sparse step's patch pays: what these tests pin is how patches move, not whether one
     pays on this host's loopback (`test_patch_budget.py` pins that)."""
     def wan_costs() -> PatchCosts:
-        return PatchCosts(pull_s_per_byte=Rate.known(8 / 200e6))
+        return PatchCosts(pull_s_per_byte=Rate.known(8 / 20e6))
     monkeypatch.setattr(tensorhub.publisher, "PatchCosts", wan_costs)
     monkeypatch.setattr(tensorhub.replica, "PatchCosts", wan_costs)
 
