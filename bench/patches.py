@@ -318,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nic", default="1gbit")
     parser.add_argument("--wan", default="200mbit")
     parser.add_argument("--versions", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="small: 32 MiB, 2 readers")
+    parser.add_argument("--quick", action="store_true",
+                        help="small: 32 MiB (steps: 8 MiB), 2 readers")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_mb, args.adamw_mb, args.readers, args.versions = 32, 16, 2, 3
+        args.steps_mb = 8
     report = Report("patches")
     if "encodings" in args.only:
         encodings(report, args.adamw_mb, steps=2 if args.quick else 3)
