@@ -307,10 +307,13 @@ class StatusRequest(Strict):
 
 
 class LatestRequest(Strict):
-    """The model's newest version, as its announcement said (`Announcement`)."""
+    """The model's newest version, as its announcement said (`Announcement`); with
+    `newer_than`, only if it is newer than that (else `Ack`: a waiting reader's question
+    costs a few bytes, not an announcement's)."""
 
     type: Literal["latest"] = "latest"
     model: Name
+    newer_than: int | None = Field(default=None, ge=0, lt=2**62)
 
 
 class HoldingsRequest(Strict):

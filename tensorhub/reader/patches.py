@@ -133,8 +133,10 @@ class PatchPuller:
             if watcher is not None and version != "latest" else None
         if a is None:
             try:
-                a = self.session.call(LatestRequest(model=self.main_model))
+                a = self.session.call(LatestRequest(model=self.main_model, newer_than=held))
             except TensorHubError:
+                return None
+            if not isinstance(a, Announcement):  # (nothing newer than what we hold)
                 return None
             if version != "latest" and a.version != version:
                 return None
