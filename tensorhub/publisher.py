@@ -118,7 +118,9 @@ class Publisher:
         slow reader delays a training step but never fails it).
         `patches`: with each version (after the first, copied, unsharded), also publish the
         patch from the previous one (`core/patch.py`), which readers holding that one pull
-        instead of the whole version (`TENSORHUB_PATCHES=0` turns it off too)."""
+        instead of the whole version, where it pays: decided before it is built, on a
+        sample of the step and measured rates (`core/patch_budget.py`, `patch_costs`;
+        `TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold

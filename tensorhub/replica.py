@@ -119,7 +119,8 @@ class Replica:
         pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
         how long to keep trying to register with a coordinator that does not answer.
         `patches`: a replica holding a version takes a newer one as the trainer's patches
-        when a short chain of them moves fewer bytes (`reader/patches.py`;
+        when a short chain of them moves fewer bytes and is expected to land sooner than
+        the whole on this replica's measured rates (`reader/patches.py`, `patch_costs`;
         `TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen

@@ -1,5 +1,6 @@
 """A reader that holds a version takes a newer one as patches (`core/patch.py`) when a short
-chain of them leads there and moves fewer bytes than the version itself.
+chain of them leads there, moves fewer bytes than the version itself, and is expected to
+land sooner than the whole on the reader's own measured rates (`core/patch_budget.py`).
 
 Each patch is a version of the companion patch model, pulled striped like any version (from
 the trainer or from peers that hold it, one crossing per datacenter), verified by its own
