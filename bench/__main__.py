@@ -28,6 +28,7 @@ CORE = {
     "simulate": ([], ["--max", "256", "--tib-readers", "8"]),
     "hosts": ([], ["--quick"]),  # emulated hosts: needs root and iproute2
     "patches": ([], ["--quick"]),  # its WAN figures need emulated hosts
+    "waiting": ([], ["--readers", "2", "--seconds", "4"]),  # emulated hosts
     "stalled_source": ([], ["--size-mb", "64", "--stall-timeout", "8", "--window", "5"]),
 }
 ENGINES = {

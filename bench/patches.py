@@ -13,7 +13,14 @@
   of the model and of the patch (the bounds), measured in the same run. Bit-exact: every
   reader's checksums equal the trainer's, every version.
 
-Run: python -m bench.patches [--only encodings density wan] [--quick]
+- steps: synthetic bf16 and float32 weights of which 0.1 %, 1 %, 10 % or 100 % of elements
+  move by one step of their dtype: the trainer's publish call and the time from publish
+  until every reader holds it, with patches (the trainer weighs each before building it,
+  each reader before taking it: `core/patch_budget.py`) against every version whole, on
+  one host (beside one memcpy of the model) and with 2 readers across a WAN (beside one
+  WAN copy of the model), each measured in the same run.
+
+Run: python -m bench.patches [--only encodings density wan steps] [--quick]
 """
 
 from __future__ import annotations
@@ -205,36 +212,136 @@ def wan(report: Report, readers: int, size_mb: float, adamw_mb: float, nic: str,
               f"patch {patch / model:.4f} of the model", flush=True)
 
 
+STEP_DENSITIES = (0.001, 0.01, 0.1, 1.0)
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    """One same-host copy of `nbytes` (the bound of a pull on one host), best of 3."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _run_steps(cluster: Cluster, trainer_host, readers: list, size_mb: float, dtype: str,
+               patches: bool, log_dir: str) -> dict[float, dict]:
+    """v1 and a dense v2 (warm whole pulls, as an optimizer's first steps make), then two
+    versions at each density of `STEP_DENSITIES` (the second is kept: by then the trainer
+    and readers have measured their rates): per density, the trainer's publish call,
+    publish -> every reader holds it, and how it moved."""
+    env = {} if patches else {"TENSORHUB_PATCHES": "0"}
+    sequence = [1.0, *(d for d in STEP_DENSITIES for _ in range(2))]
+    out: dict[float, dict] = {}
+    with Fleet(cluster, log_dir=log_dir, env=env) as fleet:
+        procs = [fleet.replica(h, name=f"r{i}", versions=1 + len(sequence), pull_timeout=600)
+                 for i, h in enumerate(readers)]
+        time.sleep(1.0)
+        trainer = fleet.trainer(trainer_host, size_mb, versions=1 + len(sequence),
+                                wait_replicas=len(readers),
+                                extra=("--dtype", dtype, "--tiny", "8", "--density",
+                                       *map(str, sequence), "--timeout", "900"))
+        for k in range(1 + len(sequence)):
+            published = trainer.next_json(900)
+            events = [p.next_json(900) for p in procs]
+            assert trainer.next_json(900)["event"] == "held"
+            assert all(e["event"] == "pulled" and e["version"] == published["version"]
+                       and e["checksums"] == published["checksums"] for e in events), events
+            if k >= 3 and k % 2 == 1:
+                out[sequence[k - 1]] = {
+                    "publish_s": published["publish_seconds"],
+                    "all_s": max(e["ended_at"] for e in events) - published["at"],
+                    "nbytes": published["nbytes"],
+                    "patch": (published.get("patch") or {}).get("nbytes"),
+                    "built": (published.get("patch_weighed") or {}).get("build", False),
+                    "patched": sum(bool(e["patches"]) for e in events)}
+    return out
+
+
+def steps(report: Report, size_mb: float, readers: int, wan_rate: str, nic: str,
+          log_root: str) -> None:
+    """Publish and pull times with patches (the trainer and readers weigh each) against
+    every version whole, per density and dtype, on one host and across a WAN."""
+    places = {
+        "one host": ([HostSpec("h0")], lambda c: (c.hosts[0], [c.hosts[0]] * readers), None),
+        f"WAN {wan_rate}": ([HostSpec("a0", dc=0), *(HostSpec(f"b{i}", dc=1)
+                                                    for i in range(readers))],
+                            lambda c: (c.hosts[0], c.hosts[1:]), wan_rate),
+    }
+    for place, (specs, roles, wan_link) in places.items():
+        for dtype in ("bfloat16", "float32"):
+            with Cluster(specs, egress=nic if wan_link else None, wan=wan_link) as cluster:
+                trainer_host, reader_hosts = roles(cluster)
+                runs = {mode: _run_steps(cluster, trainer_host, reader_hosts, size_mb, dtype,
+                                         mode == "patches", f"{log_root}/{place[:3]}-{dtype}"
+                                         f"-{mode}") for mode in ("patches", "whole")}
+                if wan_link:
+                    probe = tcp_transfer(cluster.hosts[0], cluster.hosts[1], 8 << 20)
+                    rate = probe["bytes"] / probe["seconds"]
+                    bound_name = "one WAN copy of the model (TCP goodput)"
+                else:
+                    bound_name = "one memcpy of the model"
+            for density in STEP_DENSITIES:
+                ours, whole = runs["patches"][density], runs["whole"][density]
+                model = ours["nbytes"]
+                bound = model / rate if wan_link else memcpy_seconds(model)
+                name = (f"{place}, {readers} readers, {size_mb:g} MiB {dtype}, "
+                        f"{density:.1%} of elements one step each")
+                how = (f"patch built, {ours['patched']} of {readers} readers took it"
+                       if ours["built"] else "no patch built")
+                report.add(f"{name}: publish call ({how})", ours["publish_s"], "s",
+                           "every version whole", whole["publish_s"], higher_is_better=False)
+                report.add(f"{name}: publish to all readers holding it ({how})",
+                           ours["all_s"], "s", "every version whole", whole["all_s"],
+                           higher_is_better=False)
+                report.add(f"{name}: publish to all / {bound_name}", ours["all_s"] / bound,
+                           "x", "every version whole / the same bound", whole["all_s"] / bound,
+                           higher_is_better=False)
+                print(f"{name}: {how}; publish {ours['publish_s']:.3f} s (whole "
+                      f"{whole['publish_s']:.3f}), to all {ours['all_s']:.3f} s (whole "
+                      f"{whole['all_s']:.3f}), bound {bound:.3f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=["encodings", "density", "wan"],
-                        default=["encodings", "density", "wan"])
+    parser.add_argument("--only", nargs="+",
+                        choices=["encodings", "density", "wan", "steps"],
+                        default=["encodings", "density", "wan", "steps"])
+    parser.add_argument("--steps-mb", type=float, default=32,
+                        help="steps: the model's size")
     parser.add_argument("--size-mb", type=float, default=128)
     parser.add_argument("--adamw-mb", type=float, default=64)
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--nic", default="1gbit")
     parser.add_argument("--wan", default="200mbit")
     parser.add_argument("--versions", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="small: 32 MiB, 2 readers")
+    parser.add_argument("--quick", action="store_true",
+                        help="small: 32 MiB (steps: 8 MiB), 2 readers")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_mb, args.adamw_mb, args.readers, args.versions = 32, 16, 2, 3
+        args.steps_mb = 8
     report = Report("patches")
     if "encodings" in args.only:
         encodings(report, args.adamw_mb, steps=2 if args.quick else 3)
     if "density" in args.only:
         density(report, args.size_mb)
-    if "wan" in args.only:
-        reason = available()
-        if reason is not None:
-            print(f"bench.patches: cannot emulate hosts here: {reason}", file=sys.stderr)
-        else:
-            logs = tempfile.mkdtemp(prefix="tensorhub-bench-patches-")
-            print(f"logs in {logs}", flush=True)
+    hosts = [k for k in ("wan", "steps") if k in args.only]
+    reason = available() if hosts else None
+    if reason is not None:
+        print(f"bench.patches: cannot emulate hosts here: {reason}", file=sys.stderr)
+    elif hosts:
+        logs = tempfile.mkdtemp(prefix="tensorhub-bench-patches-")
+        print(f"logs in {logs}", flush=True)
+        if "wan" in args.only:
             wan(report, args.readers, args.size_mb, args.adamw_mb, args.nic, args.wan,
                 args.versions, logs)
-    report.write()
+        if "steps" in args.only:
+            steps(report, args.steps_mb, 2, args.wan, args.nic, logs)
+    report.write(keep_earlier=len(args.only) < 4)
     return 0
 
 

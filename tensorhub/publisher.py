@@ -36,7 +36,8 @@ from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import as_bytes
 from tensorhub.core.named_tensors import NamedTensors, named_list
-from tensorhub.core.patch import PatchWriter
+from tensorhub.core.patch import PatchWriter, sample_changes
+from tensorhub.core.patch_budget import PatchCosts, Verdict
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
 
@@ -52,6 +53,17 @@ class PatchStats:
     version: int
     density: float
     nbytes: int
+
+
+@dataclass(frozen=True)
+class PatchDecision:
+    """Whether the patch to `version` was built (`verdict`), and the words sampled to
+    decide it against the `words` its building compares."""
+
+    version: int
+    verdict: Verdict
+    sampled_words: int
+    words: int
 
 
 class Publisher:
@@ -106,7 +118,9 @@ class Publisher:
         slow reader delays a training step but never fails it).
         `patches`: with each version (after the first, copied, unsharded), also publish the
         patch from the previous one (`core/patch.py`), which readers holding that one pull
-        instead of the whole version (`TENSORHUB_PATCHES=0` turns it off too)."""
+        instead of the whole version, where it pays: decided before it is built, on a
+        sample of the step and measured rates (`core/patch_budget.py`, `patch_costs`;
+        `TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
@@ -124,6 +138,10 @@ class Publisher:
         self._patches = patches and settings.PATCHES.get()
         self._held_patches = HeldPatches(self.session, model)
         self.last_patch: PatchStats | None = None
+        # what the next patch is weighed on, and the last weighing
+        self.patch_costs = PatchCosts()
+        self.last_patch_decision: PatchDecision | None = None
+        self._patch_started = 0.0
         self.version: int | None = None
         self.layout_id: str | None = None
 
@@ -237,6 +255,7 @@ class Publisher:
             parts=self.part.parts)
         self._layout = layout
         reply = self.session.call_patiently(publish, self.coordinator_wait)
+        self.patch_costs.pull_rate_told(reply.pull_rate)
         if not reply.complete:
             self._await_parts(publish, self.coordinator_wait if part_timeout is None
                               else part_timeout)
@@ -258,10 +277,27 @@ class Publisher:
         """Copy the large tensors into our buffers (which hold version `base` whole; 0:
         no version), and make the patch from it to this one on the way (the compact
         region's part is added once it is packed). None when patches are off or cannot be
-        made (a sharded trainer; no whole base)."""
+        made (a sharded trainer; no whole base) or would not pay (`core/patch_budget.py`:
+        decided on a sample of the words before any is encoded)."""
         if not self._patches or not base or self.part.parts > 1:
             layout.copy_large_from(tensors)
             return None
+        large = [(k, item.tensors[0]) for k, item in enumerate(layout.items)
+                 if item.kind == "tensor"]
+        try:
+            sample = sample_changes([layout.item_bytes[k] for k, _ in large],
+                                    [as_bytes(tensors[t]) for _, t in large], seed=version)
+        except (TypeError, ValueError, RuntimeError):
+            sample = (0, 0)  # (bytes we cannot view as words: the writer finds out)
+        words = sum(b.numel() // (2 if b.numel() % 2 == 0 else 1) for b in layout.item_bytes)
+        verdict = self.patch_costs.trainer_verdict(*sample, words, layout.nbytes)
+        self.last_patch_decision = PatchDecision(version, verdict, sample[0], words)
+        if not verdict.patch:
+            log.info("%s v%d: no patch (%s): readers pull it whole", self.model, version,
+                     verdict.why)
+            layout.copy_large_from(tensors)
+            return None
+        self._patch_started = time.perf_counter()
         patch = PatchWriter(base, version, layout.layout_id,
                             budget=int(settings.PATCH_MAX_RATIO * layout.nbytes),
                             total_bytes=layout.nbytes)
@@ -283,6 +319,9 @@ class Publisher:
             return
         data = patch.finish()
         if self._held_patches.publish(patch.version, patch.base, data):
+            made = time.perf_counter() - self._patch_started
+            self.patch_costs.built(patch.words, patch.changed_words, made - patch.encode_s,
+                                   patch.encode_s, len(data))
             self.last_patch = PatchStats(patch.base, patch.version, patch.density, len(data))
             log.info("%s v%d: patch from v%d, %.3f%% of the words changed, %.2f MiB "
                      "(%.4f of the version)", self.model, patch.version, patch.base,

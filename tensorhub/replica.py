@@ -55,6 +55,7 @@ from tensorhub.core.layout_diff import explain_mismatch
 from tensorhub.core.memory import describe
 from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchError
+from tensorhub.core.patch_budget import PatchCosts, Verdict
 from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
 from tensorhub.core.session import WorkerSession, default_name
 from tensorhub.core.transport import Transport
@@ -118,7 +119,8 @@ class Replica:
         pulls and holds (`PartedReplica` runs one replica per part). `coordinator_wait`:
         how long to keep trying to register with a coordinator that does not answer.
         `patches`: a replica holding a version takes a newer one as the trainer's patches
-        when a short chain of them moves fewer bytes (`reader/patches.py`;
+        when a short chain of them moves fewer bytes and is expected to land sooner than
+        the whole on this replica's measured rates (`reader/patches.py`, `patch_costs`;
         `TENSORHUB_PATCHES=0` turns it off too)."""
         self.model = model
         self.part = Part(part=part, parts=part + 1)  # parts: as the manifest says, once seen
@@ -150,6 +152,10 @@ class Replica:
         self._patches = PatchPuller(self.session, model, self._plan, self._end) \
             if patches and settings.PATCHES.get() else None
         self.last_pull_patches: list[int] = []  # the versions the last pull took as patches
+        # what a chain of patches is weighed on (our own pull and apply rates), and the
+        # last weighing (None: no chain was there to weigh)
+        self.patch_costs = PatchCosts()
+        self.last_patch_verdict: Verdict | None = None
         self.session.check_held = self._check_held
         self.last_pull_reread = 0  # bytes the last pull read again (they failed checksums)
         self.last_pull_bad_sources: list[str] = []  # names of who served those bad bytes
@@ -455,6 +461,9 @@ class Replica:
             self._end(pull.end(ok=self.version == plan.version))
         stats: PullStats = pull.stats
         self.last_pull = stats
+        if self.version == plan.version and previous is not None and not self.whole_items:
+            # (a first pull's time is mostly setting up: connections, registrations)
+            self.patch_costs.pulled_whole(stats.nbytes, stats.seconds)
         self.last_pull_reread = pull.reread_bytes
         self.last_pull_bad_sources = sorted(
             pull.sources[s].name if s in pull.sources else s for s in pull.bad_sources)
@@ -535,6 +544,13 @@ class Replica:
             return None
         if chain is None:
             return None
+        verdict = self.patch_costs.reader_verdict(sum(link.nbytes for link in chain),
+                                                  self.layout.nbytes, len(chain))
+        self.last_patch_verdict = verdict
+        if not verdict.patch:
+            log.info("%s: %s v%d whole, not as patches (%s)", self.session.name, self.model,
+                     target.version, verdict.why)
+            return None
         started = time.monotonic()
         try:
             patches = [self._patches.pull(link, deadline) for link in chain]
@@ -542,6 +558,8 @@ class Replica:
             log.warning("%s: pulling the patches to %s v%d failed (%s); pulling it whole",
                         self.session.name, self.model, target.version, exc)
             return None
+        self.patch_costs.pulled_patches(len(chain), sum(link.nbytes for link in chain),
+                                        time.monotonic() - started)
         previous = self.version
         dest = self._staged if self.staging else self.layout.item_bytes
         if self.staging:
@@ -551,7 +569,8 @@ class Replica:
             self.version = None  # from here on our buffers are not a complete version
             self.session.withdraw(self.model, previous, deadline - time.monotonic())
         try:
-            apply_chain(chain, patches, dest, self.layout.layout_id, self._checksums, target)
+            applied = apply_chain(chain, patches, dest, self.layout.layout_id,
+                                  self._checksums, target)
         except (PatchError, IntegrityError) as exc:
             log.warning("%s: the patches to %s v%d do not give its bytes (%s); pulling it "
                         "whole", self.session.name, self.model, target.version, exc)
@@ -561,6 +580,8 @@ class Replica:
         self.version = target.version
         self._checksums, self._late_seen = list(target.checksums), late_before
         nbytes = sum(link.nbytes for link in chain)
+        self.patch_costs.applied(nbytes, applied.apply_s, applied.checked_bytes,
+                                 applied.check_s)
         self.last_pull = PullStats(self.model, target.version, ["patches"], nbytes,
                                    time.monotonic() - started)
         self.last_pull_patches = [link.version for link in chain]

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import tensorhub.publisher
+import tensorhub.replica
 from tensorhub import Publisher, Replica
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Manifest, TensorSpec
@@ -25,7 +27,19 @@ from tensorhub.core.patch import (
     patch_model,
     patch_tensor_name,
 )
+from tensorhub.core.patch_budget import PatchCosts, Rate
 from tensorhub.reader.patches import Link, PatchPuller, choose_chain
+
+
+@pytest.fixture(autouse=True)
+def across_a_wan(monkeypatch):
+    """Every worker here weighs patches as if its readers sat across a 20 Mbit/s WAN, where
+    a sparse step's patch pays: what these tests pin is how patches move, not whether one
+    pays on this host's loopback (`test_patch_budget.py` pins that)."""
+    def wan_costs() -> PatchCosts:
+        return PatchCosts(pull_s_per_byte=Rate.known(8 / 20e6))
+    monkeypatch.setattr(tensorhub.publisher, "PatchCosts", wan_costs)
+    monkeypatch.setattr(tensorhub.replica, "PatchCosts", wan_costs)
 
 
 def sums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

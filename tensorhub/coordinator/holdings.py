@@ -173,9 +173,12 @@ def check_probation(state: CoordinatorState, worker_id: str, model: str, version
     log.info("%s offers %s v%d again after its probation", worker_id, model, version)
 
 
-def latest(state: CoordinatorState, req: LatestRequest) -> Announcement:
-    """The model's newest version as it was announced (the watchers' one fallback)."""
+def latest(state: CoordinatorState, req: LatestRequest) -> Announcement | Ack:
+    """The model's newest version as it was announced (the watchers' one fallback); `Ack`
+    when it is not newer than the asker's `newer_than`."""
     mrec = state.model(req.model)
+    if req.newer_than is not None and mrec.latest <= req.newer_than:
+        return ACK
     announced = state.announcements.get(req.model)
     if announced is None or announced[0].version != mrec.latest:
         # (a version brought back by holders after a restart: no publish was seen)

@@ -3,6 +3,7 @@ becomes the model's newest and is announced."""
 
 from __future__ import annotations
 
+from tensorhub import settings
 from tensorhub.coordinator.parts import PendingPart, PendingVersion, check_parts_fit
 from tensorhub.coordinator.state import CoordinatorState, Reject, log, source_of
 from tensorhub.coordinator.table import LayoutRec, ModelRec, VersionRec, WorkerRec
@@ -67,7 +68,18 @@ def _publish_whole(state: CoordinatorState, req: Publish, worker: WorkerRec,
     log.info("%s published %s v%d (%d items, %.1f MiB)", worker.worker_id, req.model,
              req.version, len(layout.items), layout.nbytes / 2**20)
     announce(state, req.model, req.version, lid, layout, worker.worker_id, req.memory)
-    return Published(model=req.model, version=req.version, layout_id=lid)
+    return Published(model=req.model, version=req.version, layout_id=lid,
+                     pull_rate=slowest_pull_rate(state, req.model))
+
+
+def slowest_pull_rate(state: CoordinatorState, model: str) -> float | None:
+    """Bytes/s of the slowest of `model`'s readers' last whole pulls (of at least
+    `PATCH_RATE_MIN_BYTES`): what its trainer weighs a patch's cost against
+    (`core/patch_budget.py`); None when no reader's last pull was one."""
+    rates = [r.nbytes / r.seconds for _, r in state.table.last_pull.values()
+             if r.model == model and r.nbytes >= settings.PATCH_RATE_MIN_BYTES
+             and r.seconds > 0]
+    return min(rates, default=None)
 
 
 def make_version(state: CoordinatorState, model: str, vrec: VersionRec) -> None:

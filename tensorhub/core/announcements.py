@@ -2,7 +2,8 @@
 
 Announcements (PUB/SUB) are the way a worker learns of a version. PUB/SUB drops messages
 for late joiners and slow readers, so when none has come for `poll_interval` the watcher
-asks once (`LatestRequest`, answered with the newest announcement); that is the only
+asks once (`LatestRequest`, answered with the newest announcement if it is newer than the
+newest heard, else with a few bytes); that is the only
 polling. An announcement carries what a reader needs to pull the version by the parents it
 had for the previous one, without a plan request (`Replica`).
 """
@@ -74,10 +75,14 @@ class VersionWatcher:
                 continue
 
     def _ask(self) -> None:
-        """The fallback: the newest version as announced, straight from the coordinator."""
+        """The fallback: the newest version as announced, straight from the coordinator,
+        if newer than the newest we heard of (else a few bytes say it is not)."""
         self._heard = time.monotonic()
+        heard = self.newest.version if self.newest is not None else None
         try:
-            self._take(self.session.client.call(LatestRequest(model=self.model)))
+            reply = self.session.client.call(LatestRequest(model=self.model, newer_than=heard))
+            if isinstance(reply, Announcement):
+                self._take(reply)
         except CoordinatorUnavailable:
             pass  # restarting: the caller simply waits on
         except CoordinatorError as exc:

@@ -269,10 +269,13 @@ class StatusRequest(Strict):
 
 
 class LatestRequest(Strict):
-    """The model's newest version, as its announcement said (`Announcement`)."""
+    """The model's newest version, as its announcement said (`Announcement`); with
+    `newer_than`, only if it is newer than that (else `Ack`: a waiting reader's question
+    costs a few bytes, not an announcement's)."""
 
     type: Literal["latest"] = "latest"
     model: Name
+    newer_than: int | None = Field(default=None, ge=0, lt=2**62)
 
 
 class HoldingsRequest(Strict):
@@ -470,6 +473,9 @@ class Published(Strict):
     # The model's credential (its part's, for a sharded one), when this publish bound it:
     # kept by the trainer and shown with every later publish and registration.
     owner: str | None = Field(default=None, max_length=256)
+    # Bytes/s of the slowest of the model's readers' last whole pulls, if any: what the
+    # trainer weighs its next patch's cost against (`core/patch_budget.py`).
+    pull_rate: float | None = Field(default=None, gt=0, lt=1e15)
 
 
 class PublishStatusReply(Strict):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import struct
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -173,6 +174,37 @@ def changes(old: torch.Tensor, new: torch.Tensor,
     return positions.cpu().numpy(), xor.view(np.uint16) if word == 2 else xor
 
 
+def sample_changes(old: list[torch.Tensor], new: list[torch.Tensor], seed: int,
+                   windows: int = 64, window_words: int = 1024) -> tuple[int, int]:
+    """(words looked at, words changed among them) in `windows` windows of `window_words`
+    words placed at random over the items (bytes of a version before and after, as pairs):
+    the density of a step for a small fraction of a full comparison's work."""
+    sizes = np.array([a.numel() // _word(a.numel()) for a in old], dtype=np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        return 0, 0
+    if total <= windows * window_words:
+        starts = np.arange(0, total, window_words, dtype=np.int64)
+    else:
+        rng = np.random.default_rng(seed)
+        starts = np.sort(rng.integers(0, total - window_words, windows))
+    ends = np.cumsum(sizes)
+    looked = changed = 0
+    for start in starts.tolist():
+        k = int(np.searchsorted(ends, start, side="right"))
+        at = start - (int(ends[k - 1]) if k else 0)
+        n = min(window_words, int(sizes[k]) - at)
+        word = _word(old[k].numel())
+        try:
+            a = _words(old[k], word)[at:at + n]
+            b = _words(new[k], word)[at:at + n].to(a.device)
+        except (PatchError, RuntimeError):
+            continue
+        looked += n
+        changed += int(torch.count_nonzero(a != b))
+    return looked, changed
+
+
 class PatchWriter:
     """Builds the patch from a base version to a new one, item by item, as a publisher
     overwrites its buffers: `item(k, old, new)` before item k's buffer takes the new bytes."""
@@ -193,6 +225,7 @@ class PatchWriter:
         self.changed_words = 0
         self.words = 0
         self.abandoned = False
+        self.encode_s = 0.0  # time spent encoding changes (a trainer's rate to learn)
 
     def item(self, k: int, old: torch.Tensor, new: torch.Tensor) -> None:
         """Item k's bytes before (`old`) and after (`new`); the writer gives up (`abandoned`)
@@ -220,8 +253,10 @@ class PatchWriter:
         positions, xor = found
         if len(positions):
             self.changed_words += len(positions)
+            started = time.perf_counter()
             entries, payload = encode_changes(positions, xor)
             self._items.append(_Encoded(k, word, entries, payload))
+            self.encode_s += time.perf_counter() - started
 
     @property
     def density(self) -> float:

@@ -1,5 +1,6 @@
 """A reader that holds a version takes a newer one as patches (`core/patch.py`) when a short
-chain of them leads there and moves fewer bytes than the version itself.
+chain of them leads there, moves fewer bytes than the version itself, and is expected to
+land sooner than the whole on the reader's own measured rates (`core/patch_budget.py`).
 
 Each patch is a version of the companion patch model, pulled striped like any version (from
 the trainer or from peers that hold it, one crossing per datacenter), verified by its own
@@ -73,12 +74,23 @@ def choose_chain(held: int, target: int, links: dict[int, Link], whole_nbytes: i
     return chain[::-1]
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What applying a chain took: seconds to apply it, and to check the `checked_bytes`
+    of the items it touched (a reader's rates, `core/patch_budget.py`)."""
+
+    apply_s: float
+    checked_bytes: int
+    check_s: float
+
+
 def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.Tensor],
-                layout_id: str, held_checksums: list[str], target: Announcement) -> None:
+                layout_id: str, held_checksums: list[str], target: Announcement) -> Applied:
     """Apply the chain's patches (oldest first) to `dest`, which holds the chain's base,
     and prove the result is `target`: every item a patch touched has the target's checksum,
     every other had it already. `PatchError` / `IntegrityError` otherwise (`dest` is then
     no version at all)."""
+    started = time.perf_counter()
     touched: set[int] = set()
     for link, layout in zip(chain, patches, strict=True):
         touched.update(apply_patch(memoryview(layout.tensors[0].numpy()), dest,
@@ -89,11 +101,14 @@ def apply_chain(chain: list[Link], patches: list[BoundLayout], dest: list[torch.
         if k not in touched and held_checksums[k] != target.checksums[k]:
             raise PatchError(f"item {k} differs in v{target.version}, and no patch of the "
                              f"chain changes it")
+    checking = time.perf_counter()
     # (checksums run without the GIL: the whole version is hashed again, on every core
     # same-host copies may use)
     with ThreadPoolExecutor(settings.copy_threads(), "tensorhub-patch-check") as pool:
         for done in [pool.submit(check_item, expected, k, dest[k]) for k in sorted(touched)]:
             done.result()
+    return Applied(checking - started, sum(dest[k].numel() for k in touched),
+                   time.perf_counter() - checking)
 
 
 class PatchPuller:
@@ -119,8 +134,10 @@ class PatchPuller:
             if watcher is not None and version != "latest" else None
         if a is None:
             try:
-                a = self.session.call(LatestRequest(model=self.main_model))
+                a = self.session.call(LatestRequest(model=self.main_model, newer_than=held))
             except TensorHubError:
+                return None
+            if not isinstance(a, Announcement):  # (nothing newer than what we hold)
                 return None
             if version != "latest" and a.version != version:
                 return None

@@ -283,6 +283,19 @@ REREAD_TRIES: int = 3
 # follows a chain of them only if they add up to at most that share (else it pulls whole).
 PATCH_KEEP: int = 3
 PATCH_MAX_RATIO: float = 0.25
+# Whether a patch pays (`core/patch_budget.py`) is weighed on measured rates; until a
+# worker has measured one it takes these (2-core CPU host, `bench/results/patches.md`):
+# seconds a trainer takes per word to make a patch (compare, copy, offer it) and per changed
+# word encoded, patch bytes per changed word, a reader's seconds per patch pulled (beyond its
+# bytes), per patch byte applied and per byte checked.
+PATCH_PRIOR_MAKE_S_PER_WORD: float = 1e-8
+PATCH_PRIOR_ENCODE_S_PER_CHANGE: float = 2e-7
+PATCH_PRIOR_BYTES_PER_CHANGE: float = 1.4
+PATCH_PRIOR_APPLY_S_PER_BYTE: float = 2e-7
+PATCH_PRIOR_CHECK_S_PER_BYTE: float = 1.5e-10
+PATCH_PRIOR_PULL_S_PER_PATCH: float = 0.01
+# A whole pull shorter than this tells nothing of a link's rate (its fixed costs dominate).
+PATCH_RATE_MIN_BYTES: int = 1 << 20
 # How long withdrawing a patch older than the kept ones waits for reads of it to end before
 # it is left to the next patch (a trainer's publish waits this long at most).
 PATCH_WITHDRAW_S: float = 0.5

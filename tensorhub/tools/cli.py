@@ -367,7 +367,7 @@ def _publish(args: argparse.Namespace) -> int:
             if k and trainer is not None:
                 trainer.step()
             elif k:
-                _change(state, args.density, g)
+                _change(state, args.density[(k - 1) % len(args.density)], g)
             # (checksummed before it is published: afterwards the trainer's cores serve
             # its first readers)
             sums = {n: checksum(t) for n, t in state.items()} if args.checksums else None
@@ -376,6 +376,10 @@ def _publish(args: argparse.Namespace) -> int:
             event = {"event": "published", "name": args.name, "version": version,
                      "nbytes": sum(t.numel() * t.element_size() for t in state.values()),
                      "at": at, "publish_seconds": round(time.monotonic() - started, 4)}
+            decision = pub.last_patch_decision
+            if decision is not None and decision.version == version:
+                event["patch_weighed"] = {"build": decision.verdict.patch,
+                                          "why": decision.verdict.why}
             if pub.last_patch is not None and pub.last_patch.version == version:
                 event["patch"] = {"nbytes": pub.last_patch.nbytes,
                                   "density": pub.last_patch.density}
@@ -570,10 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=1, help="versions to publish (default 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="with --synthetic-mb: the weights' dtype (default float32)")
-    p.add_argument("--density", type=float, default=1.0,
+    p.add_argument("--density", type=float, nargs="+", default=[1.0],
                    help="with --synthetic-mb: the share of elements each new version changes "
                         "(default 1: all, so every version moves whole; at a few percent "
-                        "readers take it as a patch)")
+                        "readers take it as a patch); several: version k+1 takes the k-th, "
+                        "round and round")
     p.add_argument("--adamw-lr", type=float, default=None,
                    help="with --synthetic-mb: publish a small bf16 transformer of that size "
                         "instead, one AdamW step at this learning rate per version (RL "
