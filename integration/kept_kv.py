@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from integration.stream_client import StreamingClients
 from integration.tiny_model import hf_greedy
+from tensorhub import Publisher
 
 
 def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int
@@ -43,14 +44,24 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], pairs))
 
 
-def check_keep_kv(url: str, model: str, model_dir: Path, old: dict, new: dict,
-                  publish: Callable[[dict], int], wait_serving: Callable[[int], object],
-                  prompts: Sequence[Sequence[int]], tokens: int) -> None:
-    """The engine serves `old`; publish `new` while clients stream, then:
+def check_keep_kv(engine, address: str, model_dir: Path, old: dict, new: dict,
+                  wait_serving: Callable[[int], object], prompts: Sequence[Sequence[int]],
+                  tokens: int) -> None:
+    """`engine` (started in `keep_kv`, following model "kept-kv" at `address`) is made to
+    serve `old`; then `new` is published while clients stream, and:
     - no request failed, and an answer's tokens before the swap equal HF's on `old`;
     - a long prompt answered twice before the swap came from the cache the second time,
       and after the swap is computed again (no token cached before the swap) and gives
       HF's tokens on `new`."""
+    with Publisher(address, "kept-kv", name="kept-kv-trainer") as pub:
+        wait_serving(pub.publish(old))
+        _through_a_swap(engine.url, engine.model, model_dir, old, new, pub.publish,
+                        wait_serving, prompts, tokens)
+
+
+def _through_a_swap(url: str, model: str, model_dir: Path, old: dict, new: dict,
+                    publish: Callable[[dict], int], wait_serving: Callable[[int], object],
+                    prompts: Sequence[Sequence[int]], tokens: int) -> None:
     long_prompt = [t for _ in range(40) for t in prompts[0]][:300]
     first, _ = complete(url, model, long_prompt, tokens)
     again, cached = complete(url, model, long_prompt, tokens)

@@ -405,16 +405,13 @@ def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_
     cached before the swap is computed again after it, with the new weights."""
     from integration.kept_kv import check_keep_kv
 
-    model = "kept-kv"
     engine = SGLangServer(sglang_python, fleet.versions.dir,
-                          env={**sglang_env(fleet.address), "TENSORHUB_MODEL": model,
+                          env={**sglang_env(fleet.address), "TENSORHUB_MODEL": "kept-kv",
                                "TENSORHUB_PAUSE": "keep_kv"},
                           extra_args=["--custom-weight-loader", LOADER,
                                       "--enable-cache-report"],
                           log_path=fleet.root / "kept-kv.log")
-    with engine, Publisher(fleet.address, model, name="kept-kv-trainer") as pub:
-        pub.publish(fleet.versions.state(1))
-        wait_sglang(engine, 1)
-        check_keep_kv(engine.url, engine.model, fleet.versions.dir, fleet.versions.state(1),
-                      fleet.versions.state(2), pub.publish, lambda v: wait_sglang(engine, v),
+    with engine:
+        check_keep_kv(engine, fleet.address, fleet.versions.dir, fleet.versions.state(1),
+                      fleet.versions.state(2), lambda v: wait_sglang(engine, v),
                       fleet.prompts, TOKENS)

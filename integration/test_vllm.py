@@ -430,15 +430,12 @@ def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_
     """`TENSORHUB_PAUSE=keep_kv`: requests in flight keep their KV (no recompute) and none
     fails; the prefix cache is not reset but salted by swap epoch, so a prompt cached
     before the swap is computed again after it, with the new weights."""
-    model = "kept-kv"
     engine = VLLMServer(vllm_python, fleet.versions.dir,
                         extra_args=[*PLUGIN_ARGS, "--enable-prompt-tokens-details"],
-                        env={**plugin_env(fleet.address), "TENSORHUB_MODEL": model,
+                        env={**plugin_env(fleet.address), "TENSORHUB_MODEL": "kept-kv",
                              "TENSORHUB_PAUSE": "keep_kv"},
                         log_path=fleet.root / "kept-kv.log")
-    with engine, Publisher(fleet.address, model, name="kept-kv-trainer") as pub:
-        pub.publish(fleet.versions.state(1))
-        wait_serving(engine, 1)
-        check_keep_kv(engine.url, engine.model, fleet.versions.dir, fleet.versions.state(1),
-                      fleet.versions.state(2), pub.publish, lambda v: wait_serving(engine, v),
+    with engine:
+        check_keep_kv(engine, fleet.address, fleet.versions.dir, fleet.versions.state(1),
+                      fleet.versions.state(2), lambda v: wait_serving(engine, v),
                       fleet.prompts, TOKENS)
