@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import time
@@ -71,6 +72,7 @@ def start_engine(kind: str, tp: int, model_dir, address: str, work, pause: str =
     extra = ["--custom-weight-loader", "tensorhub_plugins.sglang.loader.apply"]
     if tp > 1:
         extra += ["--tp-size", str(tp)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp))
     return SGLangServer(engine_python("sglang"), model_dir, dtype="bfloat16", extra_args=extra,
                         env={**env, "SGLANG_PLUGINS": "tensorhub"},
                         log_path=work / "engine.log").start(timeout=900)
