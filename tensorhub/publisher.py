@@ -36,7 +36,7 @@ from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import as_bytes
 from tensorhub.core.named_tensors import NamedTensors, named_list
-from tensorhub.core.patch import PatchWriter, sample_changes
+from tensorhub.core.patch import PatchWriter, sample_changes, word_count
 from tensorhub.core.patch_budget import PatchCosts, Verdict
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
@@ -289,7 +289,7 @@ class Publisher:
                                     [as_bytes(tensors[t]) for _, t in large], seed=version)
         except (TypeError, ValueError, RuntimeError):
             sample = (0, 0)  # (bytes we cannot view as words: the writer finds out)
-        words = sum(b.numel() // (2 if b.numel() % 2 == 0 else 1) for b in layout.item_bytes)
+        words = sum(word_count(b.numel()) for b in layout.item_bytes)
         verdict = self.patch_costs.trainer_verdict(*sample, words, layout.nbytes)
         self.last_patch_decision = PatchDecision(version, verdict, sample[0], words)
         if not verdict.patch:

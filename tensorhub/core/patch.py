@@ -103,6 +103,11 @@ def _word(nbytes: int) -> int:
     return 2 if nbytes % 2 == 0 else 1
 
 
+def word_count(nbytes: int) -> int:
+    """How many words a patch compares in an item of `nbytes` (16-bit where they fit)."""
+    return nbytes // _word(nbytes)
+
+
 def _words(buf: torch.Tensor, word: int) -> torch.Tensor:
     if word == 1:
         return buf
@@ -179,7 +184,7 @@ def sample_changes(old: list[torch.Tensor], new: list[torch.Tensor], seed: int,
     """(words looked at, words changed among them) in `windows` windows of `window_words`
     words placed at random over the items (bytes of a version before and after, as pairs):
     the density of a step for a small fraction of a full comparison's work."""
-    sizes = np.array([a.numel() // _word(a.numel()) for a in old], dtype=np.int64)
+    sizes = np.array([word_count(a.numel()) for a in old], dtype=np.int64)
     total = int(sizes.sum())
     if total == 0:
         return 0, 0
