@@ -18,7 +18,7 @@ from tensorhub.engines.shared_copy import (
     node_of,
     one_copy_per_engine,
 )
-from tensorhub.engines.swap import SwapController, SwapSteps
+from tensorhub.engines.swap import StepClock, SwapController, SwapSteps
 from tensorhub.engines.votes import RankVote
 from tensorhub.engines.weights_check import (
     checkpoint_tensors,
@@ -39,6 +39,7 @@ __all__ = [
     "PendingPulls",
     "RankVote",
     "SharedCopyReader",
+    "StepClock",
     "SwapController",
     "SwapSteps",
     "TornLoad",

@@ -51,6 +51,20 @@ class SwapSteps(Protocol):
         """Generate again; requests kept through the pause go on with the new weights."""
 
 
+class StepClock:
+    """Milliseconds of each step of a sequence, each from the end of the one before: what
+    an install reports as `steps_ms`, so a slow swap says which call it waited on."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self._at = time.perf_counter()
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self.ms[step] = round((now - self._at) * 1e3, 2)
+        self._at = now
+
+
 class SwapController:
     """Runs swaps for one engine and keeps what it serves."""
 
@@ -121,7 +135,9 @@ class SwapController:
             stall_ms = (time.perf_counter() - started) * 1e3 if pause or was_torn else 0.0
             steps, last = [], started
             for step, t in marks.items():
-                steps.append(f"{step} {(t - last) * 1e3:.1f}")
+                inner = (extra or {}).get("steps_ms") if step == "install" else None
+                steps.append(f"{step} {(t - last) * 1e3:.1f}" + (" [" + ", ".join(
+                    f"{k} {v:.1f}" for k, v in inner.items()) + "]" if inner else ""))
                 last = t
             self.serving = version
             metrics.switched(self.model, version, stall_ms / 1e3)

@@ -36,6 +36,7 @@ from tensorhub.engines import (
     InstallFailed,
     LoadOutcome,
     PendingPulls,
+    StepClock,
     SwapController,
     Update,
     authorized,
@@ -146,8 +147,10 @@ class Frontend:
             # clear_cache=False: the prefix cache is reset after the install.
             await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
 
-    async def install(self, version: int, path: str, fetch: bool) -> dict | None:
+    async def install(self, version: int, path: str, fetch: bool) -> dict:
+        clock = StepClock()
         await self.engine.start_weight_update()
+        clock.mark("begin")
         try:
             await self.engine.update_weights(WeightTransferUpdateRequest(
                 update_info={"version": version, "fetch": fetch}))
@@ -165,14 +168,17 @@ class Frontend:
                     await self.engine.update_weight_version("default")
                 raise InstallFailed(outcome) from None
             raise
+        clock.mark("update")
         await self.engine.finish_weight_update(weight_version=str(version))
+        clock.mark("end")
         if self.settings.pause != "keep_kv":
             # KV computed with the old weights must not serve the new version: requests
             # kept through the pause recompute theirs (on resume, with the new weights),
             # and the prefix cache starts empty. (`keep_kv`: they keep theirs, and the
             # cache is salted by swap epoch instead: `salt_requests`.)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
-        return None
+            clock.mark("reset_cache")
+        return {"pause_mode": self.settings.pause, "steps_ms": clock.ms}
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
