@@ -20,10 +20,9 @@ _started = itertools.count()
 
 
 def _next_core() -> str:
-    """A core of its own for each engine started here, in turn. vLLM's CPU build binds its
-    worker to core 0 of any machine by default, and its workers spin for a second after
-    every message they read (`shm_broadcast.SpinCondition`): two engines bound to one core
-    delay each other's messages by up to that second (seen as ~1 s swaps)."""
+    """A core of its own for each engine started here, in turn: vLLM's CPU build binds its
+    worker to core 0 of any machine by default, and two engines bound to one core take
+    turns at every step."""
     return str(next(_started) % (os.cpu_count() or 1))
 
 
@@ -55,7 +54,10 @@ class VLLMServer(EngineServer):
             env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
         env = base_env({"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; default reserves most of RAM
                         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-                        "VLLM_CPU_OMP_THREADS_BIND": _next_core(), **(env or {})})
+                        "VLLM_CPU_OMP_THREADS_BIND": _next_core(),
+                        # Engines here share 2 cores: a worker spinning a second after each
+                        # call of a swap would hold one of them from the other engines.
+                        "TENSORHUB_WORKER_SPIN": "0.01", **(env or {})})
         super().__init__(args, env, port, log_path)
 
     def reload_from_disk(self, model_dir) -> None:

@@ -17,9 +17,28 @@ def register() -> None:
     from tensorhub.engines import show_tensorhub_logs
 
     show_tensorhub_logs("vllm")
+    _shorten_worker_spin()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "tensorhub_plugins.vllm.engine", "TensorHubEngine")
+
+
+def _shorten_worker_spin() -> None:
+    """`TENSORHUB_WORKER_SPIN`, where it is set (`spin`)."""
+    from tensorhub import settings
+
+    try:
+        seconds = settings.WORKER_SPIN.get()
+    except settings.SettingError as exc:
+        log.error("TensorHub: %s; vLLM's workers spin as vLLM sets", exc)
+        return
+    if seconds is None:
+        return
+    from tensorhub_plugins.vllm.spin import shorten_worker_spin
+
+    if not shorten_worker_spin(seconds):
+        log.warning("TensorHub: TENSORHUB_WORKER_SPIN is set but this vLLM has no "
+                    "ring-buffer spin to shorten; ignored")
 
 
 class TensorHubEndpoints:
