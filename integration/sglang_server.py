@@ -40,6 +40,9 @@ class SGLangServer(EngineServer):
                 "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
                 "--attention-backend", attention_backend,
                 "--max-total-tokens", str(max_total_tokens), "--dtype", dtype,
+                # An idle scheduler otherwise spins a core, taken from the other engines
+                # on these 2 cores and from TensorHub's own thread in its process.
+                "--sleep-on-idle",
                 *(["--skip-server-warmup"] if skip_warmup else []), *extra_args]
         env = base_env({
             "SGLANG_USE_CPU_ENGINE": "1",

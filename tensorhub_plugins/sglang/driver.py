@@ -38,6 +38,7 @@ from tensorhub.engines import (
     FollowLoop,
     InstallFailed,
     LoadOutcome,
+    StepClock,
     SwapController,
     Update,
     copy_holders,
@@ -251,12 +252,11 @@ class Driver:
         ranks report. SGLang labels the weights `version` when the update returns; where
         the loader did not apply it the label is put back before anything is answered."""
         bound = self.settings.swap_timeout
-        marks: dict[str, float] = {}
-        started, since = time.perf_counter(), time.time()
+        clock, since = StepClock(), time.time()
         sent = answered = False  # an update sent and not answered: its outcome is unknown
         try:
             self._post("/begin_weight_update", {}, bound)
-            marks["begin"] = time.perf_counter()
+            clock.mark("begin")
             try:
                 sent = True
                 self._post("/update_weights_from_tensor", {
@@ -265,10 +265,10 @@ class Driver:
                     "load_format": LOADER, "weight_version": str(version),
                     "flush_cache": self.settings.pause != "keep_kv"}, bound)
                 answered = True
-                marks["update"] = time.perf_counter()
+                clock.mark("update")
             finally:
                 self._post("/end_weight_update", {}, bound)
-                marks["end"] = time.perf_counter()
+                clock.mark("end")
         finally:
             states = self.applied()
         # A scheduler that has not reported since the update began may have stopped
@@ -287,13 +287,13 @@ class Driver:
                 raise InstallFailed(worst)
             raise InstallFailed.of("refused", version,
                                    f"swap to v{version} refused by the scheduler: {states}")
-        marks["check"] = time.perf_counter()
+        clock.mark("check")
         extra = {"path": states[0].path, "asked_path": path,
                  "install": states[0].install,
                  "sources": sorted({src for s in states for src in s.sources}),
                  "apply_ms": max(s.apply_ms or 0.0 for s in states),
                  "pause_mode": self.settings.pause,
-                 "steps_ms": _steps(started, marks),
+                 "steps_ms": clock.ms,
                  "apply_steps_ms": _max_steps([s.apply_steps_ms for s in states])}
         if self._drained is not None:
             extra["drained"] = self._drained[0]
@@ -309,11 +309,13 @@ class Driver:
 
     async def resume(self) -> None:
         self._post("/continue_generation", {}, self.settings.swap_timeout)
+        if self.in_flight() == 0:
+            return  # no client is waiting for a token: the stall ends here
         # The stall ends where clients get tokens again: after the first step following
         # the resume, in which retracted requests recompute their KV. The scheduler takes
         # requests at the top of each loop turn, before that turn's step; a second round
         # trip, sent once the first is answered, is taken a turn later, so it returns after
-        # at least one step has run since the resume (or at once, where none was waiting).
+        # at least one step has run since the resume.
         for _ in range(2):
             self._get("/server_info", timeout=self.settings.swap_timeout)
 
@@ -395,18 +397,6 @@ class Driver:
         self.following = True
         threading.Thread(target=self.run, daemon=True, name="tensorhub-driver").start()
         return self
-
-
-def _steps(started: float, marks: dict[str, float]) -> dict[str, float]:
-    """Milliseconds of each step of an install (begin, update, end, check: the ranks'
-    reports read and the label put back if need be), from the marks taken at each step's
-    end."""
-    out, at = {}, started
-    for step in ("begin", "update", "end", "check"):
-        if step in marks:
-            out[step] = round((marks[step] - at) * 1e3, 2)
-            at = marks[step]
-    return out
 
 
 def _max_steps(per_rank: list[dict | None]) -> dict[str, float]:
