@@ -38,6 +38,7 @@ from tensorhub.engines import (
     FollowLoop,
     InstallFailed,
     LoadOutcome,
+    PendingPulls,
     StepClock,
     SwapController,
     Update,
@@ -110,6 +111,8 @@ class Driver:
         self.held_version: int | None = None  # newest every checkpoint copy held then
         self.last_error: str | None = None
         self._first_seen: dict[int, float] = {}
+        self.pending = False
+        self._pulls = PendingPulls()
         self.follow = FollowLoop(self, settings.poll_interval, news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._drained: tuple[bool, float] | None = None  # `wait`: (drained, seconds)
@@ -169,6 +172,8 @@ class Driver:
     def next_update(self) -> Update | None:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
         latest, copied = self.held()
+        # (the follow loop looks again soon while a newer version is on its way here)
+        self.pending = self._pulls.pending(latest, self.serving)
         if not latest or (self.serving is not None and latest <= self.serving):
             return None
         if copied == latest:
