@@ -33,6 +33,7 @@ CORE = {
 }
 ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
+    "fleet_swaps": ("vllm", [], ["--versions", "3"]),  # the demo's fleet: SGLang's venv too
     "vllm_fp8": ("vllm", [], ["--updates", "1", "--layers", "2"]),
     "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
     "tp_update": ("vllm", [], ["--updates", "1"]),

@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         print("trainer: published v1 (the weights in the model folder)")
         env = {"VLLM_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
                "TENSORHUB_MODEL": "policy"}
+        own_spin = args.engine_idle == "engine"  # as the engines come: idle workers spin
+        if own_spin:
+            env["TENSORHUB_WORKER_SPIN"] = ""
         for i in range(args.vllm):
             engines.append(VLLMServer(
                 vllm_python, model_dir, env=env, log_path=work / f"vllm-{i}.log",
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 env={"SGLANG_PLUGINS": "tensorhub", "TENSORHUB_COORDINATOR": address,
                      "TENSORHUB_MODEL": "policy"},
                 extra_args=["--custom-weight-loader", "tensorhub_plugins.sglang.loader.apply"],
-            ).launch())
+                sleep_on_idle=not own_spin).launch())
         print(f"starting {args.vllm} vLLM and {args.sglang} SGLang engines (~60 s; logs in "
               f"{work}) ...", flush=True)
         for e in engines:
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         rewards: dict[str, list[float]] = {n: [] for n in names}
         delays: dict[str, list[float]] = {n: [] for n in names}
         client = CoordinatorClient(address)
+        records: list[dict] = []
         print(f"\ntarget: answers made of the word {learner.target_word!r}; reward = the "
               f"share of answer tokens that are it ({len(learner.prompts)} prompts, "
               f"{ANSWER_TOKENS} tokens each)")
@@ -140,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
                 if version > 1:
                     delays[name].append(delay)
                 stall = (status["last_update"] or {}).get("stall_ms", 0.0)
+                if version > 1:
+                    steps = (status["last_update"] or {}).get("steps_ms") or {}
+                    records.append({"engine": name, "kind": name.split("-")[0],
+                                    "version": version, "serving_after_s": round(delay, 4),
+                                    "stall_ms": stall, "update_ms": steps.get("update")})
                 print(f"  {name:<34} reward {rewards[name][-1]:4.2f}  serving after "
                       f"{delay:5.2f}s  stall {stall:6.1f} ms  answers: "
                       f"{learner.tokenizer.decode(answers[0])!r}")
@@ -151,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         png = Path(args.plot) if args.plot else work / "learning.png"
         plot(png, names, rewards, delays, learner.target_word)
         print(f"\nwrote {png}: reward per version and publish-to-serving time per engine")
+        if args.record:
+            Path(args.record).write_text(json.dumps(records))
         return 0
     finally:
         for e in engines:
@@ -171,6 +182,12 @@ def main() -> int:
                    help="versions the trainer publishes, one optimizer step each (default 8)")
     p.add_argument("--plot", default=None,
                    help="where to write the PNG (default: learning.png in the demo's folder)")
+    p.add_argument("--engine-idle", choices=("tensorhub", "engine"), default="tensorhub",
+                   help="tensorhub (default): engines wait idle without spinning a core "
+                        "(TENSORHUB_WORKER_SPIN=0.01, SGLang --sleep-on-idle), as engines "
+                        "that share cores should; engine: as the engines come")
+    p.add_argument("--record", default=None,
+                   help="write each engine's swap of each version as JSON here")
     args, rest = p.parse_known_args()
     if args.engines == "none":
         from tensorhub.tools.cli import main as cli

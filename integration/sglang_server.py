@@ -33,7 +33,8 @@ class SGLangServer(EngineServer):
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  pythonpath: Sequence[str | Path] = (), log_path: str | Path | None = None,
                  dtype: str = "float32", max_total_tokens: int = 8192,
-                 attention_backend: str = "torch_native", skip_warmup: bool = True):
+                 attention_backend: str = "torch_native", skip_warmup: bool = True,
+                 sleep_on_idle: bool = True):
         self.model = str(model)
         port = port or free_port()
         args = [str(python), "-m", "sglang.launch_server", "--model-path", self.model,
@@ -42,7 +43,7 @@ class SGLangServer(EngineServer):
                 "--max-total-tokens", str(max_total_tokens), "--dtype", dtype,
                 # An idle scheduler otherwise spins a core, taken from the other engines
                 # on these 2 cores and from TensorHub's own thread in its process.
-                "--sleep-on-idle",
+                *(["--sleep-on-idle"] if sleep_on_idle else []),
                 *(["--skip-server-warmup"] if skip_warmup else []), *extra_args]
         env = base_env({
             "SGLANG_USE_CPU_ENGINE": "1",
