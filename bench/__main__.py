@@ -33,7 +33,8 @@ CORE = {
 }
 ENGINES = {
     "vllm_update": ("vllm", [], ["--updates", "1"]),
-    "fleet_swaps": ("vllm", [], ["--versions", "3"]),  # the demo's fleet: SGLang's venv too
+    # the demo's fleet, driven from the core venv (the demo plots with matplotlib)
+    "fleet_swaps": ("core", [], ["--versions", "3"]),
     "vllm_fp8": ("vllm", [], ["--updates", "1", "--layers", "2"]),
     "sglang_update": ("sglang", [], ["--quick", "--updates", "1"]),
     "tp_update": ("vllm", [], ["--updates", "1"]),

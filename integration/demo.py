@@ -45,7 +45,8 @@ def wait_all_serving(engines: list[EngineServer], version: int, since: float,
         for i, e in enumerate(engines):
             if statuses[i] is None:
                 status = e.status_now()
-                if status.get("serving_version") == version:
+                if status.get("serving_version") == version and \
+                        (status.get("last_update") or {}).get("version") == version:
                     statuses[i] = status
         if time.monotonic() > deadline:
             # the one wait that says which engine and why (its log tail)
@@ -157,11 +158,11 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  pull: {t.reader} <- {t.source}  {t.nbytes / 2**20:.1f} MiB "
                           f"{t.nbytes / max(t.seconds, 1e-9) / 1e9:.2f} GB/s")
         client.close()
+        if args.record:
+            Path(args.record).write_text(json.dumps(records))
         png = Path(args.plot) if args.plot else work / "learning.png"
         plot(png, names, rewards, delays, learner.target_word)
         print(f"\nwrote {png}: reward per version and publish-to-serving time per engine")
-        if args.record:
-            Path(args.record).write_text(json.dumps(records))
         return 0
     finally:
         for e in engines:

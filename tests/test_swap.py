@@ -11,7 +11,7 @@ import pytest
 
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines import FollowLoop, InstallFailed, LoadOutcome, PendingPulls
-from tensorhub.engines.swap import SwapController
+from tensorhub.engines.swap import StepClock, SwapController
 
 
 class Engine:
@@ -169,3 +169,47 @@ def test_each_paused_swap_starts_a_new_salt_epoch_once_generation_is_paused():
                     ("install 3", 2)]
     assert salted(None, ctl.epoch).endswith("-2") and salted(None, 1) != salted(None, 2)
     assert salted("tenant-a", 2) == "tenant-a|" + salted(None, 2)
+
+
+class TimedEngine(Engine):
+    async def install(self, version: int, path: str, fetch: bool) -> dict:
+        clock = StepClock()
+        await asyncio.sleep(0.02)
+        clock.mark("update")
+        clock.mark("end")
+        return {"steps_ms": clock.ms}
+
+
+def test_an_install_reports_the_time_of_each_of_its_calls(caplog):
+    ctl = controller(TimedEngine())
+    with caplog.at_level("INFO", logger="tensorhub.engines"):
+        swap(ctl, 2)
+    steps = ctl.last_update["steps_ms"]
+    assert list(steps) == ["update", "end"]
+    assert steps["update"] >= 20 and steps["end"] < steps["update"]
+    assert f"[update {steps['update']}, end {steps['end']}]" in caplog.text
+
+
+class FailingLook(Engine):
+    pending = True
+
+    def next_update(self):
+        raise TensorHubError("the coordinator did not answer", code="timeout")
+
+
+def test_a_look_that_fails_puts_the_loop_back_to_its_usual_pace():
+    engine = FailingLook()
+    asyncio.run(FollowLoop(engine, 0.1).step())
+    assert engine.pending is False
+    assert engine.last_error == "the coordinator did not answer"
+
+
+def test_a_version_whose_swap_failed_is_backed_off_from():
+    engine = Engine(install=TensorHubError("refused by a rank", code="refused"))
+    engine.next_update = lambda: (4, "checkpoint")
+    follow = FollowLoop(engine, 0.1)
+    engine.swap_to = lambda update: ctl.swap(update[0])
+    ctl = SwapController("policy", engine, follow, swap_timeout=5.0)
+    assert not follow.backing_off(4)
+    asyncio.run(follow.step())
+    assert follow.backing_off(4)

@@ -79,6 +79,10 @@ class FollowLoop:
         self._retry_at: dict[int, float] = {}  # a version whose swap failed: not before
         self._repair_at = 0.0  # torn weights: the next try to load the served version again
 
+    def backing_off(self, version: int) -> bool:
+        """Whether a swap to `version` failed and is not to be tried again yet (or ever)."""
+        return time.monotonic() < self._retry_at.get(version, 0.0)
+
     def never_again(self, version: int) -> None:
         """The engine cannot load `version`: it is never tried again."""
         self._retry_at[version] = float("inf")
@@ -107,6 +111,8 @@ class FollowLoop:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # log once, keep serving the version it has
+            if getattr(engine, "pending", False):
+                engine.pending = False  # (not known now: back to the usual pace)
             if str(exc) != engine.last_error:
                 log.warning("TensorHub follow: %s (still serving v%s)", exc, engine.serving)
             engine.last_error = str(exc)

@@ -137,7 +137,8 @@ class SwapController:
             for step, t in marks.items():
                 inner = (extra or {}).get("steps_ms") if step == "install" else None
                 steps.append(f"{step} {(t - last) * 1e3:.1f}" + (" [" + ", ".join(
-                    f"{k} {v:.1f}" for k, v in inner.items()) + "]" if inner else ""))
+                    f"{k} {v}" for k, v in inner.items()) + "]" if isinstance(inner, dict)
+                    else ""))
                 last = t
             self.serving = version
             metrics.switched(self.model, version, stall_ms / 1e3)

@@ -145,11 +145,11 @@ LOG_LEVEL = _setting("TENSORHUB_LOG_LEVEL", str, "INFO",
 COPY_PER_RANK = _setting("TENSORHUB_COPY_PER_RANK", bool, False,
                          "`1`: a checkpoint copy per TP rank instead of one shared per engine")
 WORKER_SPIN = _setting(
-    "TENSORHUB_WORKER_SPIN", Seconds | None, None,
-    "vLLM: how long each worker busy-waits for its next call after one. Where engines "
-    "share cores, set it small (`0.01`): each call of a swap otherwise keeps every worker "
-    "spinning a core for vLLM's second, and the other engines' swaps wait for a core",
-    shown="vLLM's own (1 s)")
+    "TENSORHUB_WORKER_SPIN", Annotated[float, Field(ge=0)] | None, None,
+    "vLLM (environment only): how long its processes busy-wait for the next call after "
+    "reading one. On a CPU host whose engines share cores, set it small (`0.01`): each call "
+    "of a swap otherwise keeps every worker spinning a core for vLLM's second, and the "
+    "other engines' swaps wait for a core", shown="vLLM's own (1 s)")
 
 # --- every worker -----------------------------------------------------------------------------
 

@@ -173,7 +173,8 @@ class Driver:
         """The version to swap to and the path to take, or None (nothing new, or wait)."""
         latest, copied = self.held()
         # (the follow loop looks again soon while a newer version is on its way here)
-        self.pending = self._pulls.pending(latest, self.serving)
+        self.pending = self._pulls.pending(latest, self.serving) and \
+            not self.follow.backing_off(latest)
         if not latest or (self.serving is not None and latest <= self.serving):
             return None
         if copied == latest:
@@ -302,8 +303,7 @@ class Driver:
                  "apply_steps_ms": _max_steps([s.apply_steps_ms for s in states])}
         if self._drained is not None:
             extra["drained"] = self._drained[0]
-            extra["steps_ms"] = {"drain": round(self._drained[1] * 1e3, 2),
-                                 **extra["steps_ms"]}
+            extra["drain_ms"] = round(self._drained[1] * 1e3, 2)  # (before the pause)
         memory = _memory(states)
         log.info("v%d installed via the %s path%s from %s (TensorHub memory: compact region "
                  "%d B, checkpoint copy %d B)", version, extra["path"],

@@ -6,8 +6,8 @@ on it (yielding the core between looks) for a second before they sleep on a sock
 of every engine that swaps spins a core for about a second after it. Where engines share
 cores, that second is taken from the other engines' front ends and engine cores, whose
 calls then wait for a core: swaps of a tiny model that take up to a second. A short spin
-keeps the worker's reply to a call in flight as quick (it is already looking) and costs a
-call that arrives after a longer gap only the socket's wake-up.
+still catches a call that follows the last read within it; one that comes later (counted
+from the read, not from the end of the call) costs the wake-up of a socket poll.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ log = logging.getLogger("tensorhub.vllm")
 
 
 def shorten_worker_spin(seconds: float) -> bool:
-    """Make every ring-buffer reader this process creates from now on spin at most
-    `seconds` after a call. Whether this vLLM has the spin to shorten."""
+    """Make every ring-buffer reader this process creates from now on (a worker's call
+    queue, the engine core's reply queue) spin `seconds` after each read. Whether this vLLM
+    has the spin to set."""
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
@@ -28,12 +29,12 @@ def shorten_worker_spin(seconds: float) -> bool:
     if getattr(init, "tensorhub_spin", None) == seconds:
         return True
 
-    original = getattr(init, "__wrapped__", init)
+    original = init.__wrapped__ if hasattr(init, "tensorhub_spin") else init
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if getattr(self, "is_reader", False) and hasattr(self, "busy_loop_s"):
-            self.busy_loop_s = min(self.busy_loop_s, seconds)
+            self.busy_loop_s = seconds
 
     __init__.__wrapped__ = original
     __init__.tensorhub_spin = seconds
