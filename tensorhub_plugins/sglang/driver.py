@@ -89,10 +89,12 @@ class Driver:
 
     def __init__(self, settings: EngineSettings, host: str, port: int, tp_size: int,
                  instance: str, one_copy: bool = False, api_key: str | None = None,
-                 nodes: int = 1):
+                 nodes: int = 1, tokenizer_workers: int = 1):
         """`api_key`: the server's `--api-key`, which SGLang requires of every call to it;
         `nodes`: the engine's nodes (on several, the ranks report through the engine's
-        store, `reports`; this driver runs on node 0)."""
+        store, `reports`; this driver runs on node 0); `tokenizer_workers`: the server's
+        `--tokenizer-worker-num` (over 1, requests live in processes this one cannot see)."""
+        self.tokenizer_workers = tokenizer_workers
         self.settings = settings
         self.nodes = nodes
         self._reports: Reports | None = DirectoryReports() if nodes == 1 else None
@@ -216,6 +218,8 @@ class Driver:
 
     def in_flight(self) -> int | None:
         """Requests SGLang's front end holds now (None: not known here)."""
+        if self.tokenizer_workers > 1:
+            return None
         try:
             from sglang.srt.entrypoints.http_server import get_global_state
 

@@ -103,7 +103,8 @@ def _start_main() -> None:
         nodes = int(_arg("--nnodes", "1"))
         driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
                         one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
-                        api_key=_arg("--api-key", ""), nodes=nodes)
+                        api_key=_arg("--api-key", ""), nodes=nodes,
+                        tokenizer_workers=int(_arg("--tokenizer-worker-num", "1")))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
         if settings.pause == "keep_kv":
             from tensorhub_plugins.sglang.salt import salt_requests
