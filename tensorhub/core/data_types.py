@@ -1,10 +1,9 @@
 """Every message of the coordinator's protocol and what it describes (layouts, a holder's
-memory, its endpoint), as pydantic models in one place.
+memory, its endpoint), as pydantic models in one place: the protocol reads in one sitting,
+and the coordinator, the workers and the engine plugins agree on one schema.
 
-The wire carries these models as msgpack (see `wire.py`); nothing is ever unpickled. Keeping
-them together makes the protocol readable in one sitting and keeps the coordinator, the
-workers and the engine plugins agreeing on one schema. What every field is checked against
-(the strict base model, the limits, the shared field types) is `schema.py`.
+The wire carries them as msgpack (`wire.py`); nothing is ever unpickled. What every field is
+checked against (the strict base model, the limits, the shared field types) is `schema.py`.
 """
 
 from __future__ import annotations
