@@ -195,11 +195,10 @@ class Hold(Part):
 
 class Withdraw(Strict):
     """A holder stops serving a version (before overwriting it). Idempotent: call again to
-    learn how many reads of it are still in flight.
-
-    The coordinator refuses (code `last_holder`) to let the last holder of a model's newest
-    version go, so a version is never lost by accident; `force` is for a trainer about to
-    publish a newer one, or an operator who means it."""
+    learn how many reads of it are still in flight. The coordinator refuses (`last_holder`)
+    to let the last holder of a model's newest version go, so a version is never lost by
+    accident; `force` is for a trainer about to publish a newer one, or an operator who
+    means it."""
 
     type: Literal["withdraw"] = "withdraw"
     worker_id: Name
