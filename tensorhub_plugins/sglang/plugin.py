@@ -2,11 +2,13 @@
 processes; it must never raise (SGLang logs plugin errors, but a hook that raises later
 kills the server), so every step is guarded.
 
-In the server's main process, which runs it before spawning the schedulers, it also names
-this server instance and makes its private status directory (`naming.start_instance`), adds
-`GET /tensorhub/status` to SGLang's HTTP app (`routes`), puts the weight version spans on
-every choice of the OpenAI-compatible answers (`spans`) and starts the driver. On an engine
-that spans nodes only node 0's main process does (it serves HTTP); the others serve none."""
+In the server's main process it puts the weight version spans on every choice of the
+OpenAI-compatible answers (`spans`), and when SGLang launches its HTTP server there (a hook
+on `launch_server`, which gets SGLang's own parsed arguments, before the schedulers are
+spawned) it names this server instance and makes its private status directory
+(`naming.start_instance`), adds `GET /tensorhub/status` to SGLang's HTTP app (`routes`) and
+starts the driver. On an engine that spans nodes only node 0's main process does (it serves
+HTTP); the others serve none."""
 
 from __future__ import annotations
 
@@ -16,16 +18,6 @@ import os
 import sys
 
 log = logging.getLogger("tensorhub.sglang")
-
-
-def _arg(name: str, default: str) -> str:
-    argv = sys.argv
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return default
 
 
 def is_server_main(argv: list[str] | None = None) -> bool:
@@ -70,14 +62,31 @@ def _cpu_process_groups(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
-def _start_main() -> None:
+def _option(server_args, name: str, default):
+    """One of SGLang's parsed server arguments (its default where it is unset)."""
+    value = getattr(server_args, name, None)
+    return default if value is None else value
+
+
+def _launching(server_args, *args, **kwargs) -> None:
+    """BEFORE hook on SGLang's `http_server.launch_server`, which runs in the server's main
+    process with SGLang's own parsed arguments, before it spawns the schedulers: start
+    TensorHub's side there. Never raises; returns None (the arguments pass unchanged)."""
+    try:
+        _start_main(server_args)
+    except Exception:
+        log.exception("TensorHub SGLang plugin failed to start; the server runs without it")
+
+
+def _start_main(server_args) -> None:
     """Main process: instance name and status directory for the schedulers (before SGLang
     spawns them), the route, and the driver when following."""
+    global _driver
     from tensorhub.engines import load_settings
 
     settings = load_settings(None)
     driver = None
-    node_rank = int(_arg("--node-rank", "0"))
+    node_rank = int(_option(server_args, "node_rank", 0))
     if settings is not None and node_rank != 0:
         # This node serves no HTTP: node 0's driver updates the engine, and this node's
         # ranks take its instance name and report to it (`worker.engine_instance`, `reports`).
@@ -91,34 +100,53 @@ def _start_main() -> None:
         if settings.pause == "keep_kv":
             from tensorhub_plugins.sglang.salt import why_not
 
-            problem = why_not(int(_arg("--tokenizer-worker-num", "1")))
+            problem = why_not(int(_option(server_args, "tokenizer_worker_num", 1)))
             if problem is not None:
                 log.error("TensorHub: TENSORHUB_PAUSE=keep_kv cannot be honoured (%s); "
                           "swaps pause as keep", problem)
                 settings = settings.model_copy(update={"pause": "keep"})
-        port = int(_arg("--port", "30000"))
+        port = int(_option(server_args, "port", 30000))
         instance, status_dir = start_instance(settings, port)
-        tp_size = int(_arg("--tp-size", _arg("--tp", _arg("--tensor-parallel-size", "1"))))
-        pp_size = int(_arg("--pp-size", _arg("--pipeline-parallel-size", "1")))
-        nodes = int(_arg("--nnodes", "1"))
-        driver = Driver(settings, _arg("--host", "127.0.0.1"), port, tp_size, instance,
-                        one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
-                        api_key=_arg("--api-key", ""), nodes=nodes,
-                        tokenizer_workers=int(_arg("--tokenizer-worker-num", "1")))
+        tp_size = int(_option(server_args, "tp_size", 1))
+        pp_size = int(_option(server_args, "pp_size", 1))
+        nodes = int(_option(server_args, "nnodes", 1))
+        driver = Driver(settings, str(_option(server_args, "host", "127.0.0.1")), port,
+                        tp_size, instance, one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
+                        api_key=_option(server_args, "api_key", ""), nodes=nodes,
+                        tokenizer_workers=int(_option(server_args, "tokenizer_worker_num", 1)))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)
-        if settings.pause == "keep_kv":
-            from tensorhub_plugins.sglang.salt import salt_requests
-
-            salt_requests(lambda: driver.swaps.epoch)
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-        HookRegistry.register("sglang.srt.utils.common.kill_process_tree", _before_self_kill,
-                              HookType.BEFORE)
+        _driver = driver
     from tensorhub_plugins.sglang.routes import add_routes
 
     add_routes(driver)
     if driver is not None and settings is not None and settings.mode == "follow":
         driver.start()
+
+
+_driver = None  # this server's, once `launch_server` started it (`_start_main`)
+
+
+def _salt_epoch() -> int | None:
+    """The swap epoch to salt a request with: in pause mode `keep_kv` only (`salt`)."""
+    driver = _driver
+    if driver is None or driver.settings.pause != "keep_kv":
+        return None
+    return driver.swaps.epoch
+
+
+def _register_main_hooks() -> None:
+    """The main process's hooks. SGLang applies hooks once, after loading the plugins, so
+    every hook is registered now; what they need from the server's arguments they find once
+    `launch_server` ran (`_launching`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from tensorhub_plugins.sglang.salt import salt_requests
+
+    HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server", _launching,
+                          HookType.BEFORE)
+    HookRegistry.register("sglang.srt.utils.common.kill_process_tree", _before_self_kill,
+                          HookType.BEFORE)
+    salt_requests(_salt_epoch)
 
 
 def _add_version_spans() -> None:
@@ -146,6 +174,6 @@ def register() -> None:
                               _cpu_process_groups, HookType.AROUND)
         if is_server_main():
             _add_version_spans()
-            _start_main()
+            _register_main_hooks()
     except Exception:
         log.exception("TensorHub SGLang plugin failed to load; the server runs without it")

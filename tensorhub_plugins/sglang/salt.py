@@ -28,13 +28,15 @@ def why_not(tokenizer_workers: int) -> str | None:
     return None
 
 
-def salt_requests(epoch: Callable[[], int]) -> None:
-    """Salt every request SGLang tokenizes with `epoch()` at that moment."""
+def salt_requests(epoch: Callable[[], int | None]) -> None:
+    """Salt every request SGLang tokenizes with `epoch()` at that moment (none where it is
+    None: not in `keep_kv`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_tokenized(result: Any, *args, **kwargs) -> Any:
-        if hasattr(result, "cache_salt"):  # (embedding requests have none)
-            result.cache_salt = salted(result.cache_salt, epoch())
+        now = epoch()
+        if now is not None and hasattr(result, "cache_salt"):  # (embeddings have none)
+            result.cache_salt = salted(result.cache_salt, now)
         return result
 
     HookRegistry.register(TOKENIZED, after_tokenized, HookType.AFTER)
