@@ -91,11 +91,3 @@ class VLLMServer(EngineServer):
     def live_bytes(self) -> list[dict[str, int]]:
         """Each rank's parameter bytes by dtype."""
         return self.request("/collective_rpc", {"method": "tensorhub_live_bytes"})["results"]
-
-    def preemptions(self) -> float:
-        """Times the engine dropped a finished request's KV to compute it again
-        (`vllm:request_num_preemptions`, summed over finished requests)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        return sum(s.value for f in text_string_to_metric_families(self.request("/metrics"))
-                   for s in f.samples if s.name == "vllm:request_num_preemptions_sum")
