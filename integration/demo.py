@@ -45,8 +45,10 @@ def wait_all_serving(engines: list[EngineServer], version: int, since: float,
         for i, e in enumerate(engines):
             if statuses[i] is None:
                 status = e.status_now()
-                if status.get("serving_version") == version and \
-                        (status.get("last_update") or {}).get("version") == version:
+                # (its record of the swap, where there was one: an engine that joined at
+                # start-up may have none)
+                swapped = (status.get("last_update") or {}).get("version", version)
+                if status.get("serving_version") == version and swapped == version:
                     statuses[i] = status
         if time.monotonic() > deadline:
             # the one wait that says which engine and why (its log tail)
