@@ -96,7 +96,7 @@ class FollowLoop:
                 self._repair_at = time.monotonic() + settings.RETRY_REFUSED
                 await _done(engine.repair())
             update = await _done(engine.next_update())
-            if update is not None and time.monotonic() >= self._retry_at.get(update[0], 0.0):
+            if update is not None and not self.backing_off(update[0]):
                 try:
                     await _done(engine.swap_to(update))
                 except Exception:

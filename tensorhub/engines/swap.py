@@ -135,10 +135,11 @@ class SwapController:
             stall_ms = (time.perf_counter() - started) * 1e3 if pause or was_torn else 0.0
             steps, last = [], started
             for step, t in marks.items():
+                text = f"{step} {(t - last) * 1e3:.1f}"
                 inner = (extra or {}).get("steps_ms") if step == "install" else None
-                steps.append(f"{step} {(t - last) * 1e3:.1f}" + (" [" + ", ".join(
-                    f"{k} {v}" for k, v in inner.items()) + "]" if isinstance(inner, dict)
-                    else ""))
+                if isinstance(inner, dict):  # the install's own calls
+                    text += " [" + ", ".join(f"{k} {v}" for k, v in inner.items()) + "]"
+                steps.append(text)
                 last = t
             self.serving = version
             metrics.switched(self.model, version, stall_ms / 1e3)
