@@ -77,6 +77,7 @@ class Frontend:
         self.follow = FollowLoop(self, settings.poll_interval,  # run in follow mode
                                  news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
+        self._update_open = False  # vLLM's weight-update session (`check`, `install`)
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -137,6 +138,12 @@ class Frontend:
             if outcome is None:
                 raise
             raise InstallFailed(outcome) from None
+        if not self._update_open:
+            # vLLM's update session is a flag on each worker (our engine prepares nothing
+            # for it), so it is opened here, a call the stall does not wait for. A swap that
+            # stops before its install leaves it open for the next one.
+            await self.engine.start_weight_update()
+            self._update_open = True
 
     async def pause(self) -> None:
         if self.settings.pause in ("keep", "keep_kv") and hasattr(self.engine, "engine_core"):
@@ -149,8 +156,6 @@ class Frontend:
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         clock = StepClock()
-        await self.engine.start_weight_update()
-        clock.mark("begin")
         try:
             await self.engine.update_weights(WeightTransferUpdateRequest(
                 update_info={"version": version, "fetch": fetch}))
@@ -158,6 +163,7 @@ class Frontend:
             # Close vLLM's update session (it refuses to start the next one otherwise),
             # keeping the weight version label as it was. (A rank that raised has closed
             # its own: that answer is not the news.)
+            self._update_open = False
             try:
                 await self.engine.finish_weight_update()
             except Exception as close_exc:
@@ -169,15 +175,19 @@ class Frontend:
                 raise InstallFailed(outcome) from None
             raise
         clock.mark("update")
-        await self.engine.finish_weight_update(weight_version=str(version))
-        clock.mark("end")
+        self._update_open = False
+        closing = [self.engine.finish_weight_update(weight_version=str(version))]
         if self.settings.pause != "keep_kv":
             # KV computed with the old weights must not serve the new version: requests
             # kept through the pause recompute theirs (on resume, with the new weights),
             # and the prefix cache starts empty. (`keep_kv`: they keep theirs, and the
             # cache is salted by swap epoch instead: `salt_requests`.)
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
-            clock.mark("reset_cache")
+            closing.append(self.engine.reset_prefix_cache(reset_running_requests=True))
+        # Sent together: nothing runs while generation is paused, so their order does not
+        # matter, and the engine core answers them one after the other without a round
+        # trip between.
+        await asyncio.gather(*closing)
+        clock.mark("finish")
         return {"pause_mode": self.settings.pause, "steps_ms": clock.ms}
 
     async def resume(self) -> None:
