@@ -8,12 +8,13 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from integration.stream_client import StreamingClients
+from integration.stream_client import Answer, StreamingClients, stream_one
 from integration.tiny_model import hf_greedy
 from tensorhub import Publisher
 
@@ -46,25 +47,66 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def check_keep_kv(engine, address: str, model_dir: Path, old: dict, new: dict,
                   wait_serving: Callable[[int], object], prompts: Sequence[Sequence[int]],
-                  tokens: int) -> None:
+                  tokens: int, freeze: Callable[[], object] | None = None,
+                  preemptions: Callable[[], float] | None = None) -> None:
     """`engine` (started in `keep_kv`, following model "kept-kv" at `address`) is made to
     serve `old`; then `new` is published while clients stream, and:
     - no request failed, and an answer's tokens before the swap equal HF's on `old`;
     - a long prompt answered twice before the swap came from the cache the second time,
       and after the swap is computed again (no token cached before the swap) and gives
-      HF's tokens on `new`."""
+      HF's tokens on `new`;
+    - with `freeze` and `preemptions` (`request_cut_by_a_swap`): a lone request cut by one
+      more swap kept its KV."""
     with Publisher(address, "kept-kv", name="kept-kv-trainer") as pub:
         wait_serving(pub.publish(old))
         _through_a_swap(engine.url, engine.model, model_dir, old, new, pub.publish,
                         wait_serving, prompts, tokens)
+        if freeze is not None and preemptions is not None:
+            dropped, answer = request_cut_by_a_swap(
+                engine.url, engine.model, long_prompt(prompts), freeze,
+                lambda: wait_serving(pub.publish(old)), preemptions)
+            assert dropped == 0, f"the request's KV was dropped by the swap ({answer.spans})"
+
+
+def long_prompt(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """300 tokens: long enough to be cached in blocks, and to tell one lookup from two."""
+    return [t for _ in range(40) for t in prompts[0]][:300]
+
+
+def request_cut_by_a_swap(url: str, model: str, prompt: Sequence[int],
+                          freeze: Callable[[], object], swap: Callable[[], object],
+                          counter: Callable[[], float], tokens: int = 180
+                          ) -> tuple[float, Answer]:
+    """One request alone on the engine, frozen where it is by `freeze()` (the engine's own
+    pause, in a mode that keeps requests) once its first token is out, then cut by `swap()`
+    (publish, and wait until served; the swap's resume ends the freeze): how much
+    `counter()` (an engine metric) moved meanwhile, and the answer, whose spans name two
+    versions. Frozen, the request cannot finish before the swap reaches it."""
+    before = counter()
+    first_token = threading.Event()
+    got: dict[str, Answer] = {}
+    reader = threading.Thread(target=lambda: got.update(answer=stream_one(
+        url, model, prompt, tokens, first_token=first_token)))
+    reader.start()
+    try:
+        assert first_token.wait(120), "the request produced no token"
+        freeze()
+        swap()
+    finally:
+        reader.join(300)
+    answer = got["answer"]
+    assert answer.ok, answer.error
+    assert len({int(s["version"]) for s in answer.spans or ()}) == 2, \
+        f"the swap did not cut the request: {answer.spans}"
+    return counter() - before, answer
 
 
 def _through_a_swap(url: str, model: str, model_dir: Path, old: dict, new: dict,
                     publish: Callable[[dict], int], wait_serving: Callable[[int], object],
                     prompts: Sequence[Sequence[int]], tokens: int) -> None:
-    long_prompt = [t for _ in range(40) for t in prompts[0]][:300]
-    first, _ = complete(url, model, long_prompt, tokens)
-    again, cached = complete(url, model, long_prompt, tokens)
+    prompt = long_prompt(prompts)
+    first, _ = complete(url, model, prompt, tokens)
+    again, cached = complete(url, model, prompt, tokens)
     assert cached > 0 and again == first, f"the prompt was not cached ({cached} tokens)"
     client = StreamingClients(url, prompts, tokens, model=model).start()
     try:
@@ -74,12 +116,12 @@ def _through_a_swap(url: str, model: str, model_dir: Path, old: dict, new: dict,
         time.sleep(1.0)
     finally:
         answers = client.stop()
-    after, cached_after = complete(url, model, long_prompt, tokens)
+    after, cached_after = complete(url, model, prompt, tokens)
     # (the clients' prompts, streamed after the swap too, may be cached under the new epoch)
-    theirs = max(shared_prefix(long_prompt, p) for p in prompts)
+    theirs = max(shared_prefix(prompt, p) for p in prompts)
     assert cached_after <= theirs < cached, \
         f"{cached_after} prompt tokens came from before the swap ({theirs} shared with clients)"
-    [want] = hf_greedy(model_dir, [long_prompt], tokens, state_dict=new, skip_ties=True)
+    [want] = hf_greedy(model_dir, [prompt], tokens, state_dict=new, skip_ties=True)
     assert want is None or after == want, "the prompt after the swap differs from HF"
     seen = set()
     for a in answers:

@@ -37,8 +37,10 @@ class Answer:
 
 
 def stream_one(url: str, model: str, prompt: Sequence[int], max_tokens: int,
-               client: int = 0, timeout: float = 300.0) -> Answer:
-    """One streamed greedy completion of `prompt`."""
+               client: int = 0, timeout: float = 300.0,
+               first_token: threading.Event | None = None) -> Answer:
+    """One streamed greedy completion of `prompt` (`first_token` is set once a token
+    arrived)."""
     parsed = urlparse(url)
     answer = Answer(prompt=list(prompt), started=time.perf_counter(), client=client)
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
@@ -65,6 +67,8 @@ def stream_one(url: str, model: str, prompt: Sequence[int], max_tokens: int,
                 now = time.perf_counter()
                 answer.times.extend([now] * len(ids))
                 answer.token_ids.extend(ids)
+                if ids and first_token is not None:
+                    first_token.set()
                 if choice.get("finish_reason"):
                     answer.finish_reason = choice["finish_reason"]
                 if choice.get("weight_versions") is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from integration.faults import load_fault_env
-from integration.kept_kv import check_keep_kv
+from integration.kept_kv import check_keep_kv, long_prompt, request_cut_by_a_swap
 from integration.sharded import publish_in_two_ranks
 from integration.stream_client import StreamingClients
 from integration.tiny_model import Versions, hf_greedy, pick_stable_prompts
@@ -70,7 +70,9 @@ def fleet(tmp_path_factory, vllm_python, coordinator_process):
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
     pub.publish(versions.state(1))  # version 1: the weights in the model folder
-    env = {**plugin_env(address), **load_fault_env(root / "fault-version")}
+    # (vLLM's dev routes: `/pause`, with which a test freezes a request for a swap to cut)
+    env = {**plugin_env(address), **load_fault_env(root / "fault-version"),
+           "VLLM_SERVER_DEV_MODE": "1"}
     engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
                           log_path=root / f"engine-{i}.log").launch()
                for i in range(2)]
@@ -433,9 +435,21 @@ def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_
     engine = VLLMServer(vllm_python, fleet.versions.dir,
                         extra_args=[*PLUGIN_ARGS, "--enable-prompt-tokens-details"],
                         env={**plugin_env(fleet.address), "TENSORHUB_MODEL": "kept-kv",
-                             "TENSORHUB_PAUSE": "keep_kv"},
+                             "TENSORHUB_PAUSE": "keep_kv", "VLLM_SERVER_DEV_MODE": "1"},
                         log_path=fleet.root / "kept-kv.log")
     with engine:
         check_keep_kv(engine, fleet.address, fleet.versions.dir, fleet.versions.state(1),
                       fleet.versions.state(2), lambda v: wait_serving(engine, v),
-                      fleet.prompts, TOKENS)
+                      fleet.prompts, TOKENS, freeze=engine.freeze,
+                      preemptions=engine.preemptions)
+
+
+def test_keep_computes_the_kv_of_a_request_cut_by_a_swap_again(fleet):
+    """`keep` (the default): a request cut by a swap has its KV dropped and computed again
+    with the new weights, once (in `keep_kv` the same request keeps it: the test above)."""
+    engine = fleet.engines[0]
+    dropped, answer = request_cut_by_a_swap(
+        engine.url, engine.model, long_prompt(fleet.prompts), engine.freeze,
+        lambda: wait_serving(engine, fleet.pub.publish(fleet.versions.state(2))),
+        engine.preemptions)
+    assert dropped == 1, f"the request's KV was dropped {dropped} times ({answer.spans})"

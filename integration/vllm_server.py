@@ -91,3 +91,17 @@ class VLLMServer(EngineServer):
     def live_bytes(self) -> list[dict[str, int]]:
         """Each rank's parameter bytes by dtype."""
         return self.request("/collective_rpc", {"method": "tensorhub_live_bytes"})["results"]
+
+    def freeze(self) -> None:
+        """vLLM's own pause in `keep` mode (a dev-mode route: start the server with
+        `VLLM_SERVER_DEV_MODE=1`): requests stop where they are until the next resume (a
+        TensorHub swap's, or `/resume`)."""
+        self.request("/pause?mode=keep&clear_cache=false", {})
+
+    def preemptions(self) -> float:
+        """Times the engine dropped a finished request's KV to compute it again
+        (`vllm:request_num_preemptions`, summed over finished requests)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return sum(s.value for f in text_string_to_metric_families(self.request("/metrics"))
+                   for s in f.samples if s.name == "vllm:request_num_preemptions_sum")
