@@ -38,3 +38,16 @@ def test_no_module_is_over_700_lines(package):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 700}
     assert long == {}
+
+
+def test_the_repository_root_holds_only_the_readme_and_the_project_files():
+    """Command output and logs left by a session (`out.1`, `coord.log`) belong in a temp
+    folder, not in a commit."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: nothing is committed here")
+    tracked = listed.stdout.split()
+    at_root = {f for f in tracked if "/" not in f}
+    assert at_root <= {".gitignore", "README.md", "pyproject.toml", "LICENSE"}
