@@ -64,7 +64,7 @@ def test_a_reader_that_cannot_reach_other_hosts_takes_no_version_away(tmp_path):
         h0, h1, h2, h3 = cluster.hosts
         trainer = fleet.trainer(h0, 32)
         published = trainer.next_json(60)
-        # the failure seen before: UCX told to use loopback only, on a host with a network
+        # a replica whose UCX may use loopback only, on a host with a network
         broken = fleet.replica(h1, env={"UCX_NET_DEVICES": "lo"})
         event = broken.next_json(120)
         assert event["event"] == "error" and event["code"] == "unreachable", event
