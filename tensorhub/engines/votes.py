@@ -62,6 +62,20 @@ class RankVote:
             outcome = NO
         return self.store.compare_set(f"{r}/outcome", "", outcome) == YES
 
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, in the order of `ranks` (b"" for a rank that did not
+        answer in time)."""
+        self._round += 1
+        r = self._round
+        self.store.set(f"{r}/{self.rank}", payload)
+        keys = [f"{r}/{k}" for k in self.ranks]
+        if not self._wait(keys):
+            keys = [k if self.store.check([k]) else None for k in keys]
+            log.error("rank(s) %s of this engine did not answer within %.0f s",
+                      ", ".join(str(rank) for rank, k in zip(self.ranks, keys, strict=True)
+                                if k is None), self.timeout)
+        return [self.store.get(k) if k is not None else b"" for k in keys]
+
     def broadcast(self, payload: bytes | None) -> bytes:
         """The first rank's `payload` to every rank (b"" where it did not come in time)."""
         self._round += 1

@@ -147,10 +147,37 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             if self.holder is not None:
                 self.holder.release(init_info.version)
         elif isinstance(init_info, Check):
-            if self.holder is not None:
-                self.holder.check(init_info.version)
+            self._check(init_info.version)
         elif self._shared is None:  # Prefetch
             self._holder().prefetch(init_info.version or "latest")
+
+    def _check(self, version: int) -> None:
+        """The copy's check before the pause, answered by the last rank alone: vLLM's
+        executor reads the ranks' answers in rank order and stops at the first failure,
+        leaving the later ranks' answers queued to answer its next call. So the ranks
+        share what they found (a rank without a copy finds nothing) and only the last one
+        raises, with the first failure found (its outcome tag included)."""
+        failure: Exception | None = None
+        if self.holder is not None:
+            try:
+                self.holder.check(version)
+            except Exception as exc:
+                failure = exc
+        group = self._group()
+        if group is None:
+            if failure is not None:
+                raise failure
+            return
+        found = self._rank_votes().gather(str(failure).encode() if failure else b"")
+        if group.rank_in_group != group.world_size - 1:
+            if failure is not None:
+                log.warning("not applying v%d: %s", version, failure)
+            return
+        if failure is not None:
+            raise failure
+        first = next((m for m in found if m), None)
+        if first is not None:
+            raise TensorHubError(first.decode(errors="replace"))
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it
