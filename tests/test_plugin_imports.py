@@ -47,10 +47,10 @@ def test_the_walk_catches_a_core_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     bad = tmp_path / "bad.py"
     bad.write_text("from tensorhub.core.client import CoordinatorClient\n"
-                   "from tensorhub.engines.holder import CheckpointHolder\n"
+                   "from tensorhub.engines.checkpoint_copy import CheckpointCopy\n"
                    "import tensorhub.coordinator.server\n"
                    "from tensorhub.engines import FleetView\n")
     assert imports_beyond_the_api(bad) == [
         "bad.py:1 from tensorhub.core.client import CoordinatorClient",
-        "bad.py:2 from tensorhub.engines.holder import CheckpointHolder",
+        "bad.py:2 from tensorhub.engines.checkpoint_copy import CheckpointCopy",
         "bad.py:3 import tensorhub.coordinator.server"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines.holder import TornLoad
+from tensorhub.engines.checkpoint_copy import TornLoad
 from tensorhub.engines.outcome import outcome_in
 from tensorhub.engines.restore import restore_after
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tensorhub import Publisher, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder, TornLoad
+from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad
 from tensorhub.engines.shared_copy import SharedCopyReader, apply_shared
 from tensorhub_testing.ranks import on_every_rank
 
@@ -76,7 +76,7 @@ def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = Non
 @pytest.fixture
 def holder_of_v1(coordinator):
     state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
-    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0", transport="zmq",
                               follow=False)
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(state)
@@ -136,7 +136,7 @@ def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinat
     results: list = [None] * 4
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(state)
-        holders = {r: CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+        holders = {r: CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
                                        transport="zmq", follow=False) for r in (0, 2)}
         try:
             for holder in holders.values():

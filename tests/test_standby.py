@@ -12,7 +12,7 @@ from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import PUBLISHER, MemoryDesc, StandBy
 from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.stripes import Read, Replan, StripedPull
-from tensorhub.engines.holder import CheckpointHolder
+from tensorhub.engines.checkpoint_copy import CheckpointCopy
 from tensorhub.tools.synthetic_weights import synthetic_state_dict
 from tensorhub_testing.waits import wait_for
 from tests.test_warm_pulls import (
@@ -188,7 +188,7 @@ def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(
     v1 = synthetic_state_dict(16, n_tiny=12, seed=16)
     with Publisher(coordinator.address, "policy", transport=transport) as pub:
         assert pub.declare(v1)
-        holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0",
+        holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0",
                                   transport=transport)  # (follows, as an engine's does)
         try:
             wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
@@ -209,7 +209,7 @@ def test_an_engine_copy_waiting_before_the_declaration_stands_by_once_it_comes(
     v1 = synthetic_state_dict(8, n_tiny=6, seed=18)
     asked_declared = []
     spy(monkeypatch, GetDeclared, asked_declared)
-    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq")
+    holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0", transport="zmq")
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             wait_for(lambda: asked_declared, timeout=10, what="the copy asked (in vain)")
@@ -228,7 +228,7 @@ def test_a_first_version_unlike_its_declaration_is_still_pulled_bit_exact(coordi
     v1 = {**declared, "extra": declared[next(iter(declared))].clone() + 1}
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         assert pub.declare(declared)
-        holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0",
+        holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0",
                                   transport="zmq")
         try:
             wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")

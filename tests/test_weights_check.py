@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from tensorhub import Publisher, TensorHubError
-from tensorhub.engines.holder import CheckpointHolder
-from tensorhub.engines.outcome import InstallFailed, LoadOutcome, refusal_in
+from tensorhub.engines.checkpoint_copy import CheckpointCopy
+from tensorhub.engines.outcome import InstallFailed, LoadOutcome
 from tensorhub.engines.weights_check import (
     from_checkpoint,
     from_tensors,
@@ -70,16 +70,16 @@ def test_a_refusal_is_found_typed_in_the_words_an_engine_wraps_it_in():
     refusal = InstallFailed.of("unloadable", 9, "v9 does not fit the engine's model (x): "
                                "tensor 'a' is missing")
     wrapped = f"RuntimeError: Worker failed: {refusal!r}\nTraceback ..."
-    assert refusal_in(wrapped) == "v9 does not fit the engine's model (x): tensor 'a' is missing"
     assert LoadOutcome.found_in(wrapped) == refusal.outcome
-    assert refusal_in("some other failure") is None
-    assert refusal_in("v9 does not fit the engine's model, said by someone") is None
+    assert refusal.outcome.reason == "v9 does not fit the engine's model (x): tensor 'a' is missing"
+    assert LoadOutcome.found_in("some other failure") is None
+    assert LoadOutcome.found_in("v9 does not fit the engine's model, said by someone") is None
 
 
 def test_a_copy_refuses_an_unloadable_version_and_takes_the_next(coordinator):
     """The refusal comes before the engine's load function runs; the copy moves on to the
     next version, which it applies; what it applied becomes what it checks against."""
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     holder.loadable = from_tensors(STATE.items(), "the checkpoint")
     try:
@@ -111,7 +111,7 @@ def test_a_copy_a_late_read_landed_in_is_verified_again_before_it_is_applied(
     the copy is checked again before the engine applies it, and refused if it is torn."""
     from tensorhub.core.transport.base import Transport
 
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
@@ -135,7 +135,7 @@ def test_a_copy_a_late_read_landed_in_is_verified_again_before_it_is_applied(
 def test_what_an_engine_loads_can_be_a_published_versions_manifest(coordinator):
     """An engine that applied a version another way (SGLang's native path) checks later
     versions against that version's published tensors."""
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:

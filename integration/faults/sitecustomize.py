@@ -1,5 +1,5 @@
 """Test-only faults, loaded by an engine whose PYTHONPATH starts with this folder. No
-product code knows of them: they wrap `CheckpointHolder` once its module loads.
+product code knows of them: they wrap `CheckpointCopy` once its module loads.
 
 - `TENSORHUB_TEST_FAULT_LOAD`: while the file it names holds a version number, the engine's
   load of that version fails half-way through its tensors, as a bug in a model's
@@ -20,7 +20,7 @@ from pathlib import Path
 
 FAULT_FILE = os.environ.get("TENSORHUB_TEST_FAULT_LOAD")
 REFUSE = os.environ.get("TENSORHUB_TEST_FAULT_REFUSE")
-TARGET = "tensorhub.engines.holder"
+TARGET = "tensorhub.engines.checkpoint_copy"
 
 
 def faulty_version() -> int | None:
@@ -49,7 +49,7 @@ def refused(name: str, version: int) -> bool:
 
 
 def wrap(module) -> None:
-    holder = module.CheckpointHolder
+    holder = module.CheckpointCopy
     original, not_ready = holder.tensors_of, holder._not_ready
 
     @contextmanager

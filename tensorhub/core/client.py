@@ -7,7 +7,6 @@ The socket is shared by a worker's threads (pulls, heartbeats) behind one lock.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -22,20 +21,9 @@ from tensorhub.core.errors import CoordinatorError, CoordinatorUnavailable
 from tensorhub.core.net import check_coordinator_address
 from tensorhub.core.wire import WireError, decode_reply, encode, foreign
 
-# A busy reply's retry_after is scaled by 1 +- this (uniform): readers refused together
-# (every reader asks at once when a version is announced) ask again out of step, so a
-# holder whose slot frees is taken at once, not at the next common tick.
-BUSY_RETRY_JITTER = 0.5
 # Handshakes failed in a row that mean "refused": one may be a coordinator killed mid-way.
 REFUSALS = 3
 SNDHWM = 1000  # requests a client queues while the coordinator is unreachable (libzmq's)
-
-
-def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
-              rng: random.Random | None = None) -> float:
-    """How long a reader refused as busy waits before asking again (the simulator passes its
-    own seeded `rng` and jitter)."""
-    return retry_after * (1 + jitter * (rng or random).uniform(-1.0, 1.0))
 
 
 def token_from_env() -> str | None:

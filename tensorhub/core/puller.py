@@ -1,7 +1,7 @@
 """Carrying out a read plan: group ranges by source, read them, verify the bytes.
 
-Kept apart from `Replica` so that engine plugins, which own their memory in their own way,
-run the very same code path to pull a version.
+Kept apart from `Replica` so that its whole-item reads, its striped reads (`reader/striped.py`)
+and a patch's pull (`reader/patches.py`) read and verify ranges the same way.
 """
 
 from __future__ import annotations

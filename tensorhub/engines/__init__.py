@@ -3,12 +3,12 @@ engine imports here. Plugins import from this package (the names below) and from
 `tensorhub`'s top level, never from `tensorhub.core` or `tensorhub.coordinator`."""
 
 from tensorhub.engines.auth import REFUSED, authorized
+from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad, alone, versions_to_release
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
 from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
-from tensorhub.engines.holder import CheckpointHolder, TornLoad, alone, versions_to_release
 from tensorhub.engines.kv_salt import salted
 from tensorhub.engines.logs import show_tensorhub_logs
-from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in, refusal_in
+from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.shared_copy import (
@@ -28,7 +28,7 @@ from tensorhub.engines.weights_check import (
 
 __all__ = [
     "REFUSED",
-    "CheckpointHolder",
+    "CheckpointCopy",
     "EngineSettings",
     "FleetView",
     "FollowLoop",
@@ -55,7 +55,6 @@ __all__ = [
     "node_of",
     "one_copy_per_engine",
     "outcome_in",
-    "refusal_in",
     "restore_after",
     "salted",
     "show_tensorhub_logs",

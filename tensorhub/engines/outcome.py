@@ -73,9 +73,3 @@ def outcome_in(message: str) -> Literal["restored", "restored_checkpoint", "torn
     if outcome is None or outcome.kind in ("refused", "unloadable"):
         return None
     return outcome.kind  # type: ignore[return-value]
-
-
-def refusal_in(message: str) -> str | None:
-    """The reason of a version refused as unloadable that an error's words carry, or None."""
-    outcome = LoadOutcome.found_in(message)
-    return outcome.reason if outcome is not None and outcome.kind == "unloadable" else None

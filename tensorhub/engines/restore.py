@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import NoReturn
 
-from tensorhub.engines.holder import TornLoad
+from tensorhub.engines.checkpoint_copy import TornLoad
 from tensorhub.engines.outcome import InstallFailed
 
 log = logging.getLogger("tensorhub.engines")

@@ -1,7 +1,7 @@
 """One checkpoint copy per node, not per rank: the ranks of a tensor-parallel engine on one
 host share the copy of that host's lowest rank (rank 0's on an engine of one node).
 
-That rank keeps the `CheckpointHolder`: it alone pulls and serves the version, in buffers of
+That rank keeps the `CheckpointCopy`: it alone pulls and serves the version, in buffers of
 shared memory (`BoundLayout.allocate`). At apply time it tells the other ranks of its node
 where those buffers are (`SharedCopy`, over a broadcast among the node's ranks); they map
 them read-only (`map_region`) and load their shard from them, as it does. So an engine pulls
@@ -32,7 +32,7 @@ from tensorhub.core.layout import BoundLayout, arena_bytes
 from tensorhub.core.schema import MAX_PARTS, Strict, Version
 from tensorhub.core.shared_memory import map_region, regions_of
 from tensorhub.core.wire import encode
-from tensorhub.engines.holder import CheckpointHolder, TornLoad
+from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad
 from tensorhub.parted import PartedReplica, whole_tensors
 
 log = logging.getLogger("tensorhub.engines")
@@ -84,7 +84,7 @@ def node_of(index: int, ranks: int, nodes: int = 1) -> list[int]:
 
 def apply_shared(version: int, load: Callable[[Named], None],
                  broadcast: Callable[[bytes | None], bytes], agree: Callable[[bool], bool],
-                 holder: CheckpointHolder | None = None,
+                 holder: CheckpointCopy | None = None,
                  reader: SharedCopyReader | None = None,
                  failure: Exception | None = None, fetch: bool = False) -> None:
     """Apply `version` on every rank of an engine from its node's copy, or on none. Every

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from tensorhub import settings
 from tensorhub.core.chunks import CHUNK_BYTES, Chunk, chunks_of
-from tensorhub.core.client import busy_wait
 from tensorhub.core.data_types import (
     PUBLISHER,
     Announcement,
@@ -53,6 +52,18 @@ from tensorhub.core.stripes import (
     progress_tag,
     warm_lease_id,
 )
+
+# A busy reply's retry_after is scaled by 1 +- this (uniform): readers refused together
+# (every reader asks at once when a version is announced) ask again out of step, so a
+# holder whose slot frees is taken at once, not at the next common tick.
+BUSY_RETRY_JITTER = 0.5
+
+
+def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
+              rng: random.Random | None = None) -> float:
+    """How long a reader refused as busy waits before asking again (the simulator passes its
+    own seeded `rng` and jitter)."""
+    return retry_after * (1 + jitter * (rng or random).uniform(-1.0, 1.0))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 from tensorhub import TensorHubError
 from tensorhub import settings as env
 from tensorhub.engines import (
-    CheckpointHolder,
+    CheckpointCopy,
     EngineSettings,
     FleetView,
     RankVote,
@@ -90,7 +90,7 @@ class Scheduler:
         self.name = worker_name(instance, rank)  # the checkpoint copy's
         self.native_name = native_worker_name(instance, rank)
         self.native: NativeHolder | None = None
-        self.checkpoint: CheckpointHolder | None = None
+        self.checkpoint: CheckpointCopy | None = None
         self.reader = SharedCopyReader()  # the other ranks' view of their node's copy
         self.applied: int | None = None
         self.torn = False
@@ -154,7 +154,7 @@ class Scheduler:
 
     def prepare(self, version: int) -> None:
         """Before the pause (a thread of ours, while SGLang serves): check and verify the
-        copy's `version` again (`CheckpointHolder.prepare`) and, for a model whose tensors
+        copy's `version` again (`CheckpointCopy.prepare`) and, for a model whose tensors
         land as blocks of its live parameters, find the words that differ from what they
         hold (`sparse.plan`). The swap's install then writes only those."""
         holder, model = self.checkpoint, self.model
@@ -224,10 +224,10 @@ class Scheduler:
         threading.Thread(target=self._prepare_loop, daemon=True,
                          name="tensorhub-prepare").start()
 
-    def _copy(self) -> CheckpointHolder:
+    def _copy(self) -> CheckpointCopy:
         if self.checkpoint is None:
             s = self.settings
-            self.checkpoint = CheckpointHolder(
+            self.checkpoint = CheckpointCopy(
                 s.coordinator, s.model, self.name, transport=s.transport,
                 follow=s.mode == "follow" and s.checkpoint_copy != "never",
                 pull_timeout=s.update_timeout)

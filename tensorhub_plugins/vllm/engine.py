@@ -1,6 +1,6 @@
 """The `tensorhub` weight-transfer backend: vLLM creates it in each worker process.
 
-It keeps a checkpoint-layout copy of the weights it holds (`CheckpointHolder`) that pulls
+It keeps a checkpoint-layout copy of the weights it holds (`CheckpointCopy`) that pulls
 new versions while the engine serves, and serves them to other engines. Applying a version
 is vLLM's layerwise reload (the path that works on CPU, where linear weights are repacked
 after loading) fed from that copy. Everything that can fail — holding the wrong version,
@@ -28,7 +28,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from tensorhub import TensorHubError, settings
 from tensorhub.engines import (
-    CheckpointHolder,
+    CheckpointCopy,
     RankVote,
     SharedCopyReader,
     TornLoad,
@@ -66,7 +66,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.holder: CheckpointHolder | None = None
+        self.holder: CheckpointCopy | None = None
         # The ranks of a node share its lowest rank's copy (`engines/shared_copy.py`): only
         # that rank holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
@@ -136,7 +136,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 self._shared = SharedCopyReader()
                 log.info("TensorHub: this rank loads from its node's checkpoint copy")
                 return
-            self.holder = CheckpointHolder(
+            self.holder = CheckpointCopy(
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout)
@@ -187,7 +187,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         model_config = self.vllm_config.model_config
         return from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
 
-    def _holder(self) -> CheckpointHolder:
+    def _holder(self) -> CheckpointCopy:
         if self.holder is None:
             raise RuntimeError("TensorHub engine not initialised (init op missing)")
         return self.holder

@@ -12,8 +12,8 @@ import torch
 
 from tensorhub import Publisher, TensorHubError
 from tensorhub.core.errors import IntegrityError
-from tensorhub.engines.holder import (
-    CheckpointHolder,
+from tensorhub.engines.checkpoint_copy import (
+    CheckpointCopy,
     TornLoad,
     versions_to_release,
 )
@@ -54,7 +54,7 @@ def apply_on_every_rank(holders, version: int, weights: list[dict]) -> list[str 
     return codes
 
 
-def refusing(holder: CheckpointHolder, refused: int) -> None:
+def refusing(holder: CheckpointCopy, refused: int) -> None:
     """Make `holder`'s copy refuse version `refused`, as a copy that failed verification."""
     not_ready = holder._not_ready
 
@@ -68,7 +68,7 @@ def refusing(holder: CheckpointHolder, refused: int) -> None:
 
 def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator):
     states = {v: {"w": torch.full((8, 8), float(v))} for v in (1, 2, 3)}
-    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+    holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
                                 transport="zmq", follow=False) for r in range(2)]
     refusing(holders[1], 2)  # rank 1's copy of v2 "fails verification"
     weights: list[dict] = [{}, {}]
@@ -88,7 +88,7 @@ def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator):
 
 
 def test_a_rank_without_the_version_makes_every_rank_refuse_it(coordinator):
-    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+    holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
                                 transport="zmq", follow=False) for r in range(2)]
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
@@ -103,7 +103,7 @@ def test_a_rank_without_the_version_makes_every_rank_refuse_it(coordinator):
 
 
 def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(coordinator):
-    holder = CheckpointHolder(coordinator.address, "policy", "engine-rank0", transport="zmq")
+    holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0", transport="zmq")
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             pub.publish({"w": torch.ones(4)})
@@ -119,7 +119,7 @@ def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(
 
 
 def test_a_version_the_engine_fails_to_load_is_refused_so_the_copy_moves_on(coordinator):
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
@@ -143,7 +143,7 @@ def test_a_version_is_let_go_only_where_another_rank_holds_a_newer_one():
 def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(coordinator):
     """Both ranks voted yes, then rank 1's load failed half-way: neither records the
     version as applied, and both hear of it (`TornLoad`), so both restore."""
-    holders = [CheckpointHolder(coordinator.address, "policy", f"engine-rank{r}",
+    holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
                                 transport="zmq", follow=False) for r in range(2)]
     vote, errors = Vote(2), [None, None]
 
@@ -173,9 +173,9 @@ def test_a_restore_pulls_the_version_served_before_from_peers(coordinator):
     """The copy holds v2 (whose load failed); the engine restores v1, which it no longer
     holds: `fetch` pulls it back from a peer that does."""
     v1, v2 = torch.ones(4), torch.full((4,), 2.0)
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
-    peer = CheckpointHolder(coordinator.address, "policy", "peer", transport="zmq",
+    peer = CheckpointCopy(coordinator.address, "policy", "peer", transport="zmq",
                             follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq",
@@ -196,7 +196,7 @@ def test_a_restore_pulls_the_version_served_before_from_peers(coordinator):
 def test_bytes_changed_in_the_copy_after_its_pull_are_never_applied(coordinator):
     """What is applied is what was verified: a byte written into the copy after the pull
     (a peer's one-sided WRITE, a late read) is caught just before the engine reads it."""
-    holder = CheckpointHolder(coordinator.address, "policy", "engine", transport="zmq",
+    holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
                               follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:

@@ -56,7 +56,7 @@ def alone(ok: bool) -> bool:
 def versions_to_release(holdings: dict[str, list[int]], serving: int | None) -> set[int]:
     """Versions that ranks of one engine hold (worker name -> versions held) and that the
     engine will never apply: another rank already holds a newer one, and a rank's copy
-    keeps one version. Their ranks should let them go (`CheckpointHolder.release`) and
+    keeps one version. Their ranks should let them go (`CheckpointCopy.release`) and
     pull the newest. None while a rank holds nothing (it is pulling)."""
     newest = [max(held) for held in holdings.values() if held]
     if len(newest) < len(holdings) or not newest:
@@ -65,7 +65,7 @@ def versions_to_release(holdings: dict[str, list[int]], serving: int | None) -> 
     return {v for v in newest if v < top and (serving is None or v > serving)}
 
 
-class CheckpointHolder:
+class CheckpointCopy:
     def __init__(self, coordinator: str, model: str, name: str, *,
                  transport: str | None = None, follow: bool = True,
                  pull_timeout: float = 120.0):
