@@ -440,7 +440,7 @@ def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_
     with engine:
         check_keep_kv(engine, fleet.address, fleet.versions.dir, fleet.versions.state(1),
                       fleet.versions.state(2), lambda v: wait_serving(engine, v),
-                      fleet.prompts, TOKENS, freeze=engine.freeze,
+                      fleet.prompts, TOKENS, freeze=engine.freeze, thaw=engine.thaw,
                       preemptions=engine.preemptions)
 
 
@@ -449,7 +449,7 @@ def test_keep_computes_the_kv_of_a_request_cut_by_a_swap_again(fleet):
     with the new weights, once (in `keep_kv` the same request keeps it: the test above)."""
     engine = fleet.engines[0]
     dropped, answer = request_cut_by_a_swap(
-        engine.url, engine.model, long_prompt(fleet.prompts), engine.freeze,
+        engine.url, engine.model, long_prompt(fleet.prompts), engine.freeze, engine.thaw,
         lambda: wait_serving(engine, fleet.pub.publish(fleet.versions.state(2))),
         engine.preemptions)
     assert dropped == 1, f"the request's KV was dropped {dropped} times ({answer.spans})"

@@ -98,6 +98,10 @@ class VLLMServer(EngineServer):
         TensorHub swap's, or `/resume`)."""
         self.request("/pause?mode=keep&clear_cache=false", {})
 
+    def thaw(self) -> None:
+        """vLLM's own resume (a dev-mode route), ending a `freeze`."""
+        self.request("/resume", {})
+
     def preemptions(self) -> float:
         """Times the engine dropped a finished request's KV to compute it again
         (`vllm:request_num_preemptions`, summed over finished requests)."""

@@ -6,7 +6,8 @@ in order, bounds each one, times the pause, and keeps the state both front ends 
 the version served, torn weights (generation stays paused until a whole version is
 loaded), the last version refused as unloadable. Everything that can run before the pause
 (the load check, the copy's verification) runs in `check`, outside the stall; the stall is
-what a client feels: from the pause to the resume.
+what a client feels: from the pause to the resume. (An engine whose check runs between its
+own steps, as vLLM's does, makes none meanwhile: its clients feel `check_ms` too.)
 
 A failed install says what became of the weights as an `InstallFailed` carrying a
 `LoadOutcome` (typed: it crossed from the engine's worker processes as one, see

@@ -29,6 +29,7 @@ from vllm.model_executor.model_loader.reload import (
 from tensorhub import TensorHubError, settings
 from tensorhub.engines import (
     CheckpointCopy,
+    LoadOutcome,
     RankVote,
     SharedCopyReader,
     TornLoad,
@@ -156,7 +157,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         executor reads the ranks' answers in rank order and stops at the first failure,
         leaving the later ranks' answers queued to answer its next call. So the ranks
         share what they found (a rank without a copy finds nothing) and only the last one
-        raises, with the first failure found (its outcome tag included)."""
+        raises: the first refusal carrying its outcome, else its own failure, else the
+        first one found."""
         failure: Exception | None = None
         if self.holder is not None:
             try:
@@ -173,11 +175,14 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             if failure is not None:
                 log.warning("not applying v%d: %s", version, failure)
             return
+        said = [m.decode(errors="replace") for m in found if m]
+        typed = next((m for m in said if LoadOutcome.found_in(m) is not None), None)
+        if typed is not None:  # (a refusal the front end records, wherever it was found)
+            raise TensorHubError(typed)
         if failure is not None:
             raise failure
-        first = next((m for m in found if m), None)
-        if first is not None:
-            raise TensorHubError(first.decode(errors="replace"))
+        if said:
+            raise TensorHubError(said[0])
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it

@@ -77,7 +77,7 @@ class Frontend:
         self.follow = FollowLoop(self, settings.poll_interval,  # run in follow mode
                                  news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
-        self._update_open = False  # vLLM's weight-update session (`check`, `install`)
+        self._opening: asyncio.Future | None = None  # vLLM's update session (`check`)
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -138,12 +138,24 @@ class Frontend:
             if outcome is None:
                 raise
             raise InstallFailed(outcome) from None
-        if not self._update_open:
-            # vLLM's update session is a flag on each worker (our engine prepares nothing
-            # for it), so it is opened here, a call the stall does not wait for. A swap that
-            # stops before its install leaves it open for the next one.
-            await self.engine.start_weight_update()
-            self._update_open = True
+        await self._open_update()
+
+    async def _open_update(self) -> None:
+        """Open vLLM's weight-update session before the pause: it is a flag on each worker
+        (our engine prepares nothing for it), so this call, answered between two of the
+        engine's steps, costs the clients a round trip and no pause. A swap that stops
+        before its install leaves it open for the next one; a call cut by the swap's bound
+        goes on, and the next check waits for it instead of opening a second session,
+        which every worker would refuse."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self.engine.start_weight_update())
+        try:
+            await asyncio.shield(self._opening)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._opening = None  # not opened: the next check tries again
+            raise
 
     async def pause(self) -> None:
         if self.settings.pause in ("keep", "keep_kv") and hasattr(self.engine, "engine_core"):
@@ -163,7 +175,7 @@ class Frontend:
             # Close vLLM's update session (it refuses to start the next one otherwise),
             # keeping the weight version label as it was. (A rank that raised has closed
             # its own: that answer is not the news.)
-            self._update_open = False
+            self._opening = None
             try:
                 await self.engine.finish_weight_update()
             except Exception as close_exc:
@@ -171,24 +183,33 @@ class Frontend:
             outcome = LoadOutcome.found_in(str(exc))
             if outcome is not None:
                 if outcome.kind == "restored_checkpoint":
+                    # the weights it started with, not the version its cache was made on
                     await self.engine.update_weight_version("default")
+                    await self._reset_cache()
                 raise InstallFailed(outcome) from None
             raise
         clock.mark("update")
-        self._update_open = False
-        closing = [self.engine.finish_weight_update(weight_version=str(version))]
-        if self.settings.pause != "keep_kv":
-            # KV computed with the old weights must not serve the new version: requests
-            # kept through the pause recompute theirs (on resume, with the new weights),
-            # and the prefix cache starts empty. (`keep_kv`: they keep theirs, and the
-            # cache is salted by swap epoch instead: `salt_requests`.)
-            closing.append(self.engine.reset_prefix_cache(reset_running_requests=True))
-        # Sent together: nothing runs while generation is paused, so their order does not
-        # matter, and the engine core answers them one after the other without a round
-        # trip between.
-        await asyncio.gather(*closing)
+        self._opening = None
+        # Sent together: nothing runs while generation is paused, so the order of the
+        # session's close (and the version label it sets) and the cache's reset does not
+        # matter; the reset goes out with them, not after them. Both are awaited whatever
+        # either does, and the first failure is raised.
+        results = await asyncio.gather(
+            self.engine.finish_weight_update(weight_version=str(version)),
+            self._reset_cache(), return_exceptions=True)
+        for failure in results:
+            if isinstance(failure, BaseException):
+                raise failure
         clock.mark("finish")
         return {"pause_mode": self.settings.pause, "steps_ms": clock.ms}
+
+    async def _reset_cache(self) -> None:
+        """KV computed with the old weights must not serve the new ones: requests kept
+        through the pause recompute theirs (on resume, with the new weights), and the
+        prefix cache starts empty. (`keep_kv`: they keep theirs, and the cache is salted
+        by swap epoch instead: `salt_requests`.)"""
+        if self.settings.pause != "keep_kv":
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
