@@ -94,16 +94,24 @@ def read_live(engine: VLLMServer, prefix: Path) -> tuple[dict, dict]:
     return tensors, rank0["addresses"]
 
 
+def bf16_versions(root: Path, address: str, count: int, **shape: int
+                  ) -> tuple[Path, list[dict], Publisher]:
+    """A bf16 tiny model on disk, `count` versions of it (the first: the weights on disk)
+    and a trainer that published that first one."""
+    model_dir = build_tiny_model(root / "model", dtype=torch.bfloat16, **shape)
+    states = [load_state_dict(model_dir)]
+    for k in range(1, count):
+        states.append(perturb_state_dict(states[-1], seed=k, scale=0.3))
+    pub = Publisher(address, "policy", name="trainer")
+    pub.publish(states[0])
+    return model_dir, states, pub
+
+
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory, vllm_python, coordinator_process):
     root = tmp_path_factory.mktemp("vllm-fp8")
-    model_dir = build_tiny_model(root / "model", dtype=torch.bfloat16)
-    states = [load_state_dict(model_dir)]
-    for k in range(1, 6):
-        states.append(perturb_state_dict(states[-1], seed=k, scale=0.3))
     address = coordinator_process.address
-    pub = Publisher(address, "policy", name="trainer")
-    pub.publish(states[0])  # version 1: the weights in the model folder
+    model_dir, states, pub = bf16_versions(root, address, 6)
     engine = VLLMServer(vllm_python, model_dir, dtype="bfloat16", live_weights=True,
                         extra_args=[*PLUGIN_ARGS, *FP8_ARGS], env=plugin_env(address),
                         log_path=root / "fp8.log")

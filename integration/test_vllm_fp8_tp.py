@@ -15,21 +15,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env
-from integration.test_vllm_fp8 import FP8, FP8_ARGS, TOKENS, differing
+from integration.test_vllm_fp8 import FP8, FP8_ARGS, TOKENS, bf16_versions, differing
 from integration.tiny_model import (
-    build_tiny_model,
-    load_state_dict,
     make_prompts,
-    perturb_state_dict,
     save_version,
 )
 from integration.tp_fleet import TP_SHAPE
 from integration.vllm_server import VLLMServer
-from tensorhub import Publisher
 from tensorhub_testing.waits import wait_for
 
 
@@ -46,13 +41,8 @@ def read_ranks(engine: VLLMServer, prefix: Path) -> tuple[list[dict], list[dict]
 @pytest.fixture(scope="module")
 def fp8_tp(tmp_path_factory, vllm_python, coordinator_process):
     root = tmp_path_factory.mktemp("vllm-fp8-tp")
-    model_dir = build_tiny_model(root / "model", dtype=torch.bfloat16, **TP_SHAPE)
-    states = [load_state_dict(model_dir)]
-    for k in range(1, 4):
-        states.append(perturb_state_dict(states[-1], seed=k, scale=0.3))
     address = coordinator_process.address
-    pub = Publisher(address, "policy", name="trainer")
-    pub.publish(states[0])  # version 1: the weights in the model folder
+    model_dir, states, pub = bf16_versions(root, address, 4, **TP_SHAPE)
     engine = VLLMServer(vllm_python, model_dir, dtype="bfloat16", live_weights=True,
                         extra_args=[*PLUGIN_ARGS, *FP8_ARGS, "--tensor-parallel-size", "2"],
                         env={**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind"},

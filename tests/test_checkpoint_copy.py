@@ -69,7 +69,7 @@ def refusing(holder: CheckpointCopy, refused: int) -> None:
 def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator):
     states = {v: {"w": torch.full((8, 8), float(v))} for v in (1, 2, 3)}
     holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
-                                transport="zmq", follow=False) for r in range(2)]
+                              transport="zmq", follow=False) for r in range(2)]
     refusing(holders[1], 2)  # rank 1's copy of v2 "fails verification"
     weights: list[dict] = [{}, {}]
     try:
@@ -89,7 +89,7 @@ def test_a_version_one_rank_refuses_is_applied_on_no_rank(coordinator):
 
 def test_a_rank_without_the_version_makes_every_rank_refuse_it(coordinator):
     holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
-                                transport="zmq", follow=False) for r in range(2)]
+                              transport="zmq", follow=False) for r in range(2)]
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             pub.publish({"w": torch.ones(4)})
@@ -120,7 +120,7 @@ def test_a_followed_copy_keeps_an_unapplied_version_until_the_engine_lets_it_go(
 
 def test_a_version_the_engine_fails_to_load_is_refused_so_the_copy_moves_on(coordinator):
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
+                            follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             pub.publish({"w": torch.ones(4)})
@@ -144,7 +144,7 @@ def test_a_load_that_fails_on_one_rank_is_torn_on_every_rank(coordinator):
     """Both ranks voted yes, then rank 1's load failed half-way: neither records the
     version as applied, and both hear of it (`TornLoad`), so both restore."""
     holders = [CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
-                                transport="zmq", follow=False) for r in range(2)]
+                              transport="zmq", follow=False) for r in range(2)]
     vote, errors = Vote(2), [None, None]
 
     def apply(rank: int) -> None:
@@ -174,9 +174,9 @@ def test_a_restore_pulls_the_version_served_before_from_peers(coordinator):
     holds: `fetch` pulls it back from a peer that does."""
     v1, v2 = torch.ones(4), torch.full((4,), 2.0)
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
-    peer = CheckpointCopy(coordinator.address, "policy", "peer", transport="zmq",
                             follow=False)
+    peer = CheckpointCopy(coordinator.address, "policy", "peer", transport="zmq",
+                          follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq",
                        min_replicas=0) as pub:  # (nobody else need keep v2 when it leaves)
@@ -197,7 +197,7 @@ def test_bytes_changed_in_the_copy_after_its_pull_are_never_applied(coordinator)
     """What is applied is what was verified: a byte written into the copy after the pull
     (a peer's one-sided WRITE, a late read) is caught just before the engine reads it."""
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
+                            follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq") as pub:
             pub.publish({"w": torch.ones(1024)})

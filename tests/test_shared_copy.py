@@ -77,7 +77,7 @@ def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = Non
 def holder_of_v1(coordinator):
     state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
     holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0", transport="zmq",
-                              follow=False)
+                            follow=False)
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(state)
         holder.pull(1)
@@ -137,7 +137,7 @@ def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinat
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         pub.publish(state)
         holders = {r: CheckpointCopy(coordinator.address, "policy", f"engine-rank{r}",
-                                       transport="zmq", follow=False) for r in (0, 2)}
+                                     transport="zmq", follow=False) for r in (0, 2)}
         try:
             for holder in holders.values():
                 holder.pull(1)

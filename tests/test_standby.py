@@ -189,7 +189,7 @@ def test_an_engine_copy_stands_by_on_a_declared_layout_and_needs_no_plan(
     with Publisher(coordinator.address, "policy", transport=transport) as pub:
         assert pub.declare(v1)
         holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0",
-                                  transport=transport)  # (follows, as an engine's does)
+                                transport=transport)  # (follows, as an engine's does)
         try:
             wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
             asked = counting_plans(monkeypatch)
@@ -229,7 +229,7 @@ def test_a_first_version_unlike_its_declaration_is_still_pulled_bit_exact(coordi
     with Publisher(coordinator.address, "policy", transport="zmq") as pub:
         assert pub.declare(declared)
         holder = CheckpointCopy(coordinator.address, "policy", "engine-rank0",
-                                  transport="zmq")
+                                transport="zmq")
         try:
             wait_for(lambda: _standing(coordinator, 1), timeout=10, what="on standby")
             pub.publish(v1)

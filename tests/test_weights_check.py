@@ -80,7 +80,7 @@ def test_a_copy_refuses_an_unloadable_version_and_takes_the_next(coordinator):
     """The refusal comes before the engine's load function runs; the copy moves on to the
     next version, which it applies; what it applied becomes what it checks against."""
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
+                            follow=False)
     holder.loadable = from_tensors(STATE.items(), "the checkpoint")
     try:
         with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
@@ -112,7 +112,7 @@ def test_a_copy_a_late_read_landed_in_is_verified_again_before_it_is_applied(
     from tensorhub.core.transport.base import Transport
 
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
+                            follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
             v = pub.publish(STATE)
@@ -136,7 +136,7 @@ def test_what_an_engine_loads_can_be_a_published_versions_manifest(coordinator):
     """An engine that applied a version another way (SGLang's native path) checks later
     versions against that version's published tensors."""
     holder = CheckpointCopy(coordinator.address, "policy", "engine", transport="zmq",
-                              follow=False)
+                            follow=False)
     try:
         with Publisher(coordinator.address, "policy", transport="zmq", min_replicas=0) as pub:
             v = pub.publish(STATE)
