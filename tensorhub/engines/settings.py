@@ -34,7 +34,7 @@ class EngineSettings(BaseModel):
     mode: Literal["follow", "manual"] = _field(settings.MODE)
     pause: Literal["keep", "keep_kv", "wait", "abort"] = _field(settings.PAUSE)
     name: str = _field(settings.NAME)
-    transport: Literal["auto", "nixl", "cma", "zmq"] | None = None
+    transport: Literal["auto", "nixl", "cma", "zmq"] = _field(settings.TRANSPORT)
     join_timeout: float = _field(settings.JOIN_TIMEOUT, gt=0)
     update_timeout: float = _field(settings.UPDATE_TIMEOUT, gt=0)
     swap_timeout: float = _field(settings.SWAP_TIMEOUT, gt=0)
