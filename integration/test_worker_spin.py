@@ -17,11 +17,13 @@ import json, tempfile, zmq
 from tensorhub_plugins.vllm.plugin import register
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 register()
-address = "ipc://" + tempfile.mktemp()
-context = zmq.Context()
-writer = SpinCondition(is_reader=False, context=context, notify_address=address)
-reader = SpinCondition(is_reader=True, context=context, notify_address=address)
-print(json.dumps({"reader": reader.busy_loop_s, "writer": writer.busy_loop_s}))
+with tempfile.TemporaryDirectory() as folder:  # (its socket goes with it)
+    context = zmq.Context()
+    address = "ipc://" + folder + "/notify"
+    writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+    print(json.dumps({"reader": reader.busy_loop_s, "writer": writer.busy_loop_s}))
+    context.destroy(linger=0)
 """
 
 
