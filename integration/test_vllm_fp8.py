@@ -86,12 +86,20 @@ def differing(live: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> d
     return bad
 
 
+def read_ranks(engine: VLLMServer, prefix: Path) -> tuple[list[dict], list[dict]]:
+    """(parameters, addresses) of each rank, in rank order."""
+    tensors, addresses = [], []
+    for rank in engine.dump_live_weights(prefix):
+        tensors.append(load_file(rank["path"]))
+        Path(rank["path"]).unlink()
+        addresses.append(rank["addresses"])
+    return tensors, addresses
+
+
 def read_live(engine: VLLMServer, prefix: Path) -> tuple[dict, dict]:
     """(parameters, addresses) of a TP=1 engine."""
-    [rank0] = engine.dump_live_weights(prefix)
-    tensors = load_file(rank0["path"])
-    Path(rank0["path"]).unlink()
-    return tensors, rank0["addresses"]
+    ([tensors], [addresses]) = read_ranks(engine, prefix)
+    return tensors, addresses
 
 
 def bf16_versions(root: Path, address: str, count: int, **shape: int

@@ -11,14 +11,19 @@ their bytes."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from safetensors.torch import load_file
 
 from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env
-from integration.test_vllm_fp8 import FP8, FP8_ARGS, TOKENS, bf16_versions, differing
+from integration.test_vllm_fp8 import (
+    FP8,
+    FP8_ARGS,
+    TOKENS,
+    bf16_versions,
+    differing,
+    read_ranks,
+)
 from integration.tiny_model import (
     make_prompts,
     save_version,
@@ -26,16 +31,6 @@ from integration.tiny_model import (
 from integration.tp_fleet import TP_SHAPE
 from integration.vllm_server import VLLMServer
 from tensorhub_testing.waits import wait_for
-
-
-def read_ranks(engine: VLLMServer, prefix: Path) -> tuple[list[dict], list[dict]]:
-    """(parameters, addresses) of each rank, in rank order."""
-    tensors, addresses = [], []
-    for rank in engine.dump_live_weights(prefix):
-        tensors.append(load_file(rank["path"]))
-        Path(rank["path"]).unlink()
-        addresses.append(rank["addresses"])
-    return tensors, addresses
 
 
 @pytest.fixture(scope="module")

@@ -69,12 +69,12 @@ class RankVote:
         r = self._round
         self.store.set(f"{r}/{self.rank}", payload)
         keys = [f"{r}/{k}" for k in self.ranks]
-        if not self._wait(keys):
-            keys = [k if self.store.check([k]) else None for k in keys]
+        came = keys if self._wait(keys) else [k for k in keys if self.store.check([k])]
+        if len(came) < len(keys):
             log.error("rank(s) %s of this engine did not answer within %.0f s",
                       ", ".join(str(rank) for rank, k in zip(self.ranks, keys, strict=True)
-                                if k is None), self.timeout)
-        return [self.store.get(k) if k is not None else b"" for k in keys]
+                                if k not in came), self.timeout)
+        return [self.store.get(k) if k in came else b"" for k in keys]
 
     def broadcast(self, payload: bytes | None) -> bytes:
         """The first rank's `payload` to every rank (b"" where it did not come in time)."""

@@ -152,26 +152,29 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         elif self._shared is None:  # Prefetch
             self._holder().prefetch(init_info.version or "latest")
 
+    def _answers(self) -> bool:
+        """Whether this rank raises what the engine's ranks found wrong: vLLM's executor
+        reads the ranks' answers in rank order and stops at the first failure, leaving the
+        later ranks' answers queued to answer its next call, so only the last rank may."""
+        group = self._group()
+        return group is None or group.rank_in_group == group.world_size - 1
+
     def _check(self, version: int) -> None:
-        """The copy's check before the pause, answered by the last rank alone: vLLM's
-        executor reads the ranks' answers in rank order and stops at the first failure,
-        leaving the later ranks' answers queued to answer its next call. So the ranks
-        share what they found (a rank without a copy finds nothing) and only the last one
-        raises: the first refusal carrying its outcome, else its own failure, else the
-        first one found."""
+        """The copy's check before the pause (`_answers`): the ranks share what they found
+        (a rank without a copy finds nothing) and the last one raises the first refusal
+        carrying its outcome, else its own failure, else the first one found."""
         failure: Exception | None = None
         if self.holder is not None:
             try:
                 self.holder.check(version)
             except Exception as exc:
                 failure = exc
-        group = self._group()
-        if group is None:
+        if self._group() is None:
             if failure is not None:
                 raise failure
             return
         found = self._rank_votes().gather(str(failure).encode() if failure else b"")
-        if group.rank_in_group != group.world_size - 1:
+        if not self._answers():
             if failure is not None:
                 log.warning("not applying v%d: %s", version, failure)
             return
@@ -211,11 +214,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         try:
             self._apply(update_info)
         except TensorHubError as exc:
-            group = self._group()
-            if group is not None and group.rank_in_group != group.world_size - 1:
-                # vLLM's executor reads the workers' answers in rank order and stops at the
-                # first failure, leaving later ones queued to answer the next call: only
-                # the last rank raises (every rank refused: the vote saw to that).
+            if not self._answers():  # (every rank refused: the vote saw to that)
                 log.warning("not applying v%d: %s", update_info.version, exc)
                 return
             raise

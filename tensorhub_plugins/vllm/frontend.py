@@ -151,9 +151,7 @@ class Frontend:
             self._opening = asyncio.ensure_future(self.engine.start_weight_update())
         try:
             await asyncio.shield(self._opening)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
+        except Exception:  # (not a cancellation: the call goes on)
             self._opening = None  # not opened: the next check tries again
             raise
 
@@ -168,6 +166,7 @@ class Frontend:
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         clock = StepClock()
+        self._opening = None  # the session opened in `check` ends here, whatever happens
         try:
             await self.engine.update_weights(WeightTransferUpdateRequest(
                 update_info={"version": version, "fetch": fetch}))
@@ -175,7 +174,6 @@ class Frontend:
             # Close vLLM's update session (it refuses to start the next one otherwise),
             # keeping the weight version label as it was. (A rank that raised has closed
             # its own: that answer is not the news.)
-            self._opening = None
             try:
                 await self.engine.finish_weight_update()
             except Exception as close_exc:
@@ -189,7 +187,6 @@ class Frontend:
                 raise InstallFailed(outcome) from None
             raise
         clock.mark("update")
-        self._opening = None
         # Sent together: nothing runs while generation is paused, so the order of the
         # session's close (and the version label it sets) and the cache's reset does not
         # matter; the reset goes out with them, not after them. Both are awaited whatever
