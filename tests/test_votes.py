@@ -48,20 +48,3 @@ def test_the_first_rank_shares_its_bytes_with_the_others():
 def test_a_rank_whose_first_rank_never_shares_gets_nothing_after_the_bound():
     _, rank1 = votes_of(dist.HashStore(), timeout=0.2)
     assert rank1.broadcast(None) == b""
-
-
-def test_every_rank_learns_what_each_rank_found():
-    votes = votes_of(dist.HashStore())
-    found: list[list[bytes] | None] = [None, None]
-    said = [b"v4 does not fit: tensor 'w' has shape [127]", b""]
-
-    def gather(rank: int) -> None:
-        found[rank] = votes[rank].gather(said[rank])
-
-    on_every_rank(gather, 2)
-    assert found == [said, said]
-
-
-def test_a_rank_that_does_not_say_what_it_found_counts_as_nothing_found():
-    rank0, _ = votes_of(dist.HashStore(), timeout=0.2)
-    assert rank0.gather(b"refused") == [b"refused", b""]

@@ -3,6 +3,7 @@ engine imports here. Plugins import from this package (the names below) and from
 `tensorhub`'s top level, never from `tensorhub.core` or `tensorhub.coordinator`."""
 
 from tensorhub.engines.auth import REFUSED, authorized
+from tensorhub.engines.background_check import BackgroundCheck, CheckAnswer, all_ready, refusal_in
 from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad, alone, versions_to_release
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
 from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
@@ -28,6 +29,8 @@ from tensorhub.engines.weights_check import (
 
 __all__ = [
     "REFUSED",
+    "BackgroundCheck",
+    "CheckAnswer",
     "CheckpointCopy",
     "EngineSettings",
     "FleetView",
@@ -44,6 +47,7 @@ __all__ = [
     "SwapSteps",
     "TornLoad",
     "Update",
+    "all_ready",
     "alone",
     "apply_shared",
     "authorized",
@@ -55,6 +59,7 @@ __all__ = [
     "node_of",
     "one_copy_per_engine",
     "outcome_in",
+    "refusal_in",
     "restore_after",
     "salted",
     "show_tensorhub_logs",

@@ -5,9 +5,9 @@ An engine plugin gives the controller its own calls (`SwapSteps`); the controlle
 in order, bounds each one, times the pause, and keeps the state both front ends report:
 the version served, torn weights (generation stays paused until a whole version is
 loaded), the last version refused as unloadable. Everything that can run before the pause
-(the load check, the copy's verification) runs in `check`, outside the stall; the stall is
-what a client feels: from the pause to the resume. (An engine whose check runs between its
-own steps, as vLLM's does, makes none meanwhile: its clients feel `check_ms` too.)
+(the load check, the copy's verification) runs in `check`, outside the stall and in the
+workers' own threads while the engine generates (`background_check.py`); the stall is what
+a client feels: from the pause to the resume.
 
 A failed install says what became of the weights as an `InstallFailed` carrying a
 `LoadOutcome` (typed: it crossed from the engine's worker processes as one, see

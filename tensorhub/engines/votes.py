@@ -62,20 +62,6 @@ class RankVote:
             outcome = NO
         return self.store.compare_set(f"{r}/outcome", "", outcome) == YES
 
-    def gather(self, payload: bytes) -> list[bytes]:
-        """Every rank's `payload`, in the order of `ranks` (b"" for a rank that did not
-        answer in time)."""
-        self._round += 1
-        r = self._round
-        self.store.set(f"{r}/{self.rank}", payload)
-        keys = [f"{r}/{k}" for k in self.ranks]
-        came = keys if self._wait(keys) else [k for k in keys if self.store.check([k])]
-        if len(came) < len(keys):
-            log.error("rank(s) %s of this engine did not answer within %.0f s",
-                      ", ".join(str(rank) for rank, k in zip(self.ranks, keys, strict=True)
-                                if k not in came), self.timeout)
-        return [self.store.get(k) if k in came else b"" for k in keys]
-
     def broadcast(self, payload: bytes | None) -> bytes:
         """The first rank's `payload` to every rank (b"" where it did not come in time)."""
         self._round += 1

@@ -315,6 +315,9 @@ LOST_RETRY: float = 15.0
 # this, at the cost of a holdings request this often per engine only while versions move.
 POLL_PENDING: float = 0.03
 POLL_PENDING_FOR: float = 10.0
+# Seconds between a vLLM front end's questions to its workers while they check a version
+# before its pause (each is a round trip between two of the engine's steps).
+CHECK_POLL: float = 0.005
 
 # Seconds before a front end tries again a version whose swap failed: each try pauses
 # generation, so a version the engine refuses must not be tried at every poll.

@@ -1,9 +1,11 @@
 """What vLLM's front end asks of its workers' `TensorHubEngine`s, as typed commands.
 
 vLLM carries them as the `init_info` of `init_weight_transfer_engine` (a dict, the one
-channel from the API server to every worker besides the update itself); the engine
-validates it into one of these (`parse`), so a malformed or unknown command is refused
-before any worker acts on it."""
+channel from the API server to every worker besides the update itself), and a `Check` as
+the argument of the engine's answering call (`collective_rpc` on the worker's
+`weight_transfer_engine`, which returns every rank's answer); the engine validates it into
+one of these (`parse`), so a malformed or unknown command is refused before any worker
+acts on it."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class Command(BaseModel):
 
 
 class Init(Command):
-    """Create the worker's checkpoint copy (its holder) and, with `follow`, its follow loop."""
+    """Create the worker's checkpoint copy and, with `follow`, its follow loop."""
 
     op: Literal["init"] = "init"
     coordinator: str
@@ -50,11 +52,15 @@ class Release(Command):
 
 
 class Check(Command):
-    """Raise if the copy holds `version` and the model cannot load it (asked before
-    generation is paused for it)."""
+    """How far the check of `version` before its pause is (`engines.BackgroundCheck`):
+    the model can load it and the copy's bytes verify. Asked through the engine's answering
+    call (`TensorHubEngine.__call__`), again until every rank is done; a new `attempt` (one
+    per swap) of the same `asker` (a front end's nonce) checks again."""
 
     op: Literal["check"] = "check"
     version: Version
+    asker: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=0)
 
 
 AnyCommand = Annotated[Init | Prefetch | Release | Check, Field(discriminator="op")]

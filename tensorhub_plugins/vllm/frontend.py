@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from fastapi import APIRouter, HTTPException, Request
@@ -27,9 +28,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from tensorhub import TensorHubError, metrics
+from tensorhub import TensorHubError, metrics, settings
 from tensorhub.engines import (
     REFUSED,
+    CheckAnswer,
     EngineSettings,
     FleetView,
     FollowLoop,
@@ -39,8 +41,10 @@ from tensorhub.engines import (
     StepClock,
     SwapController,
     Update,
+    all_ready,
     authorized,
     load_settings,
+    refusal_in,
     salted,
     versions_to_release,
 )
@@ -50,6 +54,9 @@ from tensorhub_plugins.vllm.copies import copy_holders
 
 log = logging.getLogger("tensorhub.vllm")
 router = APIRouter()
+# The worker attribute `collective_rpc` calls to ask the ranks a question: our engine
+# (`TensorHubEngine.__call__`).
+ANSWERING_CALL = "weight_transfer_engine"
 
 
 class UpdateRequest(BaseModel):
@@ -78,6 +85,8 @@ class Frontend:
                                  news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._opening: asyncio.Future | None = None  # vLLM's update session (`check`)
+        self._asker = uuid.uuid4().hex[:12]  # this front end, to its workers' checks
+        self._check_attempts = 0  # each swap's check is an attempt of its own
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -130,15 +139,31 @@ class Frontend:
     # (the steps `SwapController` runs, in this order; it bounds and times them)
     async def check(self, version: int) -> None:
         """Before the pause: every rank checks that its model can load `version` and
-        verifies the copy it will load from."""
-        try:
-            await self._tell_workers(Check(version=version))
-        except Exception as exc:
-            outcome = LoadOutcome.found_in(str(exc))
-            if outcome is None:
-                raise
-            raise InstallFailed(outcome) from None
+        verifies the copy it will load from, in a thread of its own while the engine keeps
+        generating (`engines.BackgroundCheck`); each question is a round trip between two
+        of the engine's steps."""
+        self._check_attempts += 1
+        ask = Check(version=version, asker=self._asker, attempt=self._check_attempts).info()
+        while True:
+            answers = [CheckAnswer.model_validate(a) for a in await self._ask_every_rank(ask)]
+            refusal = refusal_in(answers)
+            if refusal is not None:
+                raise refusal
+            if all_ready(answers):
+                break
+            await asyncio.sleep(settings.CHECK_POLL)
         await self._open_update()
+
+    async def _ask_every_rank(self, question: dict) -> list:
+        """Every rank's answer to `question` (`TensorHubEngine.__call__`), of every engine
+        behind this front end (vLLM's data-parallel client answers a `collective_rpc` with
+        its first engine's ranks only)."""
+        core = getattr(self.engine, "engine_core", None)
+        every = getattr(core, "call_utility_all_async", None)
+        if every is None:
+            return await self.engine.collective_rpc(ANSWERING_CALL, args=(question,))
+        per_engine = await every("collective_rpc", ANSWERING_CALL, None, (question,), None)
+        return [answer for answers in per_engine for answer in answers]
 
     async def _open_update(self) -> None:
         """Open vLLM's weight-update session before the pause: it is a flag on each worker
@@ -314,8 +339,8 @@ async def start_frontend(engine_client, args) -> Frontend | None:
     if engine_client is None:
         return None
     config = engine_client.vllm_config
-    settings = load_settings((config.additional_config or {}).get("tensorhub"))
-    if settings is None:
+    engine_settings = load_settings((config.additional_config or {}).get("tensorhub"))
+    if engine_settings is None:
         log.warning("TensorHub plugin loaded but not configured: set TENSORHUB_COORDINATOR "
                     "or --additional-config '{\"tensorhub\": {\"coordinator\": ...}}'")
         return None
@@ -324,10 +349,10 @@ async def start_frontend(engine_client, args) -> Frontend | None:
         raise RuntimeError("TensorHub needs --weight-transfer-config '{\"backend\": "
                            "\"tensorhub\"}' (and VLLM_PLUGINS=tensorhub)")
     versions.install()
-    frontend = Frontend(settings, engine_client, settings.instance_name(
+    frontend = Frontend(engine_settings, engine_client, engine_settings.instance_name(
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
         copy_holders(config.parallel_config))
-    if settings.pause == "keep_kv":
+    if engine_settings.pause == "keep_kv":
         if (getattr(args, "api_server_count", None) or 1) > 1:
             raise RuntimeError("TensorHub: TENSORHUB_PAUSE=keep_kv needs one API server "
                                "(--api-server-count 1): each would count swaps on its own "
@@ -335,10 +360,10 @@ async def start_frontend(engine_client, args) -> Frontend | None:
         salt_requests(engine_client, lambda: frontend.swaps.epoch)
     await frontend._init_workers()
     await frontend.join(dummy_weights=config.load_config.load_format == "dummy")
-    if settings.mode == "follow":
+    if engine_settings.mode == "follow":
         frontend._task = asyncio.get_running_loop().create_task(frontend.follow.run())
     log.info("TensorHub front end %s: model %s, coordinator %s, mode %s", frontend.name,
-             settings.model, settings.coordinator, settings.mode)
+             engine_settings.model, engine_settings.coordinator, engine_settings.mode)
     return frontend
 
 
