@@ -62,7 +62,7 @@ def apply_on_both(holder, version: int, failure_on_rank1: Exception | None = Non
 
         try:
             apply_shared(version, load, group.broadcast_from(rank), group.vote,
-                holder=holder if rank == 0 else None,
+                checkpoint=holder if rank == 0 else None,
                 reader=SharedCopyReader() if rank == 1 else None,
                 failure=failure_on_rank1 if rank == 1 else None)
             results[rank] = (loaded, None)
@@ -148,7 +148,7 @@ def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinat
                     apply_shared(1, lambda named: loaded.update(
                                      {n: t.clone() for n, t in named}),
                                  nodes[rank // 2].broadcast_from(rank % 2), engine.vote,
-                                 holder=holders.get(rank),
+                                 checkpoint=holders.get(rank),
                                  reader=None if rank in holders else SharedCopyReader())
                     results[rank] = (loaded, None)
                 except Exception as exc:

@@ -84,15 +84,15 @@ def node_of(index: int, ranks: int, nodes: int = 1) -> list[int]:
 
 def apply_shared(version: int, load: Callable[[Named], None],
                  broadcast: Callable[[bytes | None], bytes], agree: Callable[[bool], bool],
-                 holder: CheckpointCopy | None = None,
+                 checkpoint: CheckpointCopy | None = None,
                  reader: SharedCopyReader | None = None,
                  failure: Exception | None = None, fetch: bool = False) -> None:
     """Apply `version` on every rank of an engine from its node's copy, or on none. Every
     rank calls it at once: each node's holder of the copy (`copy_holders`) with its
-    `holder` (None, or a `failure`, when it has nothing to share), the others with a
+    `checkpoint` (None, or a `failure`, when it has nothing to share), the others with a
     `reader` (and their own `failure`, if any). `broadcast` sends the node's holder's bytes
     to every rank of that node (its argument is ignored elsewhere); `agree` is the vote of
-    all the engine's ranks; `fetch`: a holder pulls `version` from peers first if its
+    all the engine's ranks; `fetch`: the rank with the copy pulls `version` from peers first if its
     copy holds another. Raises on every rank when any rank cannot apply it (the weights are
     then untouched), and `TornLoad` on every rank when a rank's `load` failed."""
     if reader is not None:
@@ -121,7 +121,7 @@ def apply_shared(version: int, load: Callable[[Named], None],
         if not agree(loaded is None):
             raise TornLoad(version, loaded) from loaded
         return
-    if holder is None or failure is not None:
+    if checkpoint is None or failure is not None:
         broadcast(b"")
         agree(False)
         raise failure or TensorHubError("no checkpoint copy on this rank")
@@ -130,14 +130,14 @@ def apply_shared(version: int, load: Callable[[Named], None],
         payload = b""
         if ok:
             try:
-                payload = describe(holder.replica)
+                payload = describe(checkpoint.replica)
             except Exception as exc:
                 log.warning("cannot share the checkpoint copy: %s", exc)
                 ok = False
         broadcast(payload)
         return agree(ok)
 
-    with holder.tensors_of(version, share_and_agree, loaded=agree, fetch=fetch) as named:
+    with checkpoint.tensors_of(version, share_and_agree, loaded=agree, fetch=fetch) as named:
         load(named)
 
 

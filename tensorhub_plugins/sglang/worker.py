@@ -157,14 +157,14 @@ class Scheduler:
         copy's `version` again (`CheckpointCopy.prepare`) and, for a model whose tensors
         land as blocks of its live parameters, find the words that differ from what they
         hold (`sparse.plan`). The swap's install then writes only those."""
-        holder, model = self.checkpoint, self.model
-        if holder is None or model is None:
+        checkpoint, model = self.checkpoint, self.model
+        if checkpoint is None or model is None:
             return
         key = self._live_key()
         shared = self.one_copy and _tp_size() > 1
 
         def then(named):
-            if shared or self._sparse_error is not None or not holder.by_patches \
+            if shared or self._sparse_error is not None or not checkpoint.by_patches \
                     or self._applying or self._live_key() != key:
                 return None  # (a version pulled whole is a dense change: installed whole)
             if not self._learn_blocks(named):
@@ -175,7 +175,7 @@ class Scheduler:
         self._plan = None
         self._tried = (version, key)
         try:
-            self._plan = holder.prepare(version, then)
+            self._plan = checkpoint.prepare(version, then)
             if self.native is not None:
                 # nobody may read the live parameters once the install writes them: our
                 # native hold of the version served ends now, not inside the pause
@@ -210,8 +210,8 @@ class Scheduler:
         while True:
             time.sleep(0.02)
             try:
-                holder = self.checkpoint
-                version = holder.version if holder is not None else None
+                checkpoint = self.checkpoint
+                version = checkpoint.version if checkpoint is not None else None
                 if version is None or version == self.applied or self._applying \
                         or self._tried == (version, self._live_key()):
                     continue  # (prepared once for these live bytes, or refused: once)
@@ -236,15 +236,15 @@ class Scheduler:
     def _drop_copy(self) -> None:
         """Free the checkpoint copy: withdraw what it holds (its reads end first), then
         leave."""
-        holder, self.checkpoint = self.checkpoint, None
-        if holder is None:
+        checkpoint, self.checkpoint = self.checkpoint, None
+        if checkpoint is None:
             return
         try:
-            if holder.version is not None:
-                holder.withdraw()
+            if checkpoint.version is not None:
+                checkpoint.withdraw()
         except Exception as exc:
             log.warning("withdrawing the checkpoint copy: %s", exc)
-        holder.close()
+        checkpoint.close()
 
     def _apply_checkpoint(self, model, version: int, agree: Callable[[bool], bool] = alone,
                           fetch: bool = False) -> list[str]:
@@ -255,18 +255,18 @@ class Scheduler:
         shared = self.one_copy and agree == self.tp_vote
         sources: list[str] = []
         failure: Exception | None = None
-        holder = None
+        checkpoint = None
         try:  # whatever fails here, every rank must still reach the vote
             if not shared or self.holds_copy:
-                holder = self._copy()
-                if holder.loadable is None and holder.applied is None:
+                checkpoint = self._copy()
+                if checkpoint.loadable is None and checkpoint.applied is None:
                     optional = tied_optional(model.config)
-                    holder.loadable = from_checkpoint(
+                    checkpoint.loadable = from_checkpoint(
                         getattr(model.config, "_name_or_path", ""), optional) or (
-                        holder.loadable_as(self.applied, optional) if self.applied else None)
-                if holder.version != version:
-                    holder.pull(version)
-                    sources = holder.sources()
+                        checkpoint.loadable_as(self.applied, optional) if self.applied else None)
+                if checkpoint.version != version:
+                    checkpoint.pull(version)
+                    sources = checkpoint.sources()
                 self._mark("pull")
             if self.native is not None:
                 self.native.release()  # nobody reads the live parameters while we write them
@@ -276,7 +276,7 @@ class Scheduler:
 
         plan = self._plan if not shared else None
         if plan is not None and (plan.version != version or plan.key != self._live_key()
-                                 or holder is None or not holder.prepared(version)):
+                                 or checkpoint is None or not checkpoint.prepared(version)):
             plan = None  # made for other bytes than the live ones, or another version
 
         def load(named) -> None:
@@ -294,16 +294,16 @@ class Scheduler:
 
         if shared:
             try:
-                apply_shared(version, load, self._tp_broadcast, self.tp_vote, holder=holder,
-                             failure=failure,
+                apply_shared(version, load, self._tp_broadcast, self.tp_vote,
+                             checkpoint=checkpoint, failure=failure,
                              reader=None if self.holds_copy else self.reader, fetch=fetch)
             finally:
-                self.reader.forget()  # its holder may free the copy (`checkpoint_copy`)
+                self.reader.forget()  # the rank that holds the copy may free it (`checkpoint_copy`)
             return sources
-        if holder is None or failure is not None:
+        if checkpoint is None or failure is not None:
             agree(False)  # the other ranks learn that this one cannot, and refuse it too
             raise failure or TensorHubError("no checkpoint copy")
-        with holder.tensors_of(version, agree, fetch=fetch) as named:
+        with checkpoint.tensors_of(version, agree, fetch=fetch) as named:
             load(named)
         return sources
 
@@ -421,7 +421,7 @@ class Scheduler:
         return failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
 
     def _tp_broadcast(self, payload: bytes | None) -> bytes:
-        """The broadcast among this node's ranks, from its copy's holder: the TP ranks'
+        """The broadcast among this node's ranks, from the rank that holds its copy: the TP ranks'
         own votes on one node (one round counter per group of ranks)."""
         if self._node_votes is None:
             votes = self._rank_votes()
@@ -602,11 +602,11 @@ def after_load_model(result, runner):
             pull_timeout=settings.update_timeout)
         scheduler.model = runner.model
         scheduler.join(runner, dummy)
-        holder = scheduler.checkpoint
-        if holder is not None and holder.version is not None \
+        checkpoint = scheduler.checkpoint
+        if checkpoint is not None and checkpoint.version is not None \
                 and not (scheduler.one_copy and _tp_size() > 1):
             # before the server serves: learn where checkpoint tensors land (a sparse install)
-            scheduler._learn_blocks(holder.replica.named_tensors())
+            scheduler._learn_blocks(checkpoint.replica.named_tensors())
         scheduler.start_preparing()
     except Exception as exc:
         if scheduler is not None:

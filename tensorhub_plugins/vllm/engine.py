@@ -28,8 +28,9 @@ from vllm.model_executor.model_loader.reload import (
 
 from tensorhub import TensorHubError, settings
 from tensorhub.engines import (
+    BackgroundCheck,
+    CheckAnswer,
     CheckpointCopy,
-    LoadOutcome,
     RankVote,
     SharedCopyReader,
     TornLoad,
@@ -67,7 +68,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.holder: CheckpointCopy | None = None
+        self.checkpoint: CheckpointCopy | None = None
         # The ranks of a node share its lowest rank's copy (`engines/shared_copy.py`): only
         # that rank holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
@@ -76,6 +77,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
         self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
         self.applied: int | None = None  # the version this rank's model holds (None: disk)
+        self._checks = BackgroundCheck()
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -104,8 +106,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         return self._votes
 
     def _node_broadcast(self) -> RankVote:
-        """The broadcast among this node's ranks, from its copy's holder: the engine's own
-        votes on one node (one round counter per group of ranks)."""
+        """The broadcast among this node's ranks, from the rank that holds its copy: the
+        engine's own votes on one node (one round counter per group of ranks)."""
         if self._node_votes is None:
             import torch.distributed as dist
 
@@ -130,27 +132,32 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check) -> None:
         if isinstance(init_info, Init):
             self._vote_timeout = init_info.pull_timeout + settings.VOTE_MARGIN_S
-            if self.holder is not None:
-                self.holder.close()
+            if self.checkpoint is not None:
+                self.checkpoint.close()
             if self.one_copy and self._group().rank_in_group not in copy_holders(
                     self.parallel_config):
                 self._shared = SharedCopyReader()
                 log.info("TensorHub: this rank loads from its node's checkpoint copy")
                 return
-            self.holder = CheckpointCopy(
+            self.checkpoint = CheckpointCopy(
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout)
-            self.holder.loadable = self._loadable()
-            log.info("TensorHub holder %s ready (follow=%s)", self.holder.name,
+            self.checkpoint.loadable = self._loadable()
+            log.info("TensorHub checkpoint copy %s ready (follow=%s)", self.checkpoint.name,
                      init_info.follow)
         elif isinstance(init_info, Release):
-            if self.holder is not None:
-                self.holder.release(init_info.version)
-        elif isinstance(init_info, Check):
-            self._check(init_info.version)
-        elif self._shared is None:  # Prefetch
-            self._holder().prefetch(init_info.version or "latest")
+            if self.checkpoint is not None:
+                self.checkpoint.release(init_info.version)
+        elif isinstance(init_info, Check):  # (logged, not raised: see `_answers`)
+            log.error("TensorHub: a Check came through init_weight_transfer_engine; checks "
+                      "are asked through collective_rpc('weight_transfer_engine')")
+        elif self._shared is None:  # Prefetch (logged, not raised: see `_answers`)
+            if self.checkpoint is None:
+                log.error("TensorHub: cannot pull v%s: this rank's copy was not initialised",
+                          init_info.version)
+            else:
+                self.checkpoint.prefetch(init_info.version or "latest")
 
     def _answers(self) -> bool:
         """Whether this rank raises what the engine's ranks found wrong: vLLM's executor
@@ -159,33 +166,28 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         group = self._group()
         return group is None or group.rank_in_group == group.world_size - 1
 
-    def _check(self, version: int) -> None:
-        """The copy's check before the pause (`_answers`): the ranks share what they found
-        (a rank without a copy finds nothing) and the last one raises the first refusal
-        carrying its outcome, else its own failure, else the first one found."""
-        failure: Exception | None = None
-        if self.holder is not None:
-            try:
-                self.holder.check(version)
-            except Exception as exc:
-                failure = exc
-        if self._group() is None:
-            if failure is not None:
-                raise failure
-            return
-        found = self._rank_votes().gather(str(failure).encode() if failure else b"")
-        if not self._answers():
-            if failure is not None:
-                log.warning("not applying v%d: %s", version, failure)
-            return
-        said = [m.decode(errors="replace") for m in found if m]
-        typed = next((m for m in said if LoadOutcome.found_in(m) is not None), None)
-        if typed is not None:  # (a refusal the front end records, wherever it was found)
-            raise TensorHubError(typed)
-        if failure is not None:
-            raise failure
-        if said:
-            raise TensorHubError(said[0])
+    def __call__(self, question: dict) -> dict:
+        """The answering call: vLLM's `collective_rpc` runs a worker's attribute by name
+        and returns every rank's result, and this engine is the worker's
+        `weight_transfer_engine`, so the front end asks it `Check` questions this way (the
+        commands through `init_weight_transfer_engine` return nothing). The check runs in
+        a thread of its own: answered at once, the engine keeps stepping meanwhile. Never
+        raises (see `_answers`): what goes wrong is a refusal."""
+        try:
+            ask = parse(question)
+            if not isinstance(ask, Check):
+                return CheckAnswer.refused(f"TensorHub engines answer checks only, not "
+                                           f"{ask.op!r}").model_dump()
+            checkpoint = self.checkpoint
+            if checkpoint is None:
+                if self._shared is not None:  # it loads from its node's copy: nothing here
+                    return CheckAnswer(state="ready").model_dump()
+                return CheckAnswer.refused("TensorHub engine not initialised on this rank "
+                                           "(see its log)").model_dump()
+            return self._checks.answer(ask.asker, ask.attempt, ask.version,
+                                       lambda: checkpoint.check(ask.version)).model_dump()
+        except Exception as exc:
+            return CheckAnswer.refused(f"checking failed: {exc}").model_dump()
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it
@@ -194,11 +196,6 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             return None
         model_config = self.vllm_config.model_config
         return from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
-
-    def _holder(self) -> CheckpointCopy:
-        if self.holder is None:
-            raise RuntimeError("TensorHub engine not initialised (init op missing)")
-        return self.holder
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the whole swap happens in `receive_weights`, after checks."""
@@ -213,9 +210,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         started = time.perf_counter()
         try:
             self._apply(update_info)
-        except TensorHubError as exc:
-            if not self._answers():  # (every rank refused: the vote saw to that)
-                log.warning("not applying v%d: %s", update_info.version, exc)
+        except Exception as exc:
+            if not self._answers():  # (every rank failed: the votes saw to that)
+                log.log(logging.WARNING if isinstance(exc, TensorHubError) else logging.ERROR,
+                        "not applying v%d: %s", update_info.version, exc,
+                        exc_info=not isinstance(exc, TensorHubError))
                 return
             raise
         log.info("applied v%d in %.1f ms", update_info.version,
@@ -242,12 +241,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _apply_version(self, version: int, fetch: bool = False) -> None:
         if self.one_copy:  # each node's copy, mapped by the node's other ranks
             apply_shared(version, self._load, self._broadcast, self._agree,
-                         holder=self.holder, reader=self._shared, fetch=fetch)
-        elif self.holder is None:  # (init failed here): the other ranks must still hear it
+                         checkpoint=self.checkpoint, reader=self._shared, fetch=fetch)
+        elif self.checkpoint is None:  # (init failed here): the other ranks must still hear it
             self._agree(False)
             raise TensorHubError("TensorHub engine not initialised on this rank")
         else:
-            with self.holder.tensors_of(version, self._agree, fetch=fetch) as named:
+            with self.checkpoint.tensors_of(version, self._agree, fetch=fetch) as named:
                 self._load(named)
         self.applied = version
 
@@ -290,6 +289,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         pass
 
     def shutdown(self) -> None:
-        if self.holder is not None:
-            self.holder.close()
-            self.holder = None
+        self._checks.close()
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+            self.checkpoint = None
