@@ -47,7 +47,7 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def check_keep_kv(engine, address: str, model_dir: Path, old: dict, new: dict,
                   wait_serving: Callable[[int], object], prompts: Sequence[Sequence[int]],
-                  tokens: int, freeze: Callable[[], object] | None = None,
+                  tokens: int, freeze_file: Path | None = None,
                   thaw: Callable[[], object] | None = None,
                   preemptions: Callable[[], float] | None = None) -> None:
     """`engine` (started in `keep_kv`, following model "kept-kv" at `address`) is made to
@@ -56,15 +56,15 @@ def check_keep_kv(engine, address: str, model_dir: Path, old: dict, new: dict,
     - a long prompt answered twice before the swap came from the cache the second time,
       and after the swap is computed again (no token cached before the swap) and gives
       HF's tokens on `new`;
-    - with `freeze`, `thaw` and `preemptions` (`request_cut_by_a_swap`): a lone request
-      cut by one more swap kept its KV."""
+    - with `freeze_file`, `thaw` and `preemptions` (`request_cut_by_a_swap`): a lone
+      request cut by one more swap kept its KV."""
     with Publisher(address, "kept-kv", name="kept-kv-trainer") as pub:
         wait_serving(pub.publish(old))
         _through_a_swap(engine.url, engine.model, model_dir, old, new, pub.publish,
                         wait_serving, prompts, tokens)
-        if freeze is not None and thaw is not None and preemptions is not None:
+        if freeze_file is not None and thaw is not None and preemptions is not None:
             dropped, answer = request_cut_by_a_swap(
-                engine.url, engine.model, long_prompt(prompts), freeze, thaw,
+                engine.url, engine.model, long_prompt(prompts), freeze_file, thaw,
                 lambda: wait_serving(pub.publish(old)), preemptions)
             assert dropped == 0, f"the request's KV was dropped by the swap ({answer.spans})"
 
@@ -74,29 +74,31 @@ def long_prompt(prompts: Sequence[Sequence[int]]) -> list[int]:
     return [t for _ in range(40) for t in prompts[0]][:300]
 
 
-def request_cut_by_a_swap(url: str, model: str, prompt: Sequence[int],
-                          freeze: Callable[[], object], thaw: Callable[[], object],
-                          swap: Callable[[], object], counter: Callable[[], float],
-                          tokens: int = 180) -> tuple[float, Answer]:
-    """One request alone on the engine, frozen where it is by `freeze()` (the engine's own
-    pause, in a mode that keeps requests) once its first token is out, then cut by `swap()`
-    (publish, and wait until served; the swap's resume ends the freeze, `thaw()` where the
-    swap failed): how much `counter()` (an engine metric) moved meanwhile, and the answer,
-    whose spans name two versions. Frozen, the request cannot finish before the swap
-    reaches it."""
+def request_cut_by_a_swap(url: str, model: str, prompt: Sequence[int], freeze_file: Path,
+                          thaw: Callable[[], object], swap: Callable[[], object],
+                          counter: Callable[[], float], tokens: int = 180
+                          ) -> tuple[float, Answer]:
+    """One request alone on the engine, frozen by the engine itself right after its first
+    token (`freeze_file`: the test fault `faults.freeze_fault_env`, so it cannot finish
+    before the swap however late this process runs), then cut by `swap()` (publish, and
+    wait until served; the swap's resume ends the freeze, `thaw()` where the swap failed):
+    how much `counter()` (an engine metric) moved meanwhile, and the answer, whose spans
+    name two versions."""
     before = counter()
     first_token = threading.Event()
     got: dict[str, Answer] = {}
+    freeze_file.touch()
     reader = threading.Thread(target=lambda: got.update(answer=stream_one(
         url, model, prompt, tokens, first_token=first_token)))
     reader.start()
     swapped = False
     try:
         assert first_token.wait(120), "the request produced no token"
-        freeze()
+        assert not freeze_file.exists(), "the engine did not freeze the request"
         swap()
         swapped = True
     finally:
+        freeze_file.unlink(missing_ok=True)
         if not swapped:
             thaw()
         reader.join(300)

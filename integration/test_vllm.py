@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from integration.faults import load_fault_env
+from integration.faults import freeze_fault_env, load_fault_env
 from integration.kept_kv import check_keep_kv, long_prompt, request_cut_by_a_swap
 from integration.sharded import publish_in_two_ranks
 from integration.stream_client import StreamingClients
@@ -70,10 +70,11 @@ def fleet(tmp_path_factory, vllm_python, coordinator_process):
     address = coordinator_process.address
     pub = Publisher(address, MODEL, name="trainer")
     pub.publish(versions.state(1))  # version 1: the weights in the model folder
-    # (vLLM's dev routes: `/pause`, with which a test freezes a request for a swap to cut)
+    # (a test freezes a request for a swap to cut; vLLM's dev routes: `/resume`)
     env = {**plugin_env(address), **load_fault_env(root / "fault-version"),
            "VLLM_SERVER_DEV_MODE": "1"}
-    engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS, env=env,
+    engines = [VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
+                          env={**env, **freeze_fault_env(root / f"freeze-{i}")},
                           log_path=root / f"engine-{i}.log").launch()
                for i in range(2)]
     try:
@@ -435,12 +436,14 @@ def test_keep_kv_keeps_requests_through_a_swap_and_never_serves_an_older_cached_
     engine = VLLMServer(vllm_python, fleet.versions.dir,
                         extra_args=[*PLUGIN_ARGS, "--enable-prompt-tokens-details"],
                         env={**plugin_env(fleet.address), "TENSORHUB_MODEL": "kept-kv",
-                             "TENSORHUB_PAUSE": "keep_kv", "VLLM_SERVER_DEV_MODE": "1"},
+                             "TENSORHUB_PAUSE": "keep_kv", "VLLM_SERVER_DEV_MODE": "1",
+                             **freeze_fault_env(fleet.root / "kept-kv-freeze")},
                         log_path=fleet.root / "kept-kv.log")
     with engine:
         check_keep_kv(engine, fleet.address, fleet.versions.dir, fleet.versions.state(1),
                       fleet.versions.state(2), lambda v: wait_serving(engine, v),
-                      fleet.prompts, TOKENS, freeze=engine.freeze, thaw=engine.thaw,
+                      fleet.prompts, TOKENS, freeze_file=fleet.root / "kept-kv-freeze",
+                      thaw=engine.thaw,
                       preemptions=engine.preemptions)
 
 
@@ -449,7 +452,8 @@ def test_keep_computes_the_kv_of_a_request_cut_by_a_swap_again(fleet):
     with the new weights, once (in `keep_kv` the same request keeps it: the test above)."""
     engine = fleet.engines[0]
     dropped, answer = request_cut_by_a_swap(
-        engine.url, engine.model, long_prompt(fleet.prompts), engine.freeze, engine.thaw,
+        engine.url, engine.model, long_prompt(fleet.prompts), fleet.root / "freeze-0",
+        engine.thaw,
         lambda: wait_serving(engine, fleet.pub.publish(fleet.versions.state(2))),
         engine.preemptions)
     assert dropped == 1, f"the request's KV was dropped {dropped} times ({answer.spans})"

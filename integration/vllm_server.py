@@ -92,14 +92,9 @@ class VLLMServer(EngineServer):
         """Each rank's parameter bytes by dtype."""
         return self.request("/collective_rpc", {"method": "tensorhub_live_bytes"})["results"]
 
-    def freeze(self) -> None:
-        """vLLM's own pause in `keep` mode (a dev-mode route: start the server with
-        `VLLM_SERVER_DEV_MODE=1`): requests stop where they are until the next resume (a
-        TensorHub swap's, or `/resume`)."""
-        self.request("/pause?mode=keep&clear_cache=false", {})
-
     def thaw(self) -> None:
-        """vLLM's own resume (a dev-mode route), ending a `freeze`."""
+        """vLLM's own resume (a dev-mode route: start the server with
+        `VLLM_SERVER_DEV_MODE=1`), ending a freeze (`faults.freeze_fault_env`)."""
         self.request("/resume", {})
 
     def preemptions(self) -> float:

@@ -3,7 +3,9 @@ processes through its environment by the tests alone: no product code reads them
 
 `load_fault_env(file)`: the engine's load of the version written in `file` fails half-way.
 `refuse_fault_env(version, suffix)`: the checkpoint copy of the worker whose name ends with
-`suffix` refuses `version`, as a copy that failed verification would."""
+`suffix` refuses `version`, as a copy that failed verification would.
+`freeze_fault_env(file)`: once `file` exists, a vLLM engine freezes the requests in flight
+(its own `keep` pause) right after one of them produced a token, and removes `file`."""
 
 from __future__ import annotations
 
@@ -19,3 +21,7 @@ def load_fault_env(fault_file: Path) -> dict[str, str]:
 def refuse_fault_env(version: int, suffix: str) -> dict[str, str]:
     return {"PYTHONPATH": str(FAULTS_DIR),
             "TENSORHUB_TEST_FAULT_REFUSE": f"{version}@{suffix}"}
+
+
+def freeze_fault_env(freeze_file: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(FAULTS_DIR), "TENSORHUB_TEST_FREEZE": str(freeze_file)}

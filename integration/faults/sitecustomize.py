@@ -7,6 +7,11 @@ product code knows of them: they wrap `CheckpointCopy` once its module loads.
   does next is under test.
 - `TENSORHUB_TEST_FAULT_REFUSE` ("<version>@<name suffix>"): the checkpoint copy of the
   worker whose name ends so refuses that version, as a copy that failed verification would.
+- `TENSORHUB_TEST_FREEZE`: once the file it names exists, vLLM's engine core pauses its
+  scheduler as vLLM's `keep` pause does (requests stay where they are, with their KV) right
+  after the first step at which a request in flight has produced a token, and removes the
+  file: a request is frozen after its first token however late the test gets there. The
+  next resume (a swap's, or `/resume`) ends the freeze.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 FAULT_FILE = os.environ.get("TENSORHUB_TEST_FAULT_LOAD")
 REFUSE = os.environ.get("TENSORHUB_TEST_FAULT_REFUSE")
-TARGET = "tensorhub.engines.checkpoint_copy"
+FREEZE_FILE = os.environ.get("TENSORHUB_TEST_FREEZE")
 
 
 def faulty_version() -> int | None:
@@ -68,9 +73,33 @@ def wrap(module) -> None:
     holder._not_ready = refusing
 
 
+def freezing(module, step):
+    """`step` of vLLM's `EngineCore`, then the freeze (`TENSORHUB_TEST_FREEZE`)."""
+    def frozen_after(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        if os.path.exists(FREEZE_FILE) and any(
+                r.num_output_tokens for r in self.scheduler.running):
+            self.scheduler.set_pause_state(module.PauseState.PAUSED_ALL)
+            Path(FREEZE_FILE).unlink(missing_ok=True)
+        return result
+
+    return frozen_after
+
+
+def freeze_after_a_first_token(module) -> None:
+    core = module.EngineCore
+    for name in ("step", "step_with_batch_queue"):
+        setattr(core, name, freezing(module, getattr(core, name)))
+
+
 class WrapOnImport(importlib.abc.MetaPathFinder):
+    """Calls `wrap(module)` once the module named `target` has loaded."""
+
+    def __init__(self, target: str, wrap) -> None:
+        self.target, self.wrap = target, wrap
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -78,11 +107,13 @@ class WrapOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:
             run(module)
-            wrap(module)
+            self.wrap(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if FAULT_FILE or REFUSE:
-    sys.meta_path.insert(0, WrapOnImport())
+    sys.meta_path.insert(0, WrapOnImport("tensorhub.engines.checkpoint_copy", wrap))
+if FREEZE_FILE:
+    sys.meta_path.insert(0, WrapOnImport("vllm.v1.engine.core", freeze_after_a_first_token))
