@@ -1,17 +1,19 @@
 """vLLM at TP=2 with one rank on each of two emulated hosts, started as vLLM documents
 multi-node serving (`--nnodes 2 --node-rank R --master-addr` with the `mp` executor,
 `--headless` on node 1), the TensorHub plugin on both: it joins late at v1 and follows v2
-and v3 with greedy tokens equal to HF's, pulling one copy per node per version."""
+and v3 with greedy tokens equal to HF's, pulling one copy per node per version, and a
+version its model cannot load is refused by both nodes before either touches its weights."""
 
 from __future__ import annotations
 
 import pytest
 
-from integration.test_vllm import PLUGIN_ARGS, plugin_env
+from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env
 from integration.tp_fleet import TOKENS
 from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
 from integration.vllm_server import VLLMServer
 from tensorhub_testing.cluster import available
+from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
@@ -73,3 +75,18 @@ def test_a_vllm_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine):
               f"({nbytes / model:.2f} x the model)")
         assert model <= nbytes <= 2 * model
     assert holders(coordinator, VERSIONS, workers) == set(workers)
+
+
+def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engine):
+    """A tensor of the wrong shape: each node's copy finds it before the pause (the check
+    every rank answers across the hosts), the engine names the tensor, keeps serving the
+    version before with HF's tokens, and never tries it again."""
+    engine, state = nodes_engine.engine, nodes_engine.versions.state(VERSIONS)
+    [(_, wrong_shape, tensor)] = [b for b in _bad_versions(state) if b[0] == "a wrong shape"]
+    bad = nodes_engine.publish_state(wrong_shape)
+    wait_for(lambda: (engine.tensorhub_status()["unloadable"] or {}).get("version") == bad,
+             timeout=120, what=f"refusing v{bad}")
+    status = engine.tensorhub_status()
+    assert tensor in status["unloadable"]["reason"], status["unloadable"]
+    assert status["serving_version"] == VERSIONS
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]

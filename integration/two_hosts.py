@@ -61,6 +61,14 @@ def engine_on_two_hosts(root: Path, launch: Launch,
             trainer.send_line(str(folders[version - 1]))
             assert trainer.next_json(120) == {"version": version}
 
+        def publish_state(state: dict) -> int:
+            """Publish `state` (any tensors: a version the model may not load); its
+            version number."""
+            folder = save_version(versions.dir, state,
+                                  root / f"extra-{len(list(root.glob('extra-*')))}")
+            trainer.send_line(str(folder))
+            return int(trainer.next_json(120)["version"])
+
         try:
             publish(1)
             engines = launch(versions.dir, fleet.address, node0, node1)
@@ -68,7 +76,7 @@ def engine_on_two_hosts(root: Path, launch: Launch,
             assert all(e.alive() for e in engines), engines[1].log_tail()
             yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected,
                                   engine=engines[0], other=engines[1], fleet=fleet,
-                                  publish=publish)
+                                  publish=publish, publish_state=publish_state)
         finally:
             for engine in reversed(engines):
                 engine.stop(timeout=5)  # (a headless vLLM node ignores SIGTERM for long)
