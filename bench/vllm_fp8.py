@@ -3,10 +3,12 @@ pulled and held per version, and the stall.
 
 Two `vllm serve` engines with the plugin, in manual mode so that their swaps do not overlap
 (two cores): one bf16, one `--quantization fp8_per_channel --dtype bfloat16` (vLLM's online
-per-channel quantization, run again by the layerwise reload at every version). The trainer
-publishes bf16 versions; each engine is asked to update in turn. Per version: the bytes each
-engine's worker pulled (the coordinator's transfers), what each holds (its checkpoint-layout
-copy plus its model's live parameters), and the stall each reports. Baselines: the bytes the
+per-channel quantization; the plugin quantizes each version before the pause and writes it,
+`tensorhub_plugins/vllm/fp8_install.py`). The trainer publishes bf16 versions; each engine
+is asked to update in turn. Per version: the bytes each engine's worker pulled (the
+coordinator's transfers), what each holds (its checkpoint-layout copy plus its model's live
+parameters), the stall each reports and its check before the pause (verification, and the
+fp8 engine's quantization, while it generates). Baselines: the bytes the
 fp8 engine serves from (its live parameters: the physical bound of a pull that brought only
 what the engine uses), the bf16 engine's stall, and vLLM's own `reload_weights` from a
 safetensors checkpoint on the fp8 engine (which quantizes the same way).
@@ -78,6 +80,7 @@ def main() -> None:
 
         pulled: dict[str, list[int]] = {k: [] for k in engines}
         stall: dict[str, list[float]] = {k: [] for k in engines}
+        check: dict[str, list[float]] = {k: [] for k in engines}
         for version in range(2, args.updates + 2):
             with torch.no_grad():
                 for t in state.values():
@@ -87,7 +90,9 @@ def main() -> None:
                 reply = engine.request("/tensorhub/update", {"version": version})
                 assert reply["version"] == version and reply["changed"], reply
                 stall[kind].append(reply["stall_ms"])
-                worker = engine.tensorhub_status()["workers"][0]
+                status = engine.tensorhub_status()
+                check[kind].append(status["last_update"]["check_ms"])
+                worker = status["workers"][0]
                 pulled[kind].append(engine_figures(address, worker, version)[0])
             print(f"v{version}: " + "; ".join(
                 f"{k} pulled {pulled[k][-1] / MiB:.0f} MiB, stall {stall[k][-1]:.0f} ms"
@@ -117,6 +122,10 @@ def main() -> None:
                        live[kind] / MiB, higher_is_better=False)
         report.add(f"fp8 engine, {label}: stall per version", med(stall["fp8"]), "ms",
                    "the bf16 engine's stall", med(stall["bf16"]), higher_is_better=False)
+        report.add(f"fp8 engine, {label}: check before the pause (verified and quantized, "
+                   f"while it generates)", med(check["fp8"]), "ms",
+                   "the bf16 engine's check (verified)", med(check["bf16"]),
+                   higher_is_better=False)
         report.add(f"fp8 engine, {label}: stall per version (against vLLM's own reload)",
                    med(stall["fp8"]), "ms",
                    "vLLM reload_weights from safetensors on the fp8 engine",

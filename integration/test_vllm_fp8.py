@@ -102,15 +102,15 @@ def read_live(engine: VLLMServer, prefix: Path) -> tuple[dict, dict]:
     return tensors, addresses
 
 
-def bf16_versions(root: Path, address: str, count: int, **shape: int
+def bf16_versions(root: Path, address: str, count: int, model: str = "policy", **shape
                   ) -> tuple[Path, list[dict], Publisher]:
     """A bf16 tiny model on disk, `count` versions of it (the first: the weights on disk)
-    and a trainer that published that first one."""
+    and a trainer that published that first one as `model`."""
     model_dir = build_tiny_model(root / "model", dtype=torch.bfloat16, **shape)
     states = [load_state_dict(model_dir)]
     for k in range(1, count):
         states.append(perturb_state_dict(states[-1], seed=k, scale=0.3))
-    pub = Publisher(address, "policy", name="trainer")
+    pub = Publisher(address, model, name=f"{model}-trainer")
     pub.publish(states[0])
     return model_dir, states, pub
 
@@ -217,3 +217,33 @@ def test_a_version_the_fp8_engine_cannot_load_is_refused_and_it_serves_on(fp8):
     engine.wait_serving(good)
     check_holds(fp8, fp8.states[4], f"v{good} after the refused ones")
 
+
+
+def test_a_tied_fp8_engine_takes_versions_that_carry_the_tied_head(tmp_path_factory,
+                                                                  vllm_python,
+                                                                  coordinator_process):
+    """Tied embeddings, and a trainer whose versions carry `lm_head.weight` too (as a
+    `state_dict()` does): each version is installed (the alias skipped, as vLLM's loader
+    skips it), and the engine holds the reference quantization of it."""
+    root = tmp_path_factory.mktemp("vllm-fp8-tied")
+    address = coordinator_process.address
+    model_dir, states, pub = bf16_versions(root, address, 3, model="tied",
+                                           tie_word_embeddings=True)
+    engine = VLLMServer(vllm_python, model_dir, dtype="bfloat16", live_weights=True,
+                        extra_args=[*PLUGIN_ARGS, *FP8_ARGS],
+                        env={**plugin_env(address), "TENSORHUB_MODEL": "tied"},
+                        log_path=root / "tied.log")
+    try:
+        engine.start(timeout=300)
+        engine.wait_serving(1)
+        for version in (2, 3):
+            state = states[version - 1]
+            with_head = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+            assert pub.publish(with_head) == version
+            assert engine.wait_serving(version)["vllm_weight_version"] == str(version)
+            live, _ = read_live(engine, root / "live")
+            assert not differing(live, expected_live(state, live)), f"v{version}"
+        assert "quantized before the pause" in engine.log_path.read_text()
+    finally:
+        engine.stop()
+        pub.close()

@@ -42,6 +42,7 @@ from tensorhub.engines import (
     restore_after,
     tied_optional,
 )
+from tensorhub_plugins.vllm import fp8_install
 from tensorhub_plugins.vllm.commands import Check, Init, Prefetch, Release, parse
 from tensorhub_plugins.vllm.copies import copy_holders, engine_nodes, one_copy_per_engine
 
@@ -78,6 +79,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
         self.applied: int | None = None  # the version this rank's model holds (None: disk)
         self._checks = BackgroundCheck()
+        # An fp8 engine whose quantization runs before the pause (`fp8_install`): None until
+        # its first load shows vLLM's quantization is ours, then True or False.
+        self._fp8_direct: bool | None = False
+        self._quantized: tuple[int, dict] | None = None  # (version, its fp8 layers)
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -144,6 +149,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout)
             self.checkpoint.loadable = self._loadable()
+            if self.parallel_config.world_size == 1 and self.device.type == "cpu" \
+                    and fp8_install.only_per_channel(self.model):
+                self._fp8_direct = None  # (shown, or not, by the first load)
             log.info("TensorHub checkpoint copy %s ready (follow=%s)", self.checkpoint.name,
                      init_info.follow)
         elif isinstance(init_info, Release):
@@ -185,9 +193,34 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 return CheckAnswer.refused("TensorHub engine not initialised on this rank "
                                            "(see its log)").model_dump()
             return self._checks.answer(ask.asker, ask.attempt, ask.version,
-                                       lambda: checkpoint.check(ask.version)).model_dump()
+                                       lambda: self._check(checkpoint, ask.version)
+                                       ).model_dump()
         except Exception as exc:
             return CheckAnswer.refused(f"checking failed: {exc}").model_dump()
+
+    def _check(self, checkpoint: CheckpointCopy, version: int) -> None:
+        """The check before the pause (a thread of its own); an fp8 engine that quantizes
+        before the pause quantizes the verified copy here too (if that fails, vLLM's reload
+        quantizes it inside the pause)."""
+        self._quantized = None
+        if not self._fp8_direct or checkpoint.version != version:
+            checkpoint.check(version)  # (a copy that holds another version: the install says)
+            return
+        started = time.perf_counter()
+
+        def quantize(named) -> dict | None:
+            try:
+                return fp8_install.quantize(self.model, named)
+            except Exception as exc:
+                log.warning("TensorHub: quantizing v%d before the pause failed (%s); vLLM's "
+                            "reload quantizes it", version, exc)
+                return None
+
+        quantized = checkpoint.prepare(version, quantize)
+        if quantized is not None:
+            self._quantized = (version, quantized)
+            log.info("TensorHub: v%d verified and quantized before the pause in %.0f ms",
+                     version, (time.perf_counter() - started) * 1e3)
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it
@@ -247,8 +280,44 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             raise TensorHubError("TensorHub engine not initialised on this rank")
         else:
             with self.checkpoint.tensors_of(version, self._agree, fetch=fetch) as named:
-                self._load(named)
+                self._install(version, named)
         self.applied = version
+
+    def _install(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The engine's reload of `named`; on an fp8 engine that quantized `version` before
+        the pause, its fp8 layers and the parameters it can place written instead, and only
+        the rest reloaded."""
+        quantized, self._quantized = self._quantized, None
+        if self._fp8_direct and quantized is not None and quantized[0] == version \
+                and self.checkpoint.prepared(version):
+            try:
+                rest = fp8_install.write(self.model, quantized[1], named)
+                if rest:
+                    self._load(rest)
+            except Exception:
+                self._fp8_direct = False  # (the restore, and every version after, reload)
+                log.exception("TensorHub: writing the quantized v%d failed; from now on "
+                              "vLLM's reload quantizes each version", version)
+                raise
+            return
+        self._load(named)
+        if self._fp8_direct is None:
+            self._fp8_direct = self._quantizes_as_vllm(named)
+
+    def _quantizes_as_vllm(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether the live fp8 weights vLLM's reload just made from `named` are byte for
+        byte what `fp8_install.quantize` makes of them (logged either way)."""
+        started = time.perf_counter()
+        try:
+            same = fp8_install.matches(self.model, fp8_install.quantize(self.model, named))
+            why = "vLLM's own quantization gave the same bytes" if same else \
+                "its bytes differ from vLLM's own quantization"
+        except Exception as exc:
+            same, why = False, f"quantizing it failed ({exc})"
+        log.info("TensorHub: fp8 versions are quantized %s: %s (checked in %.0f ms)",
+                 "before the pause" if same else "by vLLM's reload, inside the pause", why,
+                 (time.perf_counter() - started) * 1e3)
+        return same
 
     def _load_checkpoint(self) -> None:
         """Load the checkpoint the engine started from again, on every rank."""
@@ -290,6 +359,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def shutdown(self) -> None:
         self._checks.close()
+        self._quantized = None
         if self.checkpoint is not None:
             self.checkpoint.close()
             self.checkpoint = None
