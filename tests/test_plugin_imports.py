@@ -14,8 +14,10 @@ import tensorhub.engines
 
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of `tensorhub` a plugin may use besides the two public surfaces: the metrics an
-# engine serves, and the Ray cluster's coordinator actor (verl).
-OTHER_MODULES = {"tensorhub.metrics", "tensorhub.ray_coordinator", "tensorhub.settings"}
+# engine serves, the Ray cluster's coordinator actor (verl), the settings, and the
+# reference quantizers (an fp8 engine quantizes with them).
+OTHER_MODULES = {"tensorhub.metrics", "tensorhub.ray_coordinator", "tensorhub.settings",
+                 "tensorhub.quant"}
 PUBLIC = {"tensorhub": set(tensorhub.__all__) | {m.rsplit(".", 1)[1] for m in OTHER_MODULES},
           "tensorhub.engines": set(tensorhub.engines.__all__)}
 

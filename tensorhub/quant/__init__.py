@@ -8,8 +8,9 @@ byte for byte to the engine's own function by `integration/test_quant_references
 that function runs on CPU, and by `tests/test_gpu_quant.py` where it needs CUDA.
 """
 
+from tensorhub.quant.fp8 import Fp8Weight
 from tensorhub.quant.sglang_fp8 import sglang_block_ue8m0, sglang_per_tensor
 from tensorhub.quant.vllm_fp8 import vllm_block, vllm_per_channel, vllm_per_tensor
 
-__all__ = ["sglang_block_ue8m0", "sglang_per_tensor", "vllm_block", "vllm_per_channel",
-           "vllm_per_tensor"]
+__all__ = ["Fp8Weight", "sglang_block_ue8m0", "sglang_per_tensor", "vllm_block",
+           "vllm_per_channel", "vllm_per_tensor"]

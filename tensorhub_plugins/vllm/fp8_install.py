@@ -21,8 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from tensorhub.quant import vllm_per_channel
-from tensorhub.quant.fp8 import Fp8Weight
+from tensorhub.quant import Fp8Weight, vllm_per_channel
 
 # vLLM's fused linear layers and the checkpoint tensors stacked (by rows) into each, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
