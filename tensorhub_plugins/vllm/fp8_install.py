@@ -102,12 +102,13 @@ def write(model: torch.nn.Module, quantized: dict[str, Fp8Weight], named: Named
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     tensors = dict(named)
+    layers = quantized_layers(model)
     params = dict(model.named_parameters(remove_duplicate=False))  # (tied names too)
     canonical = {name for name, _ in model.named_parameters()}
     placed: set[int] = set()  # the parameters written, by id
     written: set[str] = set()
     with torch.no_grad():
-        for name, layer in quantized_layers(model).items():
+        for name, layer in layers.items():
             q = quantized[name]
             layer.weight.copy_(q.weight.t())
             layer.weight_scale.copy_(q.scale.reshape(layer.weight_scale.shape))
@@ -131,7 +132,7 @@ def write(model: torch.nn.Module, quantized: dict[str, Fp8Weight], named: Named
     rest = [(n, t) for n, t in tensors.items()
             if n not in written or n.rpartition(".")[0] in left]
     # (a tied LM head shares the embedding's parameter but keeps a packed copy of its own)
-    quantized_ids = {id(m) for m in quantized_layers(model).values()}
+    quantized_ids = {id(m) for m in layers.values()}
     for module in model.modules():
         if getattr(module, "quant_method", None) is not None and id(module) not in \
                 quantized_ids and id(getattr(module, "weight", None)) in placed:
