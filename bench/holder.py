@@ -71,7 +71,7 @@ def _tensors(args) -> list[torch.Tensor]:
 def _raw(args) -> None:
     from tensorhub.core.transport.nixl import ProgressLoop, apply_ucx_defaults, make_agent
 
-    apply_ucx_defaults()
+    apply_ucx_defaults(args.host)
     tensors = _tensors(args)
     shared = None
     if not args.tiny:  # in one shared buffer, as a publisher's snapshot: raw shm reads too
@@ -125,6 +125,7 @@ if __name__ == "__main__":
     p.add_argument("--coordinator")
     p.add_argument("--model", default="bench")
     p.add_argument("--transport", default="nixl")
+    p.add_argument("--host", default="127.0.0.1", help="raw: the address peers read it at")
     args = p.parse_args()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT}) \
         if args.mode == "raw" else None
