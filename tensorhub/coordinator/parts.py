@@ -60,17 +60,17 @@ class Pending:
 
 def check_parts_fit(manifests: list[Manifest]) -> None:
     """Raise `ValueError` unless the parts' tensors make one state dict: every name in
-    exactly one part, or split by rows over several parts that tile it exactly (same dtype
-    and trailing dims; rows [0, total) with no gap or overlap)."""
+    exactly one part, or split over several parts by rows (or, 2-D, by columns) that tile
+    it exactly (one dim, same dtype and other dims; [0, total) with no gap or overlap)."""
     whole: dict[str, int] = {}
-    sliced: dict[str, list[tuple[int, int, int, int, str, tuple[int, ...]]]] = {}
+    sliced: dict[str, list[tuple[int, int, int, int, int, str, tuple[int, ...]]]] = {}
     for r, manifest in enumerate(manifests):
         if manifest.compact_threshold != manifests[0].compact_threshold:
             raise ValueError(f"part {r} compacts below {manifest.compact_threshold} bytes, "
                              f"part 0 below {manifests[0].compact_threshold}: use one "
                              f"threshold on every rank")
         for spec in manifest.tensors:
-            if spec.rows is None:
+            if spec.piece is None:
                 if spec.name in whole or spec.name in sliced:
                     raise ValueError(f"tensor {spec.name!r} is in more than one part "
                                      f"(parts {whole.get(spec.name, '?')} and {r})")
@@ -78,21 +78,23 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
             else:
                 if spec.name in whole:
                     raise ValueError(f"tensor {spec.name!r} is whole in part "
-                                     f"{whole[spec.name]} and row slices in part {r}")
+                                     f"{whole[spec.name]} and slices in part {r}")
+                dim, start, stop, total = spec.piece
+                others = tuple(n for d, n in enumerate(spec.shape) if d != dim)
                 sliced.setdefault(spec.name, []).append(
-                    (*spec.rows, r, spec.dtype, tuple(spec.shape[1:])))
+                    (start, stop, total, r, dim, spec.dtype, others))
     for name, slices in sliced.items():
         slices.sort()
-        totals = {s[2] for s in slices}
-        kinds = {(s[4], s[5]) for s in slices}
-        if len(totals) > 1 or len(kinds) > 1:
-            raise ValueError(f"tensor {name!r}: its row slices disagree on the total rows, "
-                             f"dtype or trailing dims ({sorted(totals)}, {sorted(kinds)})")
+        kinds = {(s[2], s[4], s[5], s[6]) for s in slices}
+        if len(kinds) > 1:
+            raise ValueError(f"tensor {name!r}: its slices disagree on the dim sliced, its "
+                             f"total, the dtype or the other dims ({sorted(kinds)})")
+        what = ("rows", "columns")[slices[0][4]]
         cursor = 0
         for start, stop, _total, r, *_ in slices:
             if start != cursor:
-                what = "overlap" if start < cursor else "gap"
-                raise ValueError(f"tensor {name!r}: rows {cursor}..{start} {what} at part {r}")
+                gap = "overlap" if start < cursor else "gap"
+                raise ValueError(f"tensor {name!r}: {what} {cursor}..{start} {gap} at part {r}")
             cursor = stop
         if cursor != slices[0][2]:
-            raise ValueError(f"tensor {name!r}: rows {cursor}..{slices[0][2]} are in no part")
+            raise ValueError(f"tensor {name!r}: {what} {cursor}..{slices[0][2]} are in no part")

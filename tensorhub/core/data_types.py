@@ -1,6 +1,7 @@
-"""Every message of the coordinator's protocol and what it describes (layouts, a holder's
-memory, its endpoint), as pydantic models in one place: the protocol reads in one sitting,
-and the coordinator, the workers and the engine plugins agree on one schema.
+"""Every message of the coordinator's protocol and what it describes (a holder's memory,
+its endpoint; layouts' manifests are `manifest.py`'s), as pydantic models in one place: the
+protocol reads in one sitting, and the coordinator, the workers and the engine plugins
+agree on one schema.
 
 The wire carries them as msgpack (`wire.py`); nothing is ever unpickled. What every field is
 checked against (the strict base model, the limits, the shared field types) is `schema.py`.
@@ -12,53 +13,19 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from tensorhub.core.manifest import Manifest, TensorSpec  # noqa: F401 - (part of the protocol)
 from tensorhub.core.schema import (
-    MAX_DIMS,
     MAX_METADATA,
     MAX_PARTS,
     MAX_TENSORS,
     PROTOCOL,
-    DType,
     Name,
     Strict,
     Version,
 )
 
 
-# --------------------------------------------------------------------------- layouts
-class TensorSpec(Strict):
-    """One tensor of a layout: what a reader must allocate to receive it."""
-
-    name: Name
-    dtype: DType
-    shape: list[Annotated[int, Field(ge=0, lt=2**40)]] = Field(max_length=MAX_DIMS)
-    nbytes: Annotated[int, Field(ge=0, lt=2**44)]
-    # Rows [start, stop) of a tensor of `total` rows (dim 0), the rest held by other parts
-    # of a sharded version (`Publish.parts`). None: the whole tensor.
-    rows: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)],
-                Annotated[int, Field(ge=1, lt=2**40)]] | None = None
-
-    @model_validator(mode="after")
-    def _rows_fit(self) -> TensorSpec:
-        if self.rows is not None:
-            start, stop, total = self.rows
-            if not (start <= stop <= total and self.shape and self.shape[0] == stop - start):
-                raise ValueError(f"tensor {self.name!r}: rows {self.rows} do not fit shape "
-                                 f"{self.shape} (need start <= stop <= total, shape[0] = "
-                                 f"stop - start)")
-        return self
-
-
-class Manifest(Strict):
-    """An ordered list of tensors plus the compaction threshold: together they fix the bytes.
-
-    Its hash is the layout id; two workers can exchange raw bytes only if their ids match.
-    """
-
-    tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
-    compact_threshold: Annotated[int, Field(ge=0, lt=2**40)]
-
-
+# --------------------------------------------------------------------------- a holder's memory
 class MemoryDesc(Strict):
     """Where a holder keeps one item: registered memory a peer may read."""
 

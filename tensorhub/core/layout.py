@@ -44,29 +44,32 @@ def manifest_of(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
     rows: Mapping[str, tuple[int, int]] | None = None,
+    cols: Mapping[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """`rows`: name -> (first row, total rows) for a tensor that is a row slice of a larger
-    one (a part of a sharded version, `Publisher(parts=...)`)."""
+    one (a part of a sharded version, `Publisher(parts=...)`); `cols`: the same for a 2-D
+    tensor that is a column slice (a tile, `tensorhub/tiles.py`)."""
     specs = []
     seen: set[str] = set()
     named_tensors = list(named_tensors)
-    rows = rows or {}
-    unknown = set(rows) - {name for name, _ in named_tensors}
+    rows, cols = rows or {}, cols or {}
+    unknown = (set(rows) | set(cols)) - {name for name, _ in named_tensors}
     if unknown:
-        raise LayoutError(f"row slices given for tensors not published: {sorted(unknown)}")
+        raise LayoutError(f"slices given for tensors not published: {sorted(unknown)}")
     for name, t in named_tensors:
         if name in seen:
             raise LayoutError(f"tensor name {name!r} appears twice")
         seen.add(name)
-        sliced = None
-        if name in rows:
-            start, total = rows[name]
-            if t.dim() == 0:
-                raise LayoutError(f"tensor {name!r}: a scalar has no rows to slice")
-            sliced = (start, start + t.shape[0], total)
+        pieces: dict[str, tuple[int, int, int]] = {}
+        for dim, (what, given) in enumerate((("rows", rows), ("cols", cols))):
+            if name in given:
+                start, total = given[name]
+                if t.dim() <= dim:
+                    raise LayoutError(f"tensor {name!r}: {t.dim()}-D, no {what} to slice")
+                pieces[what] = (start, start + t.shape[dim], total)
         try:
             specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape),
-                                    nbytes=t.numel() * t.element_size(), rows=sliced))
+                                    nbytes=t.numel() * t.element_size(), **pieces))
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
     return Manifest(tensors=specs, compact_threshold=compact_threshold)

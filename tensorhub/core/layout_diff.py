@@ -22,8 +22,11 @@ def _listed(names: list[str]) -> str:
 
 
 def _spec_text(spec: TensorSpec) -> str:
-    rows = f" rows {spec.rows[0]}:{spec.rows[1]} of {spec.rows[2]}" if spec.rows else ""
-    return f"{spec.dtype}{list(spec.shape)}{rows}"
+    piece = ""
+    if spec.piece is not None:
+        dim, start, stop, total = spec.piece
+        piece = f" {('rows', 'columns')[dim]} {start}:{stop} of {total}"
+    return f"{spec.dtype}{list(spec.shape)}{piece}"
 
 
 def layout_difference(ours: Manifest, published: Manifest) -> list[str]:
@@ -41,8 +44,8 @@ def layout_difference(ours: Manifest, published: Manifest) -> list[str]:
         lines.append(f"extra here ({len(extra)}, not in the published version): "
                      f"{_listed(extra)}")
     differing = [n for n in theirs if n in mine
-                 and (mine[n].dtype, mine[n].shape, mine[n].rows)
-                 != (theirs[n].dtype, theirs[n].shape, theirs[n].rows)]
+                 and (mine[n].dtype, mine[n].shape, mine[n].piece)
+                 != (theirs[n].dtype, theirs[n].shape, theirs[n].piece)]
     if differing:
         shown = "; ".join(f"{n!r} is {_spec_text(mine[n])} here, {_spec_text(theirs[n])} "
                           f"published" for n in differing[:SHOWN])

@@ -84,12 +84,11 @@ def from_tensors(named: Iterable[tuple[str, torch.Tensor]], source: str,
 def from_manifests(manifests: Iterable, source: str, optional: set[str] | None = None
                    ) -> LoadableWeights:
     """What a published version holds, from its parts' manifests (a tensor split by rows
-    over parts counts whole)."""
+    or columns over parts counts whole)."""
     specs: dict[str, Spec] = {}
     for manifest in manifests:
         for t in manifest.tensors:
-            shape = tuple(t.shape) if t.rows is None else (t.rows[2], *t.shape[1:])
-            specs[t.name] = (t.dtype, shape)
+            specs[t.name] = (t.dtype, t.whole_shape)
     return LoadableWeights(specs, source, set(optional or ()))
 
 

@@ -1,0 +1,71 @@
+"""A layout's manifest: the ordered tensors (names, dtypes, shapes, and for a part of a
+sharded version the slice each is of) and the compaction threshold that fix its bytes.
+Its hash is the layout id (`layout.py`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from tensorhub.core.schema import MAX_DIMS, MAX_TENSORS, DType, Name, Strict
+
+
+class TensorSpec(Strict):
+    """One tensor of a layout: what a reader must allocate to receive it."""
+
+    name: Name
+    dtype: DType
+    shape: list[Annotated[int, Field(ge=0, lt=2**40)]] = Field(max_length=MAX_DIMS)
+    nbytes: Annotated[int, Field(ge=0, lt=2**44)]
+    # Rows [start, stop) of a tensor of `total` rows (dim 0), the rest held by other parts
+    # of a sharded version (`Publish.parts`). None: the whole tensor.
+    rows: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)],
+                Annotated[int, Field(ge=1, lt=2**40)]] | None = None
+    # Columns [start, stop) of a 2-D tensor of `total` columns (dim 1), held contiguous (a
+    # row-parallel weight's tile, `tensorhub/tiles.py`). Never with `rows`.
+    cols: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)],
+                Annotated[int, Field(ge=1, lt=2**40)]] | None = None
+
+    @model_validator(mode="after")
+    def _slice_fits(self) -> TensorSpec:
+        if self.rows is not None and self.cols is not None:
+            raise ValueError(f"tensor {self.name!r}: a slice of rows or of columns, not both")
+        if (piece := self.piece) is not None:
+            dim, start, stop, total = piece
+            what = ("rows", "cols")[dim]
+            if not (start <= stop <= total and len(self.shape) > dim
+                    and self.shape[dim] == stop - start and (dim == 0 or len(self.shape) == 2)):
+                raise ValueError(f"tensor {self.name!r}: {what} {(start, stop, total)} do not "
+                                 f"fit shape {self.shape} (need start <= stop <= total, "
+                                 f"shape[{dim}] = stop - start{', 2-D' if dim else ''})")
+        return self
+
+    @property
+    def piece(self) -> tuple[int, int, int, int] | None:
+        """(dim, start, stop, total) of a slice of a larger tensor; None: the whole one."""
+        if self.rows is not None:
+            return (0, *self.rows)
+        if self.cols is not None:
+            return (1, *self.cols)
+        return None
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The shape of the whole tensor this spec is (a slice of)."""
+        piece = self.piece
+        if piece is None:
+            return tuple(self.shape)
+        shape = list(self.shape)
+        shape[piece[0]] = piece[3]
+        return tuple(shape)
+
+
+class Manifest(Strict):
+    """An ordered list of tensors plus the compaction threshold: together they fix the bytes.
+
+    Its hash is the layout id; two workers can exchange raw bytes only if their ids match.
+    """
+
+    tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
+    compact_threshold: Annotated[int, Field(ge=0, lt=2**40)]
