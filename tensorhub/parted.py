@@ -4,7 +4,10 @@ A version published by K trainer ranks (`Publisher(part=r, parts=K)`) is K ordin
 layouts. `PartedReplica` pulls each part with a replica of its own (its own place in that
 part's relay forest, so each part fans out as any version does) and calls the version
 its own only once every part is pulled and verified: a reader never serves or exposes a
-mix of two versions' parts. Row slices of one tensor, spread over parts, are joined.
+mix of two versions' parts. Slices of one tensor, spread over parts, are joined.
+
+A reader given a `share` pulls only some of a version's parts: a node of a
+tensor-parallel engine pulls the tiles its ranks load (`tensorhub/tiles.py`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from tensorhub import settings
-from tensorhub.core.data_types import GetDeclared, GetManifest, Part
+from tensorhub.core.data_types import GetDeclared, GetManifest, Part, TensorSpec
 from tensorhub.core.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -35,14 +39,18 @@ class PartedReplica:
     def __init__(self, coordinator: str, model: str, *, name: str | None = None,
                  transport: str | None = None, token: str | None = None,
                  timeout: float = 10.0, labels: dict[str, str] | None = None,
-                 whole_items: bool = False):
+                 whole_items: bool = False, share: Callable[[int], set[int]] | None = None):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
-        has a worker of its own, named `<name>.part<r>`."""
+        has a worker of its own, named `<name>.part<r>`. `share`: given a version's part
+        count, the parts to pull (None: all); part 0's worker is there either way (it
+        hears the model's announcements)."""
         self.coordinator, self.model = coordinator, model
         self.name = name or default_name("replica")
+        self.share = share
         self._kw = {"transport": transport, "token": token, "timeout": timeout,
                     "labels": labels, "whole_items": whole_items}
-        self.replicas: list[Replica] = [self._replica(0)]
+        self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
+        self._count = 1  # the part count they were made for
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
         self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
@@ -50,6 +58,21 @@ class PartedReplica:
     def _replica(self, part: int) -> Replica:
         return Replica(self.coordinator, self.model, name=Part.worker_name(self.name, part),
                        part=part, **self._kw)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """One replica per part this reader pulls (and part 0's), in part order."""
+        return [self._parts[k] for k in sorted(self._parts)]
+
+    def wanted(self, parts: int) -> set[int]:
+        """The parts of a version of `parts` parts this reader pulls."""
+        if self.share is None:
+            return set(range(parts))
+        wanted = set(self.share(parts))
+        if not wanted or not wanted <= set(range(parts)):
+            raise ValueError(f"{self.name}: a share of {sorted(wanted)} is not a set of the "
+                             f"parts 0..{parts - 1}")
+        return wanted
 
     @property
     def session(self):
@@ -80,7 +103,7 @@ class PartedReplica:
         version). Never while a pull runs (`_lock`): it allocates by itself. A first
         version unlike the declaration is pulled into new buffers (`pull`)."""
         first = self.replicas[0]
-        if self.version is not None or first.layout is not None or len(self.replicas) > 1 \
+        if self.version is not None or first.layout is not None or self._count > 1 \
                 or time.monotonic() < self._declared_at or not self._lock.acquire(False):
             return
         try:
@@ -130,20 +153,21 @@ class PartedReplica:
 
     def _pull(self, version: int | str, timeout: float) -> int:
         target, parts, layout_id = self._describe(version)
-        first = self.replicas[0].layout
-        if len(self.replicas) != parts or (first is not None and first.layout_id != layout_id):
-            self._rebuild(parts)
-        for r, replica in enumerate(self.replicas):  # (what their `Hold`s tell a restart)
+        first = self._parts[0].layout
+        wanted = self.wanted(parts)
+        if self._count != parts or (first is not None and first.layout_id != layout_id):
+            self._rebuild(parts, wanted)
+        for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:
             return target
         self.version = None
-        if parts == 1:
+        if wanted == {0}:
             self._pull_part(0, target, timeout)
         else:
-            with ThreadPoolExecutor(parts) as pool:
+            with ThreadPoolExecutor(len(wanted)) as pool:
                 futures = [pool.submit(self._pull_part, r, target, timeout)
-                           for r in range(parts)]
+                           for r in sorted(wanted)]
                 failed = [e for e in (f.exception() for f in futures) if e is not None]
             if failed:
                 raise failed[0]
@@ -161,22 +185,24 @@ class PartedReplica:
         reply = self.session.call(GetManifest(model=self.model, version=version))
         return reply.version, reply.parts, reply.layout_id
 
-    def _rebuild(self, parts: int) -> None:
+    def _rebuild(self, parts: int, wanted: set[int]) -> None:
         # The new workers register before the old ones leave: a trainer deciding whether
         # anyone could keep its version must never see this reader gone for a moment.
-        old, self.replicas = self.replicas, [self._replica(r) for r in range(parts)]
+        old = self.replicas
+        self._parts = {r: self._replica(r) for r in sorted(wanted | {0})}
+        self._count = parts
         for replica in old:
             replica.close()
 
     def _pull_part(self, part: int, version: int, timeout: float) -> int:
         try:
-            return self.replicas[part].pull(version, timeout)
+            return self._parts[part].pull(version, timeout)
         except (CoordinatorError, LayoutError) as exc:
             if isinstance(exc, CoordinatorError) and exc.code != "layout_mismatch":
                 raise
         # This part's layout changed (its rank publishes other tensors now): new buffers.
-        replaced = self.replicas[part]
-        self.replicas[part] = fresh = self._replica(part)
+        replaced = self._parts[part]
+        self._parts[part] = fresh = self._replica(part)
         fresh.part = replaced.part
         replaced.close()
         return fresh.pull(version, timeout)
@@ -196,9 +222,14 @@ class PartedReplica:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the version, whole: a tensor published as row slices by several
-        ranks is joined here (a copy); the others are views of the pulled buffers."""
-        return whole_tensors([r.layout for r in self.replicas if r.layout is not None])
+        """Every tensor of the version, whole: a tensor published as slices by several
+        ranks is joined here (a copy); the others are views of the pulled buffers. With a
+        `share`, only the tensors and slices its parts hold: a sliced tensor comes whole
+        in shape, holding its parts' slices, the rest of it unwritten."""
+        wanted = self.wanted(self._count)
+        return whole_tensors([self._parts[r].layout for r in sorted(wanted)
+                              if self._parts[r].layout is not None],
+                             partial=self.share is not None)
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -211,17 +242,31 @@ class PartedReplica:
         self.close()
 
 
-def whole_tensors(layouts: list[BoundLayout]) -> dict[str, torch.Tensor]:
-    """The tensors of a version's parts, by name; row slices of one tensor joined (a copy),
-    the others as they are (views of the parts' buffers)."""
+def whole_tensors(layouts: list[BoundLayout], partial: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """The tensors of a version's parts, by name; slices of one tensor (rows, or a tile's
+    columns) joined (a copy), the others as they are (views of the parts' buffers). A
+    tensor whose slices do not cover it raises `LayoutError`, unless `partial`: then it
+    comes whole in shape with its slices written and the rest left as allocated."""
     whole: dict[str, torch.Tensor] = {}
-    slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    slices: dict[str, list[tuple[int, TensorSpec, torch.Tensor]]] = {}
     for layout in layouts:
         for spec, tensor in zip(layout.manifest.tensors, layout.tensors, strict=True):
-            if spec.rows is None:
+            if spec.piece is None:
                 whole[spec.name] = tensor
             else:
-                slices.setdefault(spec.name, []).append((spec.rows[0], tensor))
+                slices.setdefault(spec.name, []).append((spec.piece[1], spec, tensor))
     for name, pieces in slices.items():
-        whole[name] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
+        pieces.sort(key=lambda p: p[0])
+        dim, _, _, total = pieces[0][1].piece
+        if sum(t.shape[dim] for _, _, t in pieces) == total:
+            whole[name] = torch.cat([t for _, _, t in pieces], dim=dim)
+        elif partial:
+            out = torch.empty(pieces[0][1].whole_shape, dtype=pieces[0][2].dtype)
+            for start, _, t in pieces:
+                out.narrow(dim, start, t.shape[dim]).copy_(t)
+            whole[name] = out
+        else:
+            raise LayoutError(f"tensor {name!r}: its parts hold only some of its "
+                              f"{('rows', 'columns')[dim]}")
     return whole

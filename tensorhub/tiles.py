@@ -1,0 +1,137 @@
+"""A version in tiles, so that a node of a tensor-parallel engine can pull only its share.
+
+A node's ranks load a range of rows of each column-parallel weight (q/k/v, gate/up,
+embeddings, the LM head) and a range of columns of each row-parallel weight (o_proj,
+down_proj). Columns read one-sided as they lie in a row-major tensor cost one descriptor
+per row, slower than reading the whole weight (`bench/results/share_reads.md`), so the
+trainer lays each version out in `tiles` tiles in which every share is contiguous: tile t
+holds rows [tR/T, (t+1)R/T) of each column-parallel weight and columns [tC/T, (t+1)C/T) of
+each row-parallel one, stored contiguous. One more part holds what every rank loads whole
+(norms, biases, tensors too small or uneven to tile).
+
+Each tile is a part of a sharded version (`Publisher(part=, parts=)`), so it has its own
+checksums, holders, relay forest and failover: a node pulls the parts of its tiles
+(`PartedReplica(parts=node_parts(...))`) from whoever holds them, and serves them on to
+the next node with the same share. A reader that pulls every part gets the whole tensors
+back (`PartedReplica.tensors` joins the slices). With `tiles` a power of two, any TP size
+up to it that divides it splits on tile edges. Design: docs/design/sharded-versions.md.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tensorhub.publisher import Publisher
+
+# Weights whose tensor-parallel split is by input columns (Llama, Qwen, Mistral names).
+ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
+# Tensors below this stay whole in the shared part (norms, biases: tiny tiles cost more
+# than they save).
+MIN_TILED_BYTES = 64 * 1024
+
+
+def is_row_parallel(name: str) -> bool:
+    return ROW_PARALLEL.search(name) is not None
+
+
+@dataclass
+class Tile:
+    """One part of a tiled version: its tensors and the slice each is of."""
+
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (first, total)
+    cols: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
+         row_parallel: Callable[[str], bool] = is_row_parallel,
+         min_bytes: int = MIN_TILED_BYTES) -> list[Tile]:
+    """`tiles` + 1 parts of a state dict: parts 0..tiles-1 the tiles (column slices made
+    contiguous: a copy of the row-parallel weights), part `tiles` every tensor kept whole
+    (under 2-D, under `min_bytes`, or not divisible into `tiles`)."""
+    if tiles < 1:
+        raise ValueError(f"tiles: at least 1, not {tiles}")
+    parts = [Tile() for _ in range(tiles + 1)]
+    for name, t in named:
+        dim = 1 if row_parallel(name) else 0
+        if t.dim() != 2 or t.numel() * t.element_size() < min_bytes or t.shape[dim] % tiles:
+            parts[tiles].tensors.append((name, t))
+            continue
+        step = t.shape[dim] // tiles
+        for k in range(tiles):
+            piece = t.narrow(dim, k * step, step)
+            parts[k].tensors.append((name, piece.contiguous()))
+            (parts[k].cols if dim else parts[k].rows)[name] = (k * step, t.shape[dim])
+    if not parts[0].tensors:
+        raise ValueError(f"nothing to tile: no 2-D tensor of {min_bytes} bytes or more "
+                         f"splits into {tiles} tiles")
+    if not parts[tiles].tensors:
+        raise ValueError("every tensor was tiled, none is left for the part every rank "
+                         "loads whole (a model has norms): publish it untiled")
+    return parts
+
+
+def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
+    """The parts a node whose ranks are `ranks` (of a TP=`tp` engine) loads: each rank's
+    1/tp of the tiles, and the shared part. (A model whose KV heads are fewer than `tp`
+    replicates them over ranks, which this rule does not know yet.)"""
+    if tiles % tp:
+        raise ValueError(f"{tiles} tiles do not split over TP={tp}: use a multiple of {tp}")
+    per_rank = tiles // tp
+    wanted = {tiles}
+    for rank in ranks:
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank {rank} is not one of TP={tp}'s")
+        wanted |= set(range(rank * per_rank, (rank + 1) * per_rank))
+    return wanted
+
+
+class TiledPublisher:
+    """A trainer that publishes each version in `tiles` tiles (`tile`): one `Publisher`
+    per part, named `<name>.tile<k>`, publishing together."""
+
+    def __init__(self, coordinator: str, model: str, tiles: int = 8, *,
+                 name: str = "trainer",
+                 row_parallel: Callable[[str], bool] = is_row_parallel, **publisher_kw):
+        self.tiles, self.row_parallel = tiles, row_parallel
+        self.parts: list[Publisher] = []
+        try:
+            for k in range(tiles + 1):
+                self.parts.append(Publisher(coordinator, model, name=f"{name}.tile{k}",
+                                            part=k, parts=tiles + 1, **publisher_kw))
+        except BaseException:
+            self.close()
+            raise
+        self.version: int | None = None
+
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+                version: int | None = None) -> int:
+        """Publish `named` as `version` (default: the next) in tiles; returns once every
+        part is in. Raises what the first part that failed raised."""
+        items = list(named.items()) if isinstance(named, dict) else list(named)
+        if version is None:
+            version = max(self.parts[0]._latest(), self.version or 0) + 1
+        pieces = tile(items, self.tiles, self.row_parallel)
+        with ThreadPoolExecutor(len(self.parts)) as pool:
+            futures = [pool.submit(p.publish, piece.tensors, version, rows=piece.rows,
+                                   cols=piece.cols)
+                       for p, piece in zip(self.parts, pieces, strict=True)]
+            for f in futures:
+                f.result()
+        self.version = version
+        return version
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+    def __enter__(self) -> TiledPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,115 @@
+"""A version in tiles (`tensorhub/tiles.py`): every TP share of a weight is contiguous in
+some parts, a reader of every part gets the trainer's tensors back, and a node that pulls
+only its ranks' tiles pulls about its share of the model and holds exactly the trainer's
+bytes there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorhub import PartedReplica
+from tensorhub.coordinator.parts import check_parts_fit
+from tensorhub.core.layout import manifest_of
+from tensorhub.tiles import TiledPublisher, is_row_parallel, node_parts, tile
+
+HIDDEN, FFN, VOCAB = 256, 512, 1024
+
+
+def llama_state(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    """A small Llama-shaped state dict (fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)),
+                            ("self_attn.k_proj", (HIDDEN, HIDDEN)),
+                            ("self_attn.v_proj", (HIDDEN, HIDDEN)),
+                            ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+                            ("mlp.gate_proj", (FFN, HIDDEN)), ("mlp.up_proj", (FFN, HIDDEN)),
+                            ("mlp.down_proj", (HIDDEN, FFN))):
+            state[f"{p}.{name}.weight"] = torch.randn(*shape, generator=g)
+        state[f"{p}.input_layernorm.weight"] = torch.randn(HIDDEN, generator=g)
+    state["model.norm.weight"] = torch.randn(HIDDEN, generator=g)
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_each_tile_holds_a_contiguous_share_of_rows_or_columns():
+    state = llama_state(0)
+    parts = tile(state.items(), 4)
+    assert len(parts) == 5
+    down = "model.layers.0.mlp.down_proj.weight"
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for k, part in enumerate(parts[:4]):
+        tensors = dict(part.tensors)
+        assert part.cols[down] == (k * FFN // 4, FFN) and down not in part.rows
+        assert tensors[down].is_contiguous()
+        assert torch.equal(tensors[down], state[down][:, k * FFN // 4:(k + 1) * FFN // 4])
+        assert part.rows[q] == (k * HIDDEN // 4, HIDDEN)
+        assert torch.equal(tensors[q], state[q][k * HIDDEN // 4:(k + 1) * HIDDEN // 4])
+    shared = dict(parts[4].tensors)
+    assert set(shared) == {n for n in state if n.endswith("norm.weight")}
+    check_parts_fit([manifest_of(p.tensors, rows=p.rows, cols=p.cols) for p in parts])
+
+
+def test_columns_that_overlap_do_not_fit():
+    w = torch.randn(8, 16)
+    a = manifest_of([("w", w[:, :10].contiguous())], cols={"w": (0, 16)})
+    b = manifest_of([("w", w[:, 8:].contiguous())], cols={"w": (8, 16)})
+    with pytest.raises(ValueError, match="columns 10..8 overlap"):
+        check_parts_fit([a, b])
+
+
+def test_a_node_loads_its_ranks_tiles_and_the_shared_part():
+    assert node_parts([0], tp=2, tiles=8) == {0, 1, 2, 3, 8}
+    assert node_parts([2, 3], tp=4, tiles=8) == {4, 5, 6, 7, 8}
+    with pytest.raises(ValueError, match="do not split over TP=3"):
+        node_parts([0], tp=3, tiles=8)
+
+
+def test_row_parallel_weights_are_named_as_the_engines_name_them():
+    assert is_row_parallel("model.layers.3.self_attn.o_proj.weight")
+    assert is_row_parallel("model.layers.3.mlp.down_proj.weight")
+    assert not is_row_parallel("model.layers.3.mlp.up_proj.weight")
+    assert not is_row_parallel("model.layers.3.self_attn.o_proj.bias")
+
+
+@pytest.mark.slow
+def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(coordinator):
+    """TP=2 over two nodes, 4 tiles: each node pulls its rank's two tiles and the norms,
+    about half the model, and holds the trainer's bytes in its rank's rows and columns; a
+    reader of every part gets every tensor back whole; all of them follow a second version."""
+    share = {rank: (lambda parts, r=rank: node_parts([r], 2, parts - 1)) for rank in (0, 1)}
+    with TiledPublisher(coordinator.address, "policy", tiles=4, transport="auto") as trainer, \
+            PartedReplica(coordinator.address, "policy", name="node0", transport="auto",
+                          share=share[0]) as node0, \
+            PartedReplica(coordinator.address, "policy", name="node1", transport="auto",
+                          share=share[1]) as node1, \
+            PartedReplica(coordinator.address, "policy", name="whole",
+                          transport="auto") as whole:
+        for version in (1, 2):
+            state = llama_state(version)
+            assert trainer.publish(state) == version
+            for reader in (whole, node0, node1):
+                assert reader.pull(version, timeout=60) == version
+            got = whole.tensors
+            assert got.keys() == state.keys()
+            assert all(torch.equal(got[n], state[n]) for n in state)
+            for rank, node in enumerate((node0, node1)):
+                pulled = sum(r.last_pull.nbytes for r in node.replicas if r.last_pull)
+                assert 0.5 * nbytes(state) <= pulled <= 0.51 * nbytes(state), pulled
+                tensors = node.tensors
+                assert tensors.keys() == state.keys()
+                for name, t in state.items():
+                    dim = 1 if is_row_parallel(name) else 0
+                    if t.dim() == 1:
+                        assert torch.equal(tensors[name], t)
+                        continue
+                    half = t.shape[dim] // 2
+                    assert tensors[name].shape == t.shape
+                    assert torch.equal(tensors[name].narrow(dim, rank * half, half),
+                                       t.narrow(dim, rank * half, half)), name
