@@ -2,7 +2,8 @@
 multi-node serving (`--nnodes 2 --node-rank R --dist-init-addr`), the TensorHub plugin on
 both: only node 0 drives, node 1's rank reports to it through the engine's store, and the
 engine joins late at v1 and follows v2 and v3 (confirmed by every rank) with greedy tokens
-equal to HF's, pulling one copy per node per version."""
+equal to HF's, pulling one copy per node per version, and a version its model cannot load
+is refused by both nodes before either touches its weights."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 
 from integration.sglang_server import SGLangServer
 from integration.test_sglang import LOADER, sglang_env, wait_sglang
+from integration.test_vllm import _bad_versions
 from integration.tp_fleet import TOKENS
 from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
 from tensorhub_testing.cluster import available
+from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
@@ -87,3 +90,19 @@ def test_an_sglang_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine)
               f"({nbytes / model:.2f} x the model)")
         assert model <= nbytes <= 2 * model
     assert holders(coordinator, VERSIONS, status["workers"]) == set(status["workers"])
+
+
+def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engine):
+    """A tensor of the wrong shape: each node's copy finds it before the pause, node 1's
+    rank says so through the engine's store, and the engine names the tensor, keeps
+    serving the version before with HF's tokens, and never tries it again."""
+    engine, state = nodes_engine.engine, nodes_engine.versions.state(VERSIONS)
+    [(_, wrong_shape, tensor)] = [b for b in _bad_versions(state) if b[0] == "a wrong shape"]
+    bad = nodes_engine.publish_state(wrong_shape)
+    wait_for(lambda: (engine.tensorhub_status()["unloadable"] or {}).get("version") == bad,
+             timeout=120, what=f"refusing v{bad}")
+    status = engine.tensorhub_status()
+    assert tensor in status["unloadable"]["reason"], status["unloadable"]
+    assert status["serving_version"] == VERSIONS
+    assert [r["applied"] for r in status["ranks"]] == [VERSIONS] * 2, status["ranks"]
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]
