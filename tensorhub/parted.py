@@ -39,11 +39,12 @@ class PartedReplica:
     def __init__(self, coordinator: str, model: str, *, name: str | None = None,
                  transport: str | None = None, token: str | None = None,
                  timeout: float = 10.0, labels: dict[str, str] | None = None,
-                 whole_items: bool = False, share: Callable[[int], set[int]] | None = None):
+                 whole_items: bool = False,
+                 share: Callable[[int, int | None], set[int]] | None = None):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`. `share`: given a version's part
-        count, the parts to pull (None: all); part 0's worker is there either way (it
-        hears the model's announcements)."""
+        count and its tiles (`Manifest.tiles`), the parts to pull (None: all); part 0's
+        worker is there either way (it hears the model's announcements)."""
         self.coordinator, self.model = coordinator, model
         self.name = name or default_name("replica")
         self.share = share
@@ -51,6 +52,7 @@ class PartedReplica:
                     "labels": labels, "whole_items": whole_items}
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
+        self._wanted = {0}  # the parts pulled of the version we pull or hold
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
         self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
@@ -64,11 +66,11 @@ class PartedReplica:
         """One replica per part this reader pulls (and part 0's), in part order."""
         return [self._parts[k] for k in sorted(self._parts)]
 
-    def wanted(self, parts: int) -> set[int]:
-        """The parts of a version of `parts` parts this reader pulls."""
+    def wanted(self, parts: int, tiles: int | None = None) -> set[int]:
+        """The parts of a version of `parts` parts (in `tiles` tiles) this reader pulls."""
         if self.share is None:
             return set(range(parts))
-        wanted = set(self.share(parts))
+        wanted = set(self.share(parts, tiles))
         if not wanted or not wanted <= set(range(parts)):
             raise ValueError(f"{self.name}: a share of {sorted(wanted)} is not a set of the "
                              f"parts 0..{parts - 1}")
@@ -152,11 +154,13 @@ class PartedReplica:
             return self._pull(version, timeout)
 
     def _pull(self, version: int | str, timeout: float) -> int:
-        target, parts, layout_id = self._describe(version)
+        target, parts, layout_id, tiles = self._describe(version)
         first = self._parts[0].layout
-        wanted = self.wanted(parts)
-        if self._count != parts or (first is not None and first.layout_id != layout_id):
+        wanted = self.wanted(parts, tiles)
+        if self._count != parts or set(self._parts) != wanted | {0} \
+                or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
+        self._wanted = wanted
         for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:
@@ -174,16 +178,16 @@ class PartedReplica:
         self.version = target
         return target
 
-    def _describe(self, version: int | str) -> tuple[int, int, str]:
-        """`version` (or the latest): its number, its part count and part 0's layout. For
-        a version by number, from its announcement when we heard it (a fleet pulling a
-        version then sends the coordinator only what a single replica sends), else asked
-        (and "latest" is always asked: what we heard may be older already)."""
+    def _describe(self, version: int | str) -> tuple[int, int, str, int | None]:
+        """`version` (or the latest): its number, its part count, part 0's layout and its
+        tiles. For a version by number, from its announcement when we heard it (a fleet
+        pulling a version then sends the coordinator only what a single replica sends),
+        else asked (and "latest" is always asked: what we heard may be older already)."""
         a = self.replicas[0].announcement(version) if isinstance(version, int) else None
-        if a is not None:
-            return a.version, a.parts, a.layout_id
+        if a is not None and a.manifest is not None:
+            return a.version, a.parts, a.layout_id, a.manifest.tiles
         reply = self.session.call(GetManifest(model=self.model, version=version))
-        return reply.version, reply.parts, reply.layout_id
+        return reply.version, reply.parts, reply.layout_id, reply.manifest.tiles
 
     def _rebuild(self, parts: int, wanted: set[int]) -> None:
         # The new workers register before the old ones leave: a trainer deciding whether
@@ -226,8 +230,7 @@ class PartedReplica:
         ranks is joined here (a copy); the others are views of the pulled buffers. With a
         `share`, only the tensors and slices its parts hold: a sliced tensor comes whole
         in shape, holding its parts' slices, the rest of it unwritten."""
-        wanted = self.wanted(self._count)
-        return whole_tensors([self._parts[r].layout for r in sorted(wanted)
+        return whole_tensors([self._parts[r].layout for r in sorted(self._wanted)
                               if self._parts[r].layout is not None],
                              partial=self.share is not None)
 

@@ -6,12 +6,12 @@ down_proj). Columns read one-sided as they lie in a row-major tensor cost one de
 per row, slower than reading the whole weight (`bench/results/share_reads.md`), so the
 trainer lays each version out in `tiles` tiles in which every share is contiguous: tile t
 holds rows [tR/T, (t+1)R/T) of each column-parallel weight and columns [tC/T, (t+1)C/T) of
-each row-parallel one, stored contiguous. One more part holds what every rank loads whole
-(norms, biases, tensors too small or uneven to tile).
+each row-parallel one, stored contiguous (`TILED`). One more part holds what every rank
+loads whole (norms, biases, K/V projections, embeddings, tensors that do not divide).
 
 Each tile is a part of a sharded version (`Publisher(part=, parts=)`), so it has its own
 checksums, holders, relay forest and failover: a node pulls the parts of its tiles
-(`PartedReplica(parts=node_parts(...))`) from whoever holds them, and serves them on to
+(`PartedReplica(share=node_share(...))`) from whoever holds them, and serves them on to
 the next node with the same share. A reader that pulls every part gets the whole tensors
 back (`PartedReplica.tensors` joins the slices). With `tiles` a power of two, any TP size
 up to it that divides it splits on tile edges. Design: docs/design/sharded-versions.md.
@@ -28,15 +28,26 @@ import torch
 
 from tensorhub.publisher import Publisher
 
-# Weights whose tensor-parallel split is by input columns (Llama, Qwen, Mistral names).
-ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
-# Tensors below this stay whole in the shared part (norms, biases: tiny tiles cost more
-# than they save).
-MIN_TILED_BYTES = 64 * 1024
+# The linear layers tiled, by the dim tensor parallelism splits them on (Llama, Qwen,
+# Mistral names): column-parallel by output rows, row-parallel by input columns. K and V
+# projections stay whole: under GQA a rank may load another rank's KV heads. Embeddings and
+# the LM head stay whole too: engines pad the vocabulary before they split it.
+TILED = {0: re.compile(r"\.(q_proj|gate_proj|up_proj)\.weight$"),
+         1: re.compile(r"\.(o_proj|down_proj)\.weight$")}
+
+Share = Callable[[int, "int | None"], set[int]]
+
+
+def split_dim(name: str) -> int | None:
+    """The dim a tensor is tiled on (0: rows, 1: columns), or None: kept whole."""
+    for dim, pattern in TILED.items():
+        if pattern.search(name):
+            return dim
+    return None
 
 
 def is_row_parallel(name: str) -> bool:
-    return ROW_PARALLEL.search(name) is not None
+    return split_dim(name) == 1
 
 
 @dataclass
@@ -49,17 +60,16 @@ class Tile:
 
 
 def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
-         row_parallel: Callable[[str], bool] = is_row_parallel,
-         min_bytes: int = MIN_TILED_BYTES) -> list[Tile]:
+         split: Callable[[str], int | None] = split_dim) -> list[Tile]:
     """`tiles` + 1 parts of a state dict: parts 0..tiles-1 the tiles (column slices made
     contiguous: a copy of the row-parallel weights), part `tiles` every tensor kept whole
-    (under 2-D, under `min_bytes`, or not divisible into `tiles`)."""
+    (`split` says None, not 2-D, or not divisible into `tiles`)."""
     if tiles < 1:
         raise ValueError(f"tiles: at least 1, not {tiles}")
     parts = [Tile() for _ in range(tiles + 1)]
     for name, t in named:
-        dim = 1 if row_parallel(name) else 0
-        if t.dim() != 2 or t.numel() * t.element_size() < min_bytes or t.shape[dim] % tiles:
+        dim = split(name)
+        if dim is None or t.dim() != 2 or t.shape[dim] % tiles:
             parts[tiles].tensors.append((name, t))
             continue
         step = t.shape[dim] // tiles
@@ -68,8 +78,8 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
             parts[k].tensors.append((name, piece.contiguous()))
             (parts[k].cols if dim else parts[k].rows)[name] = (k * step, t.shape[dim])
     if not parts[0].tensors:
-        raise ValueError(f"nothing to tile: no 2-D tensor of {min_bytes} bytes or more "
-                         f"splits into {tiles} tiles")
+        raise ValueError(f"nothing to tile: no q/gate/up/o/down projection splits into "
+                         f"{tiles} tiles")
     if not parts[tiles].tensors:
         raise ValueError("every tensor was tiled, none is left for the part every rank "
                          "loads whole (a model has norms): publish it untiled")
@@ -78,8 +88,7 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
 
 def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
     """The parts a node whose ranks are `ranks` (of a TP=`tp` engine) loads: each rank's
-    1/tp of the tiles, and the shared part. (A model whose KV heads are fewer than `tp`
-    replicates them over ranks, which this rule does not know yet.)"""
+    1/tp of the tiles, and the part every rank loads whole."""
     if tiles % tp:
         raise ValueError(f"{tiles} tiles do not split over TP={tp}: use a multiple of {tp}")
     per_rank = tiles // tp
@@ -91,14 +100,27 @@ def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
     return wanted
 
 
+def node_share(ranks: Iterable[int], tp: int) -> Share:
+    """What a node's copy pulls of each version (`PartedReplica(share=)`): its ranks'
+    tiles of a version in tiles that split over `tp`; every part of any other."""
+    ranks = sorted(ranks)
+
+    def share(parts: int, tiles: int | None) -> set[int]:
+        if tiles is None or tiles % tp:
+            return set(range(parts))
+        return node_parts(ranks, tp, tiles)
+
+    return share
+
+
 class TiledPublisher:
     """A trainer that publishes each version in `tiles` tiles (`tile`): one `Publisher`
     per part, named `<name>.tile<k>`, publishing together."""
 
     def __init__(self, coordinator: str, model: str, tiles: int = 8, *,
-                 name: str = "trainer",
-                 row_parallel: Callable[[str], bool] = is_row_parallel, **publisher_kw):
-        self.tiles, self.row_parallel = tiles, row_parallel
+                 name: str = "trainer", split: Callable[[str], int | None] = split_dim,
+                 **publisher_kw):
+        self.tiles, self.split = tiles, split
         self.parts: list[Publisher] = []
         try:
             for k in range(tiles + 1):
@@ -116,10 +138,10 @@ class TiledPublisher:
         items = list(named.items()) if isinstance(named, dict) else list(named)
         if version is None:
             version = max(self.parts[0]._latest(), self.version or 0) + 1
-        pieces = tile(items, self.tiles, self.row_parallel)
+        pieces = tile(items, self.tiles, self.split)
         with ThreadPoolExecutor(len(self.parts)) as pool:
             futures = [pool.submit(p.publish, piece.tensors, version, rows=piece.rows,
-                                   cols=piece.cols)
+                                   cols=piece.cols, tiles=self.tiles)
                        for p, piece in zip(self.parts, pieces, strict=True)]
             for f in futures:
                 f.result()

@@ -11,7 +11,7 @@ import torch
 from tensorhub import PartedReplica
 from tensorhub.coordinator.parts import check_parts_fit
 from tensorhub.core.layout import manifest_of
-from tensorhub.tiles import TiledPublisher, is_row_parallel, node_parts, tile
+from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
 
 HIDDEN, FFN, VOCAB = 256, 512, 1024
 
@@ -52,15 +52,20 @@ def test_each_tile_holds_a_contiguous_share_of_rows_or_columns():
         assert part.rows[q] == (k * HIDDEN // 4, HIDDEN)
         assert torch.equal(tensors[q], state[q][k * HIDDEN // 4:(k + 1) * HIDDEN // 4])
     shared = dict(parts[4].tensors)
-    assert set(shared) == {n for n in state if n.endswith("norm.weight")}
-    check_parts_fit([manifest_of(p.tensors, rows=p.rows, cols=p.cols) for p in parts])
+    assert set(shared) == {n for n in state if split_dim(n) is None}
+    assert "model.layers.0.self_attn.k_proj.weight" in shared  # (GQA: ranks may share KV)
+    check_parts_fit([manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=4)
+                     for p in parts])
+    with pytest.raises(ValueError, match="4 tiles make 5 parts, not 4"):
+        check_parts_fit([manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=4)
+                         for p in parts[:4]])
 
 
 def test_columns_that_overlap_do_not_fit():
     w = torch.randn(8, 16)
     a = manifest_of([("w", w[:, :10].contiguous())], cols={"w": (0, 16)})
     b = manifest_of([("w", w[:, 8:].contiguous())], cols={"w": (8, 16)})
-    with pytest.raises(ValueError, match="columns 10..8 overlap"):
+    with pytest.raises(ValueError, match=r"columns 10\.\.8 overlap"):
         check_parts_fit([a, b])
 
 
@@ -69,13 +74,19 @@ def test_a_node_loads_its_ranks_tiles_and_the_shared_part():
     assert node_parts([2, 3], tp=4, tiles=8) == {4, 5, 6, 7, 8}
     with pytest.raises(ValueError, match="do not split over TP=3"):
         node_parts([0], tp=3, tiles=8)
+    share = node_share([1], tp=2)
+    assert share(9, 8) == {4, 5, 6, 7, 8}
+    assert share(3, None) == {0, 1, 2}  # (a version not in tiles: every part)
 
 
-def test_row_parallel_weights_are_named_as_the_engines_name_them():
-    assert is_row_parallel("model.layers.3.self_attn.o_proj.weight")
-    assert is_row_parallel("model.layers.3.mlp.down_proj.weight")
-    assert not is_row_parallel("model.layers.3.mlp.up_proj.weight")
-    assert not is_row_parallel("model.layers.3.self_attn.o_proj.bias")
+def test_linear_weights_are_tiled_on_the_dim_tensor_parallelism_splits():
+    assert split_dim("model.layers.3.self_attn.q_proj.weight") == 0
+    assert split_dim("model.layers.3.mlp.up_proj.weight") == 0
+    assert split_dim("model.layers.3.self_attn.o_proj.weight") == 1
+    assert split_dim("model.layers.3.mlp.down_proj.weight") == 1
+    for whole in ("model.layers.3.self_attn.o_proj.bias", "model.layers.3.self_attn.v_proj.weight",
+                  "model.embed_tokens.weight", "lm_head.weight"):
+        assert split_dim(whole) is None
 
 
 @pytest.mark.slow
@@ -83,7 +94,7 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
     """TP=2 over two nodes, 4 tiles: each node pulls its rank's two tiles and the norms,
     about half the model, and holds the trainer's bytes in its rank's rows and columns; a
     reader of every part gets every tensor back whole; all of them follow a second version."""
-    share = {rank: (lambda parts, r=rank: node_parts([r], 2, parts - 1)) for rank in (0, 1)}
+    share = {rank: node_share([rank], 2) for rank in (0, 1)}
     with TiledPublisher(coordinator.address, "policy", tiles=4, transport="auto") as trainer, \
             PartedReplica(coordinator.address, "policy", name="node0", transport="auto",
                           share=share[0]) as node0, \
@@ -99,14 +110,15 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
             got = whole.tensors
             assert got.keys() == state.keys()
             assert all(torch.equal(got[n], state[n]) for n in state)
+            whole_bytes = nbytes({n: t for n, t in state.items() if split_dim(n) is None})
             for rank, node in enumerate((node0, node1)):
                 pulled = sum(r.last_pull.nbytes for r in node.replicas if r.last_pull)
-                assert 0.5 * nbytes(state) <= pulled <= 0.51 * nbytes(state), pulled
+                assert pulled == (nbytes(state) - whole_bytes) // 2 + whole_bytes
                 tensors = node.tensors
                 assert tensors.keys() == state.keys()
                 for name, t in state.items():
-                    dim = 1 if is_row_parallel(name) else 0
-                    if t.dim() == 1:
+                    dim = split_dim(name)
+                    if dim is None:
                         assert torch.equal(tensors[name], t)
                         continue
                     half = t.shape[dim] // 2

@@ -64,6 +64,11 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
     it exactly (one dim, same dtype and other dims; [0, total) with no gap or overlap)."""
     whole: dict[str, int] = {}
     sliced: dict[str, list[tuple[int, int, int, int, int, str, tuple[int, ...]]]] = {}
+    if len({m.tiles for m in manifests}) > 1:
+        raise ValueError(f"the parts disagree on the tiles: {[m.tiles for m in manifests]}")
+    if manifests[0].tiles is not None and len(manifests) != manifests[0].tiles + 1:
+        raise ValueError(f"{manifests[0].tiles} tiles make {manifests[0].tiles + 1} parts, "
+                         f"not {len(manifests)}")
     for r, manifest in enumerate(manifests):
         if manifest.compact_threshold != manifests[0].compact_threshold:
             raise ValueError(f"part {r} compacts below {manifest.compact_threshold} bytes, "

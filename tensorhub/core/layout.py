@@ -45,10 +45,12 @@ def manifest_of(
     compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
     rows: Mapping[str, tuple[int, int]] | None = None,
     cols: Mapping[str, tuple[int, int]] | None = None,
+    tiles: int | None = None,
 ) -> Manifest:
     """`rows`: name -> (first row, total rows) for a tensor that is a row slice of a larger
     one (a part of a sharded version, `Publisher(parts=...)`); `cols`: the same for a 2-D
-    tensor that is a column slice (a tile, `tensorhub/tiles.py`)."""
+    tensor that is a column slice; `tiles`: the part is one of a version in tiles
+    (`tensorhub/tiles.py`)."""
     specs = []
     seen: set[str] = set()
     named_tensors = list(named_tensors)
@@ -72,7 +74,7 @@ def manifest_of(
                                     nbytes=t.numel() * t.element_size(), **pieces))
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
-    return Manifest(tensors=specs, compact_threshold=compact_threshold)
+    return Manifest(tensors=specs, compact_threshold=compact_threshold, tiles=tiles)
 
 
 def layout_id(manifest: Manifest) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from tensorhub.core.schema import MAX_DIMS, MAX_TENSORS, DType, Name, Strict
+from tensorhub.core.schema import MAX_DIMS, MAX_PARTS, MAX_TENSORS, DType, Name, Strict
 
 
 class TensorSpec(Strict):
@@ -69,3 +69,6 @@ class Manifest(Strict):
 
     tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
     compact_threshold: Annotated[int, Field(ge=0, lt=2**40)]
+    # A part of a version published in tiles (`tensorhub/tiles.py`): parts 0..tiles-1 are
+    # the tiles, part `tiles` what every rank loads whole.
+    tiles: Annotated[int, Field(ge=1, lt=MAX_PARTS)] | None = None
