@@ -43,8 +43,9 @@ class PartedReplica:
                  share: Callable[[int, int | None], set[int]] | None = None):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`. `share`: given a version's part
-        count and its tiles (`Manifest.tiles`), the parts to pull (None: all); part 0's
-        worker is there either way (it hears the model's announcements)."""
+        count and its tiles (`Manifest.tiles`), the parts to pull (None: all). Until its
+        first pull it runs part 0's worker; then one per part it pulls (the first of them
+        hears the model's announcements)."""
         self.coordinator, self.model = coordinator, model
         self.name = name or default_name("replica")
         self.share = share
@@ -63,8 +64,18 @@ class PartedReplica:
 
     @property
     def replicas(self) -> list[Replica]:
-        """One replica per part this reader pulls (and part 0's), in part order."""
+        """One replica per part this reader pulls, in part order."""
         return [self._parts[k] for k in sorted(self._parts)]
+
+    @property
+    def held_replicas(self) -> list[Replica]:
+        """The replicas of the parts this reader pulls of its version, in part order."""
+        return [self._parts[r] for r in sorted(self._wanted)]
+
+    @property
+    def partial(self) -> bool:
+        """Whether this reader pulls only some of its version's parts (a `share`)."""
+        return len(self._wanted) < self._count
 
     def wanted(self, parts: int, tiles: int | None = None) -> set[int]:
         """The parts of a version of `parts` parts (in `tiles` tiles) this reader pulls."""
@@ -79,7 +90,7 @@ class PartedReplica:
     @property
     def session(self):
         """Part 0's session (the reader's name, its coordinator connection)."""
-        return self.replicas[0].session
+        return self.replicas[0].session  # (the first part it pulls: part 0's, or a share's)
 
     @property
     def nbytes(self) -> int:
@@ -155,9 +166,9 @@ class PartedReplica:
 
     def _pull(self, version: int | str, timeout: float) -> int:
         target, parts, layout_id, tiles = self._describe(version)
-        first = self._parts[0].layout
+        first = self._parts[0].layout if 0 in self._parts else None
         wanted = self.wanted(parts, tiles)
-        if self._count != parts or set(self._parts) != wanted | {0} \
+        if self._count != parts or set(self._parts) != wanted \
                 or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
         self._wanted = wanted
@@ -193,7 +204,7 @@ class PartedReplica:
         # The new workers register before the old ones leave: a trainer deciding whether
         # anyone could keep its version must never see this reader gone for a moment.
         old = self.replicas
-        self._parts = {r: self._replica(r) for r in sorted(wanted | {0})}
+        self._parts = {r: self._replica(r) for r in sorted(wanted)}
         self._count = parts
         for replica in old:
             replica.close()
@@ -230,9 +241,8 @@ class PartedReplica:
         ranks is joined here (a copy); the others are views of the pulled buffers. With a
         `share`, only the tensors and slices its parts hold: a sliced tensor comes whole
         in shape, holding its parts' slices, the rest of it unwritten."""
-        return whole_tensors([self._parts[r].layout for r in sorted(self._wanted)
-                              if self._parts[r].layout is not None],
-                             partial=self.share is not None)
+        return whole_tensors([r.layout for r in self.held_replicas if r.layout is not None],
+                             partial=self.partial)
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -10,6 +10,8 @@ import torch
 
 from tensorhub import PartedReplica
 from tensorhub.coordinator.parts import check_parts_fit
+from tensorhub.core.client import CoordinatorClient
+from tensorhub.core.data_types import HoldingsRequest
 from tensorhub.core.layout import manifest_of
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
 
@@ -125,3 +127,11 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
                     assert tensors[name].shape == t.shape
                     assert torch.equal(tensors[name].narrow(dim, rank * half, half),
                                        t.narrow(dim, rank * half, half)), name
+            # the coordinator counts each node as holding the version: its share
+            client = CoordinatorClient(coordinator.address)
+            try:
+                held = client.call(HoldingsRequest(model="policy",
+                                                   names=["node0", "node1"])).holdings
+            finally:
+                client.close()
+            assert all(version in held[n] for n in ("node0", "node1")), held

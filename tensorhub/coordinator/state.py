@@ -388,18 +388,24 @@ class CoordinatorState:
         return sum(self.holds_every_part(name, vrec) for name in names)
 
     def holds_every_part(self, name: str, vrec: VersionRec) -> bool:
-        """A reader named `name` holds every part of a sharded version, each by the worker
-        it runs for that part (`Part.worker_name`): every live worker of that name (a name
-        is its worker's choice, see `holdings.holdings`)."""
+        """A reader named `name` holds every part of a sharded version it pulls, each by
+        the worker it runs for that part (`Part.worker_name`): every live worker of that
+        name (a name is its worker's choice, see `holdings.holdings`). A part no live
+        worker of its name runs is one the reader does not pull (a node's share of a
+        version in tiles, `tensorhub/tiles.py`); it must hold one part at least."""
+        held = 0
         for r, layout in enumerate(vrec.part_layouts()):
             part_name = Part.worker_name(name, r)
+            if not self.table.named[part_name]:
+                continue
             workers = self.table.workers
             holding = sum(1 for h in layout.holders.values() if not h.withdrawn
                           and (w := workers.get(h.worker_id)) is not None
                           and w.name == part_name) if layout is not None else 0
             if not holding or holding != self.table.named[part_name]:
                 return False
-        return True
+            held += 1
+        return held > 0
 
     def abort(self, key: tuple[str, int], reason: str) -> None:
         if self.pending.abort(key, reason) is not None:
