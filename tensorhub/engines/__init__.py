@@ -26,6 +26,7 @@ from tensorhub.engines.weights_check import (
     from_checkpoint,
     tied_optional,
 )
+from tensorhub.tiles import node_share
 
 __all__ = [
     "REFUSED",
@@ -57,6 +58,7 @@ __all__ = [
     "layout_labels",
     "load_settings",
     "node_of",
+    "node_share",
     "one_copy_per_engine",
     "outcome_in",
     "refusal_in",

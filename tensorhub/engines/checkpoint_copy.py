@@ -34,6 +34,7 @@ from tensorhub.engines.fleet import FleetView
 from tensorhub.engines.outcome import InstallFailed
 from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
 from tensorhub.parted import PartedReplica
+from tensorhub.tiles import Share
 
 log = logging.getLogger("tensorhub.engines")
 
@@ -68,8 +69,11 @@ def versions_to_release(holdings: dict[str, list[int]], serving: int | None) -> 
 class CheckpointCopy:
     def __init__(self, coordinator: str, model: str, name: str, *,
                  transport: str | None = None, follow: bool = True,
-                 pull_timeout: float = 120.0):
-        self.replica = PartedReplica(coordinator, model, name=name, transport=transport)
+                 pull_timeout: float = 120.0, share: Share | None = None):
+        """`share`: the parts of each version the copy pulls (`PartedReplica`): a node's
+        copy pulls its ranks' tiles of a version in tiles (`tiles.node_share`)."""
+        self.replica = PartedReplica(coordinator, model, name=name, transport=transport,
+                                     share=share)
         self.pull_timeout = pull_timeout
         self.applied: int | None = None
         self.refused: int | None = None  # the last version the engine's ranks turned down

@@ -56,6 +56,7 @@ class SharedCopy(Strict):
     pid: int = Field(ge=1)
     version: Version
     parts: list[SharedPart] = Field(max_length=MAX_PARTS)
+    partial: bool = False  # only the node's share of a version in tiles (`tensorhub/tiles.py`)
 
 
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
@@ -145,7 +146,7 @@ def describe(replica: PartedReplica) -> bytes:
     """Where `replica`'s copy lies, for the other ranks (raises if it is not in shared
     memory: then the ranks cannot share it)."""
     parts = []
-    for r in replica.replicas:
+    for r in replica.held_replicas:
         first = r.layout.item_bytes[0]
         regions = regions_of([first])
         if not regions:
@@ -154,7 +155,8 @@ def describe(replica: PartedReplica) -> bytes:
         region = regions[0]
         parts.append(SharedPart(manifest=r.layout.manifest, region=region,
                                 offset=first.data_ptr() - region.addr))
-    return encode(SharedCopy(pid=os.getpid(), version=replica.version, parts=parts))
+    return encode(SharedCopy(pid=os.getpid(), version=replica.version, parts=parts,
+                             partial=replica.partial))
 
 
 class SharedCopyReader:
@@ -177,7 +179,7 @@ class SharedCopyReader:
             arena = view[part.offset:part.offset + arena_bytes(part.manifest)]
             layouts.append(BoundLayout.over(part.manifest, arena))
         self._maps = wanted  # buffers the holder no longer uses are unmapped
-        return list(whole_tensors(layouts).items())
+        return list(whole_tensors(layouts, partial=copy.partial).items())
 
     def forget(self) -> None:
         """Unmap the node's copy (it may free it: the memory goes back once no rank maps it)."""

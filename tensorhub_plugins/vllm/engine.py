@@ -38,6 +38,7 @@ from tensorhub.engines import (
     checkpoint_tensors,
     from_checkpoint,
     node_of,
+    node_share,
     outcome_in,
     restore_after,
     tied_optional,
@@ -103,6 +104,19 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             return get_tp_group()
         return get_world_group() if pc.data_parallel_size == 1 else None
 
+    def _share(self):
+        """What this rank's copy pulls of a version in tiles: the tiles of the TP ranks
+        that load from it (its node's, with one copy per node; else its own). None: every
+        part (one rank, or pipeline stages)."""
+        pc = self.parallel_config
+        if pc.world_size == 1 or pc.pipeline_parallel_size != 1:
+            return None
+        group = self._group()
+        tp = len(group.ranks)
+        ranks = node_of(group.rank_in_group, tp, engine_nodes(pc)) if self.one_copy \
+            else [group.rank_in_group]
+        return node_share(ranks, tp)
+
     def _rank_votes(self) -> RankVote:
         if self._votes is None:
             import torch.distributed as dist
@@ -147,7 +161,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             self.checkpoint = CheckpointCopy(
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
-                pull_timeout=init_info.pull_timeout)
+                pull_timeout=init_info.pull_timeout, share=self._share())
             self.checkpoint.loadable = self._loadable()
             if self.parallel_config.world_size == 1 and self.device.type == "cpu" \
                     and fp8_install.only_per_channel(self.model):
