@@ -54,6 +54,7 @@ from tensorhub.engines import (
     from_checkpoint,
     load_settings,
     node_of,
+    node_share,
     one_copy_per_engine,
     restore_after,
     tied_optional,
@@ -230,8 +231,17 @@ class Scheduler:
             self.checkpoint = CheckpointCopy(
                 s.coordinator, s.model, self.name, transport=s.transport,
                 follow=s.mode == "follow" and s.checkpoint_copy != "never",
-                pull_timeout=s.update_timeout)
+                pull_timeout=s.update_timeout, share=self._share())
         return self.checkpoint
+
+    def _share(self):
+        """What this rank's copy pulls of a version in tiles: the tiles of the TP ranks
+        that load from it (its node's, with one copy per node; else its own)."""
+        tp = _tp_size()
+        if tp == 1:
+            return None
+        ranks = node_of(self.rank, tp, self.nodes) if self.one_copy else [self.rank]
+        return node_share(ranks, tp)
 
     def _drop_copy(self) -> None:
         """Free the checkpoint copy: withdraw what it holds (its reads end first), then
