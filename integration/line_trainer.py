@@ -3,7 +3,8 @@
     python -m integration.line_trainer COORDINATOR   # then one model folder per stdin line
 
 For each line (a folder of safetensors files) it publishes the folder's tensors as the next
-version of `policy` and prints `{"version": N}`; it keeps serving what it published until
+version of `policy` and prints `{"version": N}`; a line `FOLDER tiles T` publishes it in T
+tiles (`tensorhub/tiles.py`). It keeps serving what it published until
 its stdin closes or it is stopped. Tests whose trainer must run on another host than the
 test (its network is the host's) drive it through `ChildProcess.send_line`.
 """
@@ -18,17 +19,30 @@ import sys
 from safetensors.torch import load_file
 
 from tensorhub import Publisher
+from tensorhub.tiles import TiledPublisher
 
 
 def main() -> None:
     pub = Publisher(sys.argv[1], "policy", name="trainer")
+    tiled: dict[int, TiledPublisher] = {}
     try:
         for line in sys.stdin:
+            folder, _, tiles = line.strip().partition(" tiles ")
             state = {}
-            for path in sorted(glob.glob(os.path.join(line.strip(), "*.safetensors"))):
+            for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
                 state.update(load_file(path))
-            print(json.dumps({"version": pub.publish(state)}), flush=True)
+            if tiles:
+                if int(tiles) not in tiled:  # (the model's part 0 is bound to `pub`)
+                    tiled[int(tiles)] = TiledPublisher(sys.argv[1], "policy", int(tiles),
+                                                       name=f"trainer-t{tiles}",
+                                                       owners=pub.owners)
+                version = tiled[int(tiles)].publish(state)
+            else:
+                version = pub.publish(state)
+            print(json.dumps({"version": version}), flush=True)
     finally:
+        for t in tiled.values():
+            t.close()
         pub.close()
 
 

@@ -2,8 +2,9 @@
 multi-node serving (`--nnodes 2 --node-rank R --dist-init-addr`), the TensorHub plugin on
 both: only node 0 drives, node 1's rank reports to it through the engine's store, and the
 engine joins late at v1 and follows v2 and v3 (confirmed by every rank) with greedy tokens
-equal to HF's, pulling one copy per node per version, and a version its model cannot load
-is refused by both nodes before either touches its weights."""
+equal to HF's, pulling one copy per node per version, a version its model cannot load is
+refused by both nodes before either touches its weights, and a version in tiles is pulled
+by each node as its rank's share."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from integration.test_sglang import LOADER, sglang_env, wait_sglang
 from integration.test_vllm import _bad_versions
 from integration.tp_fleet import TOKENS
 from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
+from tensorhub.tiles import tile
 from tensorhub_testing.cluster import available
 from tensorhub_testing.waits import wait_for
 
@@ -106,3 +108,21 @@ def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engin
     assert status["serving_version"] == VERSIONS
     assert [r["applied"] for r in status["ranks"]] == [VERSIONS] * 2, status["ranks"]
     assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]
+
+
+def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
+    """The trainer publishes versions in two tiles (`tensorhub/tiles.py`): each node's copy
+    pulls its rank's tile and the part every rank loads whole, not the whole model, and
+    the engine serves each (confirmed by both ranks) with HF's tokens."""
+    engine = nodes_engine.engine
+    name = engine.tensorhub_status()["name"]
+    for state_of in (2, 3):
+        state = nodes_engine.versions.state(state_of)
+        parts = [model_bytes(dict(p.tensors)) for p in tile(state.items(), 2)]
+        version = nodes_engine.publish_tiled(state_of, tiles=2)
+        confirmed(nodes_engine, version)
+        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[state_of - 1]
+        nbytes, readers = pulled(nodes_engine.fleet.status(), version, name)
+        print(f"SGLang TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
+              f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
+        assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)

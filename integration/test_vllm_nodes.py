@@ -1,8 +1,9 @@
 """vLLM at TP=2 with one rank on each of two emulated hosts, started as vLLM documents
 multi-node serving (`--nnodes 2 --node-rank R --master-addr` with the `mp` executor,
 `--headless` on node 1), the TensorHub plugin on both: it joins late at v1 and follows v2
-and v3 with greedy tokens equal to HF's, pulling one copy per node per version, and a
-version its model cannot load is refused by both nodes before either touches its weights."""
+and v3 with greedy tokens equal to HF's, pulling one copy per node per version, a version
+its model cannot load is refused by both nodes before either touches its weights, and a
+version in tiles is pulled by each node as its rank's share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env
 from integration.tp_fleet import TOKENS
 from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
 from integration.vllm_server import VLLMServer
+from tensorhub.tiles import tile
 from tensorhub_testing.cluster import available
 from tensorhub_testing.waits import wait_for
 
@@ -90,3 +92,21 @@ def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engin
     assert tensor in status["unloadable"]["reason"], status["unloadable"]
     assert status["serving_version"] == VERSIONS
     assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]
+
+
+def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
+    """The trainer publishes versions in two tiles (`tensorhub/tiles.py`): each node's copy
+    pulls its rank's tile and the part every rank loads whole, not the whole model, and
+    the engine serves each with HF's tokens."""
+    engine = nodes_engine.engine
+    prefix = engine.tensorhub_status()["workers"][0].rsplit("-rank", 1)[0]
+    for state_of in (2, 3):
+        state = nodes_engine.versions.state(state_of)
+        parts = [model_bytes(dict(p.tensors)) for p in tile(state.items(), 2)]
+        version = nodes_engine.publish_tiled(state_of, tiles=2)
+        engine.wait_serving(version)
+        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[state_of - 1]
+        nbytes, readers = pulled(nodes_engine.fleet.status(), version, prefix)
+        print(f"vLLM TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
+              f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
+        assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)

@@ -69,6 +69,12 @@ def engine_on_two_hosts(root: Path, launch: Launch,
             trainer.send_line(str(folder))
             return int(trainer.next_json(120)["version"])
 
+        def publish_tiled(version: int, tiles: int) -> int:
+            """Publish the state of `version` again, in `tiles` tiles, as the next version;
+            its number."""
+            trainer.send_line(f"{folders[version - 1]} tiles {tiles}")
+            return int(trainer.next_json(120)["version"])
+
         try:
             publish(1)
             engines = launch(versions.dir, fleet.address, node0, node1)
@@ -76,7 +82,8 @@ def engine_on_two_hosts(root: Path, launch: Launch,
             assert all(e.alive() for e in engines), engines[1].log_tail()
             yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected,
                                   engine=engines[0], other=engines[1], fleet=fleet,
-                                  publish=publish, publish_state=publish_state)
+                                  publish=publish, publish_state=publish_state,
+                                  publish_tiled=publish_tiled)
         finally:
             for engine in reversed(engines):
                 engine.stop(timeout=5)  # (a headless vLLM node ignores SIGTERM for long)
