@@ -1,0 +1,94 @@
+"""Bytes per node: what an engine spanning nodes pulls of a version in tiles, for real
+models' shapes, against one copy per node and a copy per rank.
+
+An engine of TP = 8N ranks on N nodes of 8 (vLLM and SGLang place an engine's ranks on
+its nodes in consecutive blocks). Each version is laid out by `tensorhub.tiles.tile` in TP
+tiles (the real code, on tensors of the models' shapes on the meta device: no memory), and
+each node pulls the parts `tensorhub.tiles.node_parts` gives its ranks: its tiles of the
+q/gate/up (rows) and o/down (columns) projections, and the part every rank loads whole
+(norms, biases, K/V projections, embeddings and LM head). The figures are computed, not
+timed: bytes of the parts each node pulls, summed over the engine's nodes, / the model's
+bytes. The engine tests across two emulated hosts (`integration/test_*_nodes.py`) check
+the same sums against the bytes the coordinator saw pulled.
+
+Run: python -m bench.node_shares
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.results import Report
+from tensorhub.tiles import node_parts, tile
+
+# config.json values: hidden, intermediate, heads, KV heads, head dim, vocab, layers,
+# q/k/v biases, tied embeddings.
+MODELS = {
+    "Llama-3.1-8B": (4096, 14336, 32, 8, 128, 128256, 32, False, False),
+    "Llama-3.1-70B": (8192, 28672, 64, 8, 128, 128256, 80, False, False),
+    "Qwen2-72B": (8192, 29568, 64, 8, 128, 152064, 80, True, False),
+    "Llama-3.1-405B": (16384, 53248, 128, 8, 128, 128256, 126, False, False),
+}
+RANKS_PER_NODE = 8
+
+
+def meta_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int,
+               layers: int, bias: bool, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """A Llama/Qwen2 state dict's names and shapes (bf16, on the meta device)."""
+    def t(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    named = [("model.embed_tokens.weight", t(vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        named += [(f"{p}.self_attn.q_proj.weight", t(heads * head_dim, hidden)),
+                  (f"{p}.self_attn.k_proj.weight", t(kv * head_dim, hidden)),
+                  (f"{p}.self_attn.v_proj.weight", t(kv * head_dim, hidden)),
+                  (f"{p}.self_attn.o_proj.weight", t(hidden, heads * head_dim)),
+                  (f"{p}.mlp.gate_proj.weight", t(inter, hidden)),
+                  (f"{p}.mlp.up_proj.weight", t(inter, hidden)),
+                  (f"{p}.mlp.down_proj.weight", t(hidden, inter)),
+                  (f"{p}.input_layernorm.weight", t(hidden)),
+                  (f"{p}.post_attention_layernorm.weight", t(hidden))]
+        if bias:
+            named += [(f"{p}.self_attn.{x}_proj.bias", t(n)) for x, n in
+                      (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim))]
+    named.append(("model.norm.weight", t(hidden)))
+    if not tied:
+        named.append(("lm_head.weight", t(vocab, hidden)))
+    return named
+
+
+def nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(x.numel() * x.element_size() for _, x in named)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", default="2,4,8", help="nodes per engine, comma-separated")
+    args = p.parse_args(argv)
+    report = Report("node_shares")
+    for model, config in MODELS.items():
+        named = meta_state(*config)
+        total = nbytes(named)
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            tp = RANKS_PER_NODE * nodes
+            parts = [nbytes(part.tensors) for part in tile(named, tp)]
+            per_node = [sum(parts[k] for k in node_parts(
+                range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), tp, tp))
+                for n in range(nodes)]
+            label = f"{model} ({total / 2**30:.0f} GiB bf16), TP={tp} on {nodes} nodes"
+            report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,
+                       "x", "one copy per node", nodes, higher_is_better=False)
+            report.add(f"{label}: bytes a node pulls / its 1/{nodes} of the model",
+                       max(per_node) / (total / nodes), "x", "a copy per rank", tp,
+                       higher_is_better=False)
+    report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
