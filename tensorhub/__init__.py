@@ -3,8 +3,8 @@
 The coordinator stores no weights, only references to which workers hold which immutable
 version; workers pull a version one-sided from peers that hold it and then serve it on.
 
-`Publisher`, `Replica` and `PartedReplica` are imported when first used: a process that
-only asks the coordinator (`tensorhub status`) does not load torch.
+`Publisher`, `TiledPublisher`, `Replica` and `PartedReplica` are imported when first used:
+a process that only asks the coordinator (`tensorhub status`) does not load torch.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from tensorhub.parted import PartedReplica
     from tensorhub.publisher import Publisher
     from tensorhub.replica import Replica
+    from tensorhub.tiles import TiledPublisher
 
 _LAZY = {"PartedReplica": "tensorhub.parted", "Publisher": "tensorhub.publisher",
-         "Replica": "tensorhub.replica"}
+         "Replica": "tensorhub.replica", "TiledPublisher": "tensorhub.tiles"}
 
 
 def __getattr__(name: str):
@@ -50,5 +51,6 @@ __all__ = [
     "Publisher",
     "Replica",
     "TensorHubError",
+    "TiledPublisher",
     "TransferError",
 ]
