@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,9 @@ from tensorhub.core.layout import BoundLayout
 from tensorhub.core.session import default_name
 from tensorhub.replica import Replica
 
+if TYPE_CHECKING:
+    from tensorhub.tiles import Share
+
 log = logging.getLogger("tensorhub.parted")
 
 
@@ -40,7 +43,7 @@ class PartedReplica:
                  transport: str | None = None, token: str | None = None,
                  timeout: float = 10.0, labels: dict[str, str] | None = None,
                  whole_items: bool = False,
-                 share: Callable[[int, int | None], set[int]] | None = None):
+                 share: Share | None = None):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`. `share`: given a version's part
         count and its tiles (`Manifest.tiles`), the parts to pull (None: all). Until its
@@ -53,7 +56,6 @@ class PartedReplica:
                     "labels": labels, "whole_items": whole_items}
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
-        self._wanted = {0}  # the parts pulled of the version we pull or hold
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
         self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
@@ -68,14 +70,9 @@ class PartedReplica:
         return [self._parts[k] for k in sorted(self._parts)]
 
     @property
-    def held_replicas(self) -> list[Replica]:
-        """The replicas of the parts this reader pulls of its version, in part order."""
-        return [self._parts[r] for r in sorted(self._wanted)]
-
-    @property
     def partial(self) -> bool:
         """Whether this reader pulls only some of its version's parts (a `share`)."""
-        return len(self._wanted) < self._count
+        return len(self._parts) < self._count
 
     def wanted(self, parts: int, tiles: int | None = None) -> set[int]:
         """The parts of a version of `parts` parts (in `tiles` tiles) this reader pulls."""
@@ -89,8 +86,9 @@ class PartedReplica:
 
     @property
     def session(self):
-        """Part 0's session (the reader's name, its coordinator connection)."""
-        return self.replicas[0].session  # (the first part it pulls: part 0's, or a share's)
+        """The session of the first part it pulls (part 0's, unless its share has not
+        part 0): the reader's coordinator connection."""
+        return self.replicas[0].session
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +169,6 @@ class PartedReplica:
         if self._count != parts or set(self._parts) != wanted \
                 or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
-        self._wanted = wanted
         for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:
@@ -204,8 +201,16 @@ class PartedReplica:
         # The new workers register before the old ones leave: a trainer deciding whether
         # anyone could keep its version must never see this reader gone for a moment.
         old = self.replicas
-        self._parts = {r: self._replica(r) for r in sorted(wanted)}
-        self._count = parts
+        self.version = None  # (its buffers go with the old workers)
+        fresh: dict[int, Replica] = {}
+        try:
+            for r in sorted(wanted):
+                fresh[r] = self._replica(r)
+        except BaseException:
+            for replica in fresh.values():
+                replica.close()
+            raise
+        self._parts, self._count = fresh, parts
         for replica in old:
             replica.close()
 
@@ -241,7 +246,7 @@ class PartedReplica:
         ranks is joined here (a copy); the others are views of the pulled buffers. With a
         `share`, only the tensors and slices its parts hold: a sliced tensor comes whole
         in shape, holding its parts' slices, the rest of it unwritten."""
-        return whole_tensors([r.layout for r in self.held_replicas if r.layout is not None],
+        return whole_tensors([r.layout for r in self.replicas if r.layout is not None],
                              partial=self.partial)
 
     def close(self) -> None:
@@ -260,7 +265,8 @@ def whole_tensors(layouts: list[BoundLayout], partial: bool = False
     """The tensors of a version's parts, by name; slices of one tensor (rows, or a tile's
     columns) joined (a copy), the others as they are (views of the parts' buffers). A
     tensor whose slices do not cover it raises `LayoutError`, unless `partial`: then it
-    comes whole in shape with its slices written and the rest left as allocated."""
+    comes whole in shape with its slices written and the rest NaN (0 for integers), so that
+    an engine that loads rows outside its share serves garbage loudly, not stale memory."""
     whole: dict[str, torch.Tensor] = {}
     slices: dict[str, list[tuple[int, TensorSpec, torch.Tensor]]] = {}
     for layout in layouts:
@@ -275,7 +281,10 @@ def whole_tensors(layouts: list[BoundLayout], partial: bool = False
         if sum(t.shape[dim] for _, _, t in pieces) == total:
             whole[name] = torch.cat([t for _, _, t in pieces], dim=dim)
         elif partial:
-            out = torch.empty(pieces[0][1].whole_shape, dtype=pieces[0][2].dtype)
+            first = pieces[0][2]
+            out = torch.full(pieces[0][1].whole_shape,
+                             float("nan") if first.dtype.is_floating_point else 0,
+                             dtype=first.dtype, device=first.device)
             for start, _, t in pieces:
                 out.narrow(dim, start, t.shape[dim]).copy_(t)
             whole[name] = out

@@ -159,6 +159,10 @@ class Publisher:
             out[self._held_patches.model] = self._held_patches.newest
         return out
 
+    def latest(self) -> int:
+        """The model's newest version on the coordinator (0: none yet)."""
+        return self._latest()
+
     def _latest(self, patient: bool = True) -> int:
         request = GetManifest(model=self.model)
         try:

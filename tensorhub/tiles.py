@@ -28,12 +28,15 @@ import torch
 
 from tensorhub.publisher import Publisher
 
-# The linear layers tiled, by the dim tensor parallelism splits them on (Llama, Qwen,
-# Mistral names): column-parallel by output rows, row-parallel by input columns. K and V
-# projections stay whole: under GQA a rank may load another rank's KV heads. Embeddings and
-# the LM head stay whole too: engines pad the vocabulary before they split it.
-TILED = {0: re.compile(r"\.(q_proj|gate_proj|up_proj)\.weight$"),
-         1: re.compile(r"\.(o_proj|down_proj)\.weight$")}
+# The linear layers tiled, by the dim tensor parallelism splits them on: a language model's
+# decoder layers (Llama, Qwen, Mistral names), column-parallel by output rows, row-parallel
+# by input columns. K and V projections stay whole: under GQA a rank may load another
+# rank's KV heads. Embeddings and the LM head stay whole too: engines pad the vocabulary
+# before they split it. So do experts (expert parallelism places them otherwise) and vision
+# towers (engines may run them data-parallel): their names do not match.
+_DECODER = r"^(model\.|model\.language_model\.|language_model\.model\.)layers\.\d+\."
+TILED = {0: re.compile(_DECODER + r"(self_attn\.q_proj|mlp\.gate_proj|mlp\.up_proj)\.weight$"),
+         1: re.compile(_DECODER + r"(self_attn\.o_proj|mlp\.down_proj)\.weight$")}
 
 Share = Callable[[int, "int | None"], set[int]]
 
@@ -44,10 +47,6 @@ def split_dim(name: str) -> int | None:
         if pattern.search(name):
             return dim
     return None
-
-
-def is_row_parallel(name: str) -> bool:
-    return split_dim(name) == 1
 
 
 @dataclass
@@ -137,7 +136,7 @@ class TiledPublisher:
         part is in. Raises what the first part that failed raised."""
         items = list(named.items()) if isinstance(named, dict) else list(named)
         if version is None:
-            version = max(self.parts[0]._latest(), self.version or 0) + 1
+            version = max(self.parts[0].latest(), self.version or 0) + 1
         pieces = tile(items, self.tiles, self.split)
         with ThreadPoolExecutor(len(self.parts)) as pool:
             futures = [pool.submit(p.publish, piece.tensors, version, rows=piece.rows,

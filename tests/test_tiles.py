@@ -8,11 +8,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub import PartedReplica
+from tensorhub import PartedReplica, Publisher
+from tensorhub.coordinator import dispatch
 from tensorhub.coordinator.parts import check_parts_fit
+from tensorhub.coordinator.server import CoordinatorConfig
+from tensorhub.coordinator.state import CoordinatorState
 from tensorhub.core.client import CoordinatorClient
-from tensorhub.core.data_types import HoldingsRequest
-from tensorhub.core.layout import manifest_of
+from tensorhub.core.data_types import (
+    Endpoint,
+    Hold,
+    HoldingsRequest,
+    MemoryDesc,
+    Publish,
+    Register,
+)
+from tensorhub.core.errors import LayoutError
+from tensorhub.core.layout import BoundLayout, layout_id, manifest_of
+from tensorhub.core.transport import grants
+from tensorhub.parted import whole_tensors
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
 
 HIDDEN, FFN, VOCAB = 256, 512, 1024
@@ -69,6 +82,96 @@ def test_columns_that_overlap_do_not_fit():
     b = manifest_of([("w", w[:, 8:].contiguous())], cols={"w": (8, 16)})
     with pytest.raises(ValueError, match=r"columns 10\.\.8 overlap"):
         check_parts_fit([a, b])
+
+
+def test_tiles_in_the_wrong_parts_do_not_fit():
+    parts = tile(llama_state(0).items(), 2)
+    manifests = [manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=2) for p in parts]
+    with pytest.raises(ValueError, match=r"part 1 holds 0\.\.128 of 256, not tile 1 of 2"):
+        check_parts_fit([manifests[1], manifests[0], manifests[2]])
+    with pytest.raises(ValueError, match="in 2 tiles is published in 3 parts, not 1"):
+        Publish(worker_id="t", model="m", version=1, manifest=manifests[0],
+                checksums=[], memory=[])
+
+
+def test_a_share_comes_whole_in_shape_with_the_rest_nan():
+    w = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    pieces = [manifest_of([("w", w[:, 4:].contiguous())], cols={"w": (4, 8)}),
+              manifest_of([("w", w[:, :4].contiguous())], cols={"w": (0, 8)})]
+    layouts = [BoundLayout.allocate(m) for m in pieces]
+    for layout, t in zip(layouts, (w[:, 4:], w[:, :4]), strict=True):
+        layout.tensors[0].copy_(t)
+    assert torch.equal(whole_tensors(layouts)["w"], w)  # (joined in column order)
+    half = whole_tensors(layouts[:1], partial=True)["w"]
+    assert torch.equal(half[:, 4:], w[:, 4:]) and half[:, :4].isnan().all()
+    with pytest.raises(LayoutError, match="only some of its columns"):
+        whole_tensors(layouts[:1])
+
+
+class Holdings:
+    """A coordinator's state with a two-tile version (3 parts) and an unsharded 2-part
+    one published, and readers that hold parts of them."""
+
+    def __init__(self):
+        self.state = CoordinatorState(CoordinatorConfig())
+        w, norm = torch.zeros(8, 8), torch.zeros(8)
+        tiled = tile([("model.layers.0.self_attn.q_proj.weight", w),
+                      ("model.layers.0.self_attn.o_proj.weight", w),
+                      ("model.norm.weight", norm)], 2)
+        self.manifests = {
+            "tiled": [manifest_of(p.tensors, 0, p.rows, p.cols, tiles=2) for p in tiled],
+            "sharded": [manifest_of([("a", w)], 0), manifest_of([("b", w)], 0)]}
+        for model, manifests in self.manifests.items():
+            for k, m in enumerate(manifests):
+                self.call(Publish(worker_id=self.join(f"{model}-t.part{k}", "trainer"),
+                                  model=model, version=1, part=k, parts=len(manifests),
+                                  manifest=m, checksums=["x"] * len(m.tensors),
+                                  memory=self.memory(m)))
+
+    def call(self, request):
+        return dispatch.HANDLERS[type(request)](self.state, request)
+
+    def join(self, name: str, role: str = "replica") -> str:
+        endpoint = Endpoint(transport="nixl", agent_name=name.replace(".", "-"),
+                            agent_metadata=b"\0")
+        return self.call(Register(name=name, role=role, endpoint=endpoint,
+                                  grant_key=grants.new_key())).worker_id
+
+    @staticmethod
+    def memory(manifest) -> list[MemoryDesc]:
+        return [MemoryDesc(addr=(i + 1) << 20, nbytes=t.nbytes)
+                for i, t in enumerate(manifest.tensors)]
+
+    def hold(self, model: str, name: str, parts: dict[int, bool]) -> None:
+        """Reader `name` runs a worker for each of `parts`; those True hold their part."""
+        manifests = self.manifests[model]
+        for k, holds in parts.items():
+            worker = self.join(name if k == 0 else f"{name}.part{k}")
+            if holds:
+                self.call(Hold(worker_id=worker, model=model, version=1, part=k,
+                               parts=len(manifests), layout_id=layout_id(manifests[k]),
+                               memory=self.memory(manifests[k])))
+
+    def held(self, model: str, name: str) -> bool:
+        return 1 in self.call(HoldingsRequest(model=model, names=[name])).holdings[name]
+
+
+def test_a_reader_holds_a_version_in_tiles_when_it_holds_its_share():
+    h = Holdings()
+    h.hold("tiled", "node1", {1: True, 2: True})
+    h.hold("tiled", "whole-only", {2: True})
+    h.hold("tiled", "pulling", {0: True, 1: False, 2: True})
+    assert h.held("tiled", "node1")
+    assert not h.held("tiled", "whole-only")  # (no tile: not a share)
+    assert not h.held("tiled", "pulling")  # (a tile its worker does not hold yet)
+
+
+def test_a_reader_holds_a_sharded_version_only_with_every_part():
+    h = Holdings()
+    h.hold("sharded", "half", {0: True})
+    h.hold("sharded", "both", {0: True, 1: True})
+    assert not h.held("sharded", "half")
+    assert h.held("sharded", "both")
 
 
 def test_a_node_loads_its_ranks_tiles_and_the_shared_part():
@@ -135,3 +238,31 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
             finally:
                 client.close()
             assert all(version in held[n] for n in ("node0", "node1")), held
+
+
+@pytest.mark.slow
+def test_a_node_follows_versions_in_tiles_and_whole_ones_in_turn(coordinator):
+    """Its share of a version in tiles, every part of a version published whole, then its
+    share again: each time the trainer's bytes wherever its rank loads."""
+    with TiledPublisher(coordinator.address, "policy", tiles=2, transport="auto") as tiled, \
+            PartedReplica(coordinator.address, "policy", name="node1", transport="auto",
+                          share=node_share([1], 2)) as node:
+        assert tiled.publish(llama_state(1)) == 1
+        plain = Publisher(coordinator.address, "policy", name="plain", transport="auto",
+                          owners=tiled.parts[0].owners)  # (part 0 is bound to tile 0's)
+        try:
+            for version, publisher in ((1, tiled), (2, plain), (3, tiled)):
+                state = llama_state(version)
+                if version > 1:
+                    assert publisher.publish(state) == version
+                assert node.pull(version, timeout=60) == version
+                assert node.partial == (publisher is tiled)
+                tensors = node.tensors
+                for name, t in state.items():
+                    dim = split_dim(name) if publisher is tiled else None
+                    mine = t if dim is None else t.narrow(dim, t.shape[dim] // 2, t.shape[dim] // 2)
+                    got = tensors[name] if dim is None else \
+                        tensors[name].narrow(dim, t.shape[dim] // 2, t.shape[dim] // 2)
+                    assert torch.equal(got, mine), (version, name)
+        finally:
+            plain.close()

@@ -88,8 +88,15 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
                 others = tuple(n for d, n in enumerate(spec.shape) if d != dim)
                 sliced.setdefault(spec.name, []).append(
                     (start, stop, total, r, dim, spec.dtype, others))
+    tiles = manifests[0].tiles
     for name, slices in sliced.items():
         slices.sort()
+        if tiles is not None:  # (a node pulls tile k from part k: `tiles.node_parts`)
+            for start, stop, total, r, *_ in slices:
+                if r == tiles or (start, stop) != (r * total // tiles,
+                                                   (r + 1) * total // tiles):
+                    raise ValueError(f"tensor {name!r}: part {r} holds {start}..{stop} of "
+                                     f"{total}, not tile {r} of {tiles}")
         kinds = {(s[2], s[4], s[5], s[6]) for s in slices}
         if len(kinds) > 1:
             raise ValueError(f"tensor {name!r}: its slices disagree on the dim sliced, its "

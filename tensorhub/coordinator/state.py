@@ -377,27 +377,34 @@ class CoordinatorState:
         return complete == {worker_id}
 
     def complete_holders(self, vrec: VersionRec) -> int:
-        """Workers holding the version completely: every part, for a sharded one (by the
-        name each part's worker has, `Part.worker_name`)."""
+        """Readers holding the version completely: every part, for a sharded one (by the
+        name each part's worker has, `Part.worker_name`), or their share of a version in
+        tiles (`holds_every_part`)."""
         if vrec.parts is None:
             return len({h.worker_id for layout in vrec.layouts.values()
                         for h in layout.holders.values() if not h.withdrawn})
-        first = vrec.part_layouts()[0]
-        names = {w.name for h in (first.holders.values() if first is not None else ())
-                 if not h.withdrawn and (w := self.table.workers.get(h.worker_id))}
+        names = set()
+        for r, layout in enumerate(vrec.part_layouts()):
+            suffix = Part.worker_name("", r)
+            for h in layout.holders.values() if layout is not None else ():
+                w = self.table.workers.get(h.worker_id)
+                if not h.withdrawn and w is not None and w.name.endswith(suffix):
+                    names.add(w.name[:len(w.name) - len(suffix)])
         return sum(self.holds_every_part(name, vrec) for name in names)
 
     def holds_every_part(self, name: str, vrec: VersionRec) -> bool:
-        """A reader named `name` holds every part of a sharded version it pulls, each by
-        the worker it runs for that part (`Part.worker_name`): every live worker of that
-        name (a name is its worker's choice, see `holdings.holdings`). A part no live
-        worker of its name runs is one the reader does not pull (a node's share of a
-        version in tiles, `tensorhub/tiles.py`); it must hold one part at least."""
+        """A reader named `name` holds every part of a sharded version, each by the worker
+        it runs for that part (`Part.worker_name`): every live worker of that name (a name
+        is its worker's choice, see `holdings.holdings`). Of a version in tiles
+        (`tensorhub/tiles.py`) it holds its share: the part every rank loads whole, and
+        each tile a live worker of its name runs for (one at least)."""
+        layouts = vrec.part_layouts()
+        tiles = next((lr.manifest.tiles for lr in layouts if lr is not None), None)
         held = 0
-        for r, layout in enumerate(vrec.part_layouts()):
+        for r, layout in enumerate(layouts):
             part_name = Part.worker_name(name, r)
-            if not self.table.named[part_name]:
-                continue
+            if tiles is not None and r != tiles and not self.table.named[part_name]:
+                continue  # (a tile outside its share)
             workers = self.table.workers
             holding = sum(1 for h in layout.holders.values() if not h.withdrawn
                           and (w := workers.get(h.worker_id)) is not None
@@ -405,7 +412,7 @@ class CoordinatorState:
             if not holding or holding != self.table.named[part_name]:
                 return False
             held += 1
-        return held > 0
+        return tiles is None or held >= 2
 
     def abort(self, key: tuple[str, int], reason: str) -> None:
         if self.pending.abort(key, reason) is not None:

@@ -142,6 +142,13 @@ class Publish(Part):
     # a model, only a publish that shows it is taken (`coordinator/owners.py`).
     owner: str | None = Field(default=None, max_length=256)
 
+    @model_validator(mode="after")
+    def _tiles_are_parts(self) -> Publish:
+        if self.manifest.tiles is not None and self.parts != self.manifest.tiles + 1:
+            raise ValueError(f"a version in {self.manifest.tiles} tiles is published in "
+                             f"{self.manifest.tiles + 1} parts, not {self.parts}")
+        return self
+
 
 class Hold(Part):
     """A worker holds a complete, verified copy of an existing version (of one part of it,

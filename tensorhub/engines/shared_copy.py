@@ -146,7 +146,7 @@ def describe(replica: PartedReplica) -> bytes:
     """Where `replica`'s copy lies, for the other ranks (raises if it is not in shared
     memory: then the ranks cannot share it)."""
     parts = []
-    for r in replica.held_replicas:
+    for r in replica.replicas:
         first = r.layout.item_bytes[0]
         regions = regions_of([first])
         if not regions:

@@ -79,15 +79,18 @@ class Scheduler:
 
     def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str,
                  votes: RankVote | None = None, reports: Reports | None = None,
-                 nodes: int = 1):
+                 nodes: int = 1, tiled_shares: bool = True):
         """`votes`: the TP ranks' votes, if already made (their rounds must stay in step:
         one per process); `reports`: where this rank reports (default: the status
-        directory of a one-node engine); `nodes`: the nodes the engine's ranks span."""
+        directory of a one-node engine); `nodes`: the nodes the engine's ranks span;
+        `tiled_shares`: whether the copy may pull only its ranks' tiles of a version in
+        tiles (`splits_by_tp`)."""
         self.settings = settings
         self.reports = reports
         self.rank = rank
         self.one_copy = one_copy  # the TP ranks of a node share its lowest rank's copy
         self.nodes = nodes
+        self.tiled_shares = tiled_shares
         self.name = worker_name(instance, rank)  # the checkpoint copy's
         self.native_name = native_worker_name(instance, rank)
         self.native: NativeHolder | None = None
@@ -239,6 +242,11 @@ class Scheduler:
         that load from it (its node's, with one copy per node; else its own)."""
         tp = _tp_size()
         if tp == 1:
+            return None
+        if not self.tiled_shares:
+            log.info("TensorHub: this engine places layers otherwise than by TP rank (DP "
+                     "attention or expert parallelism): its copy pulls every part of a "
+                     "version in tiles")
             return None
         ranks = node_of(self.rank, tp, self.nodes) if self.one_copy else [self.rank]
         return node_share(ranks, tp)
@@ -509,6 +517,20 @@ class Scheduler:
 _scheduler: Scheduler | None = None  # this process's, once SGLang has loaded its model
 
 
+def splits_by_tp() -> bool:
+    """Whether each TP rank loads its 1/TP of the tiled projections (`tensorhub.tiles`):
+    not with attention split over fewer ranks (DP or context-parallel attention) or expert
+    parallelism, which place layers otherwise (SGLang's runtime context, 0.5.23; where it
+    cannot say, no)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return p.attn_tp_size == p.tp_size and p.moe_ep_size == 1
+    except Exception:
+        return False
+
+
 def current() -> Scheduler | None:
     """This scheduler process's TensorHub (None: not configured, or not started yet)."""
     return _scheduler
@@ -605,7 +627,7 @@ def after_load_model(result, runner):
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
                                                 nodes),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
-            nodes=nodes)
+            nodes=nodes, tiled_shares=splits_by_tp())
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,

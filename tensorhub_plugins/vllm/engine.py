@@ -107,9 +107,13 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _share(self):
         """What this rank's copy pulls of a version in tiles: the tiles of the TP ranks
         that load from it (its node's, with one copy per node; else its own). None: every
-        part (one rank, or pipeline stages)."""
+        part (one rank, pipeline stages, expert parallelism)."""
         pc = self.parallel_config
         if pc.world_size == 1 or pc.pipeline_parallel_size != 1:
+            return None
+        if getattr(pc, "enable_expert_parallel", False):
+            log.info("TensorHub: expert parallelism places layers otherwise than by TP "
+                     "rank: this copy pulls every part of a version in tiles")
             return None
         group = self._group()
         tp = len(group.ranks)
