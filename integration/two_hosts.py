@@ -38,12 +38,13 @@ def private_shm(host: Host) -> None:
 
 
 @contextmanager
-def engine_on_two_hosts(root: Path, launch: Launch,
-                        healthy_timeout: float) -> Iterator[SimpleNamespace]:
-    """Versions 1-3 of a tiny float32 model whose heads split over two ranks, a trainer
-    (on its own host) that published v1, and the engine `launch` starts, healthy: its node
-    0 first in the list. Everything is stopped, and the hosts torn down, at the end."""
-    versions = Versions(root, count=VERSIONS, **TP_SHAPE)
+def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
+                        shape: dict[str, int] = TP_SHAPE) -> Iterator[SimpleNamespace]:
+    """Versions 1-3 of a tiny float32 model (of `shape`: by default its heads split over
+    two ranks), a trainer (on its own host) that published v1, and the engine `launch`
+    starts, healthy: its node 0 first in the list. Everything is stopped, and the hosts
+    torn down, at the end."""
+    versions = Versions(root, count=VERSIONS, **shape)
     prompts, expected = pick_stable_prompts(versions.dir, 4, 12, TOKENS,
                                             state_dicts=versions.states)
     folders = [save_version(versions.dir, versions.state(v), root / f"v{v}")

@@ -339,3 +339,21 @@ def test_keep_kv_is_refused_where_some_requests_could_not_be_salted():
     from tensorhub_plugins.sglang.salt import why_not
 
     assert "--tokenizer-worker-num 2" in why_not(2)
+
+
+def test_a_model_sglang_padded_for_its_tp_size_takes_no_tiled_share():
+    """On CPU SGLang pads heads (and intermediate sizes) its TP size does not divide and
+    keeps the sizes it replaced as `original_*`: its ranks' rows are then not an even
+    split, so its copies pull every part of a version in tiles."""
+    from types import SimpleNamespace
+
+    from tensorhub_plugins.sglang.worker import tp_reshaped
+
+    assert not tp_reshaped(SimpleNamespace(num_attention_heads=4, num_key_value_heads=4,
+                                           original_num_attention_heads=4,
+                                           original_total_num_kv_heads=4))
+    assert tp_reshaped(SimpleNamespace(num_attention_heads=8, num_key_value_heads=4,
+                                       original_num_attention_heads=4,
+                                       original_total_num_kv_heads=2))
+    assert tp_reshaped(SimpleNamespace(num_attention_heads=4, num_key_value_heads=4,
+                                       intermediate_size=256, original_intermediate_size=200))

@@ -245,8 +245,8 @@ class Scheduler:
             return None
         if not self.tiled_shares:
             log.info("TensorHub: this engine places layers otherwise than by TP rank (DP "
-                     "attention or expert parallelism): its copy pulls every part of a "
-                     "version in tiles")
+                     "attention, expert parallelism, or heads padded for its TP size): its "
+                     "copy pulls every part of a version in tiles")
             return None
         ranks = node_of(self.rank, tp, self.nodes) if self.one_copy else [self.rank]
         return node_share(ranks, tp)
@@ -517,11 +517,13 @@ class Scheduler:
 _scheduler: Scheduler | None = None  # this process's, once SGLang has loaded its model
 
 
-def splits_by_tp() -> bool:
+def splits_by_tp(hf_config) -> bool:
     """Whether each TP rank loads its 1/TP of the tiled projections (`tensorhub.tiles`):
     not with attention split over fewer ranks (DP or context-parallel attention) or expert
-    parallelism, which place layers otherwise (SGLang's runtime context, 0.5.23; where it
-    cannot say, no)."""
+    parallelism (SGLang's runtime context, 0.5.23; where it cannot say, no), nor when
+    SGLang re-shaped the model for its TP size (`tp_reshaped`)."""
+    if tp_reshaped(hf_config):
+        return False
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -529,6 +531,18 @@ def splits_by_tp() -> bool:
         return p.attn_tp_size == p.tp_size and p.moe_ep_size == 1
     except Exception:
         return False
+
+
+def tp_reshaped(hf_config) -> bool:
+    """Whether SGLang padded the model's heads or intermediate size so that its TP size
+    divides them (on CPU, `adjust_config_with_unaligned_cpu_tp`, which keeps the sizes it
+    replaced as `original_*`): its ranks' rows are then not an even split."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", heads)
+    return (getattr(hf_config, "original_num_attention_heads", heads) != heads
+            or getattr(hf_config, "original_total_num_kv_heads", kv_heads) != kv_heads
+            or any(name.startswith("original_") and "intermediate" in name
+                   for name in vars(hf_config)))
 
 
 def current() -> Scheduler | None:
@@ -627,7 +641,7 @@ def after_load_model(result, runner):
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
                                                 nodes),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
-            nodes=nodes, tiled_shares=splits_by_tp())
+            nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_config))
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,
