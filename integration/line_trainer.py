@@ -24,25 +24,23 @@ from tensorhub.tiles import TiledPublisher
 
 def main() -> None:
     pub = Publisher(sys.argv[1], "policy", name="trainer")
-    tiled: dict[int, TiledPublisher] = {}
+    tiled: TiledPublisher | None = None
     try:
         for line in sys.stdin:
             folder, _, tiles = line.strip().partition(" tiles ")
             state = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
                 state.update(load_file(path))
-            if tiles:
-                if int(tiles) not in tiled:  # (the model's part 0 is bound to `pub`)
-                    tiled[int(tiles)] = TiledPublisher(sys.argv[1], "policy", int(tiles),
-                                                       name=f"trainer-t{tiles}",
-                                                       owners=pub.owners)
-                version = tiled[int(tiles)].publish(state)
-            else:
-                version = pub.publish(state)
+            if tiles and (tiled is None or tiled.tiles != int(tiles)):
+                if tiled is not None:  # (its parts' bindings lapse as its workers leave)
+                    tiled.close()
+                tiled = TiledPublisher(sys.argv[1], "policy", int(tiles),
+                                       name=f"trainer-t{tiles}", owners=pub.owners)
+            version = tiled.publish(state) if tiles else pub.publish(state)
             print(json.dumps({"version": version}), flush=True)
     finally:
-        for t in tiled.values():
-            t.close()
+        if tiled is not None:
+            tiled.close()
         pub.close()
 
 

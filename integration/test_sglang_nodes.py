@@ -4,12 +4,14 @@ both: only node 0 drives, node 1's rank reports to it through the engine's store
 engine joins late at v1 and follows v2 and v3 (confirmed by every rank) with greedy tokens
 equal to HF's, pulling one copy per node per version, a version its model cannot load is
 refused by both nodes before either touches its weights, and a version in tiles is pulled
-by each node as its rank's share."""
+by each node as its rank's share (and, where a node pulled the wrong share, refused and
+pulled whole from then on)."""
 
 from __future__ import annotations
 
 import pytest
 
+from integration.faults import skew_share_env
 from integration.sglang_server import SGLangServer
 from integration.test_sglang import LOADER, sglang_env, wait_sglang
 from integration.test_vllm import _bad_versions
@@ -26,13 +28,15 @@ DIST_INIT_PORT = 5000
 
 def sglang_on_two_hosts(sglang_python: str, root, tp: int):
     """How `engine_on_two_hosts` starts an SGLang engine of `tp` ranks, half on each host
-    (each host's ranks bound to cores of their own where the machine has them)."""
+    (each host's ranks bound to cores of their own where the machine has them; the
+    share-skewing test fault inert until a test creates its file, `root / "skew"`)."""
 
     def launch(model_dir, address, node0, node1):
         engines = []
         for rank, host in enumerate((node0, node1)):
             cores = "|".join(str(c) for c in range(tp // 2)) if tp > 2 else str(rank)
-            env = {**sglang_env(address), "SGLANG_CPU_OMP_THREADS_BIND": cores,
+            env = {**sglang_env(address), **skew_share_env(root / "skew"),
+                   "SGLANG_CPU_OMP_THREADS_BIND": cores,
                    "GLOO_SOCKET_IFNAME": "eth0", "SGLANG_HOST_IP": host.address,
                    "HOST_IP": host.address}
             args = ["--custom-weight-loader", LOADER, "--tp-size", str(tp), "--nnodes", "2",
@@ -126,3 +130,33 @@ def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
         print(f"SGLang TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
               f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
         assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)
+
+
+def test_a_node_that_loads_outside_its_share_refuses_the_version_and_pulls_whole_after(
+        nodes_engine):
+    """A test fault makes each node's copy pull the other rank's tiles of a version in a
+    tile count it has not loaded before (4): the first load from it finds rows it never
+    pulled (NaN) in its live parameters, so the load fails and is undone before the engine
+    answers again, with HF's tokens; the copies then pull every part, and the next version
+    in tiles is served with HF's tokens. (Nobody holds the version served before any more:
+    the trainer that published it stopped for the one publishing in 4 tiles, and each
+    copy keeps one version. So the undoing loads the checkpoint the engine started from.)"""
+    engine = nodes_engine.engine
+    skew = nodes_engine.root / "skew"
+    skew.touch()
+    try:
+        bad = nodes_engine.publish_tiled(2, tiles=4)
+        wait_for(lambda: f"v{bad}" in str(engine.tensorhub_status()["last_error"]),
+                 timeout=120, what=f"refusing v{bad}")
+    finally:
+        skew.unlink()
+    status = engine.tensorhub_status()
+    assert "outside the tiles" in status["last_error"], status["last_error"]
+    assert "restored the checkpoint it started from" in status["last_error"]
+    assert status["serving_version"] is None and status["torn"] is None, status
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[0]
+    version = nodes_engine.publish_tiled(3, tiles=4)
+    confirmed(nodes_engine, version)
+    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[2]
+    nbytes, _ = pulled(nodes_engine.fleet.status(), version, status["name"])
+    assert nbytes == 2 * model_bytes(nodes_engine.versions.state(3))  # (every part, twice)

@@ -110,3 +110,4 @@ def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
         print(f"vLLM TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
               f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
         assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)
+

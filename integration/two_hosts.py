@@ -84,7 +84,7 @@ def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
             yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected,
                                   engine=engines[0], other=engines[1], fleet=fleet,
                                   publish=publish, publish_state=publish_state,
-                                  publish_tiled=publish_tiled)
+                                  publish_tiled=publish_tiled, root=root)
         finally:
             for engine in reversed(engines):
                 engine.stop(timeout=5)  # (a headless vLLM node ignores SIGTERM for long)

@@ -56,6 +56,7 @@ class PartedReplica:
                     "labels": labels, "whole_items": whole_items}
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
+        self._tiles: int | None = None  # the tiles of the version pulled (`Manifest.tiles`)
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
         self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
@@ -73,6 +74,11 @@ class PartedReplica:
     def partial(self) -> bool:
         """Whether this reader pulls only some of its version's parts (a `share`)."""
         return len(self._parts) < self._count
+
+    @property
+    def share_tiles(self) -> int | None:
+        """The tile count of the version it pulls when it pulls a share of it, else None."""
+        return self._tiles if self.partial else None
 
     def wanted(self, parts: int, tiles: int | None = None) -> set[int]:
         """The parts of a version of `parts` parts (in `tiles` tiles) this reader pulls."""
@@ -169,6 +175,7 @@ class PartedReplica:
         if self._count != parts or set(self._parts) != wanted \
                 or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
+        self._tiles = tiles
         for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:

@@ -22,9 +22,10 @@ from tensorhub.core.data_types import (
     Publish,
     Register,
 )
-from tensorhub.core.errors import LayoutError
+from tensorhub.core.errors import LayoutError, TensorHubError
 from tensorhub.core.layout import BoundLayout, layout_id, manifest_of
 from tensorhub.core.transport import grants
+from tensorhub.engines.share_check import ShareCheck
 from tensorhub.parted import whole_tensors
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
 
@@ -266,3 +267,16 @@ def test_a_node_follows_versions_in_tiles_and_whole_ones_in_turn(coordinator):
                     assert torch.equal(got, mine), (version, name)
         finally:
             plain.close()
+
+
+def test_the_first_load_from_a_share_fails_if_a_rank_read_outside_it():
+    check = ShareCheck()
+    check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=None)
+    with pytest.raises(TensorHubError, match="w holds NaN") as err:
+        check.after_load([("v", torch.ones(2)), ("w", torch.tensor([1.0, float("nan")]))],
+                         share_tiles=2)
+    assert err.value.code == "outside_share"
+    check.after_load([("w", torch.ones(2))], share_tiles=2)
+    check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=2)  # (once)
+    with pytest.raises(TensorHubError, match="w holds NaN"):
+        check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=4)

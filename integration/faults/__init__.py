@@ -5,7 +5,9 @@ processes through its environment by the tests alone: no product code reads them
 `refuse_fault_env(version, suffix)`: the checkpoint copy of the worker whose name ends with
 `suffix` refuses `version`, as a copy that failed verification would.
 `freeze_fault_env(file)`: once `file` exists, a vLLM engine freezes the requests in flight
-(its own `keep` pause) right after one of them produced a token, and removes `file`."""
+(its own `keep` pause) right after one of them produced a token, and removes `file`.
+`skew_share_env(file)`: while `file` exists, a copy pulling its node's share of a version in
+tiles pulls the other tiles."""
 
 from __future__ import annotations
 
@@ -25,3 +27,7 @@ def refuse_fault_env(version: int, suffix: str) -> dict[str, str]:
 
 def freeze_fault_env(freeze_file: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(FAULTS_DIR), "TENSORHUB_TEST_FREEZE": str(freeze_file)}
+
+
+def skew_share_env(skew_file: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(FAULTS_DIR), "TENSORHUB_TEST_SKEW_SHARE": str(skew_file)}

@@ -12,6 +12,9 @@ product code knows of them: they wrap `CheckpointCopy` once its module loads.
   after the first step at which a request in flight has produced a token, and removes the
   file: a request is frozen after its first token however late the test gets there. The
   next resume (a swap's, or `/resume`) ends the freeze.
+- `TENSORHUB_TEST_SKEW_SHARE`: while the file it names exists, a checkpoint copy that pulls
+  a node's share of a version in tiles pulls the other tiles instead (and the part every
+  rank loads whole), as a rule that misjudged which rows the engine's ranks load would.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 FAULT_FILE = os.environ.get("TENSORHUB_TEST_FAULT_LOAD")
 REFUSE = os.environ.get("TENSORHUB_TEST_FAULT_REFUSE")
 FREEZE_FILE = os.environ.get("TENSORHUB_TEST_FREEZE")
+SKEW_FILE = os.environ.get("TENSORHUB_TEST_SKEW_SHARE")
 
 
 def faulty_version() -> int | None:
@@ -113,6 +117,22 @@ class WrapOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def skew(module) -> None:
+    replica = module.PartedReplica
+    wanted = replica.wanted
+
+    def skewed(self, parts, tiles=None):
+        mine = wanted(self, parts, tiles)
+        if self.share is None or tiles is None or not os.path.exists(SKEW_FILE) \
+                or len(mine) == parts:
+            return mine
+        return (set(range(tiles)) - mine) | {tiles}
+
+    replica.wanted = skewed
+
+
+if SKEW_FILE:
+    sys.meta_path.insert(0, WrapOnImport("tensorhub.parted", skew))
 if FAULT_FILE or REFUSE:
     sys.meta_path.insert(0, WrapOnImport("tensorhub.engines.checkpoint_copy", wrap))
 if FREEZE_FILE:

@@ -12,6 +12,7 @@ from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
+from tensorhub.engines.share_check import ShareCheck
 from tensorhub.engines.shared_copy import (
     SharedCopyReader,
     apply_shared,
@@ -42,6 +43,7 @@ __all__ = [
     "LoadOutcome",
     "PendingPulls",
     "RankVote",
+    "ShareCheck",
     "SharedCopyReader",
     "StepClock",
     "SwapController",

@@ -98,7 +98,7 @@ class CheckpointCopy:
 
     @property
     def name(self) -> str:
-        return self.replica.session.name
+        return self.replica.name
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +113,14 @@ class CheckpointCopy:
         """Whether the copy took the version it holds as patches of the one before (a
         sparse step: an engine may install only what changed)."""
         return all(r.last_pull_patches for r in self.replica.replicas)
+
+    def pull_whole_versions(self, why: str) -> None:
+        """Pull every part of each version from now on, not this node's share (a load
+        from the share failed: `share_check`)."""
+        if self.replica.share is not None:
+            self.replica.share = None
+            log.warning("TensorHub: %s pulls every part of each version from now on: %s",
+                        self.name, why)
 
     def withdraw(self) -> None:
         """Stop serving the copy; reads of it in flight end first (bounded)."""

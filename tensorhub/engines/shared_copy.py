@@ -56,7 +56,8 @@ class SharedCopy(Strict):
     pid: int = Field(ge=1)
     version: Version
     parts: list[SharedPart] = Field(max_length=MAX_PARTS)
-    partial: bool = False  # only the node's share of a version in tiles (`tensorhub/tiles.py`)
+    # Only the node's share of a version in this many tiles (`tensorhub/tiles.py`).
+    share_tiles: int | None = Field(default=None, ge=1, le=MAX_PARTS)
 
 
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
@@ -156,7 +157,7 @@ def describe(replica: PartedReplica) -> bytes:
         parts.append(SharedPart(manifest=r.layout.manifest, region=region,
                                 offset=first.data_ptr() - region.addr))
     return encode(SharedCopy(pid=os.getpid(), version=replica.version, parts=parts,
-                             partial=replica.partial))
+                             share_tiles=replica.share_tiles))
 
 
 class SharedCopyReader:
@@ -164,6 +165,7 @@ class SharedCopyReader:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.share_tiles: int | None = None  # the last copy named, a node's share (tiles)
 
     def named_tensors(self, payload: bytes, version: int) -> list[tuple[str, torch.Tensor]]:
         copy = SharedCopy.model_validate(msgpack.unpackb(payload, raw=False))
@@ -179,7 +181,8 @@ class SharedCopyReader:
             arena = view[part.offset:part.offset + arena_bytes(part.manifest)]
             layouts.append(BoundLayout.over(part.manifest, arena))
         self._maps = wanted  # buffers the holder no longer uses are unmapped
-        return list(whole_tensors(layouts, partial=copy.partial).items())
+        self.share_tiles = copy.share_tiles
+        return list(whole_tensors(layouts, partial=copy.share_tiles is not None).items())
 
     def forget(self) -> None:
         """Unmap the node's copy (it may free it: the memory goes back once no rank maps it)."""

@@ -45,6 +45,7 @@ from tensorhub.engines import (
     EngineSettings,
     FleetView,
     RankVote,
+    ShareCheck,
     SharedCopyReader,
     TornLoad,
     alone,
@@ -96,6 +97,7 @@ class Scheduler:
         self.native: NativeHolder | None = None
         self.checkpoint: CheckpointCopy | None = None
         self.reader = SharedCopyReader()  # the other ranks' view of their node's copy
+        self._share_check = ShareCheck()  # its first load from a node's share, scanned
         self.applied: int | None = None
         self.torn = False
         self.last: dict = {}  # the last update's path, sources, apply_ms and its steps
@@ -307,6 +309,9 @@ class Scheduler:
             else:
                 model.load_weights(named)
                 self._install = {"install": "whole", "changed": None}
+                share_tiles = self.reader.share_tiles if shared and not self.holds_copy \
+                    else checkpoint.replica.share_tiles if checkpoint is not None else None
+                self._share_check.after_load(model.named_parameters(), share_tiles)
             self.torn = False
             self._mark("load_weights")
 
@@ -464,6 +469,9 @@ class Scheduler:
         self._writes += 1
         self._plan = None
         torn = failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
+        if self.checkpoint is not None and self.checkpoint.replica.partial:
+            self.checkpoint.pull_whole_versions(f"loading v{version} from this node's share "
+                                                f"failed ({torn})")
 
         def load_version(v: int) -> None:
             self._apply_checkpoint(model, v, agree, fetch=True)

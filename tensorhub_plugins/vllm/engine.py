@@ -32,6 +32,7 @@ from tensorhub.engines import (
     CheckAnswer,
     CheckpointCopy,
     RankVote,
+    ShareCheck,
     SharedCopyReader,
     TornLoad,
     apply_shared,
@@ -75,6 +76,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         # that rank holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
+        self._share_check = ShareCheck()  # its first load from a node's share, scanned
         self._votes: RankVote | None = None
         self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
         self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
@@ -281,6 +283,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         try:
             self._apply_version(update_info.version, update_info.fetch)
         except TornLoad as torn:
+            if self.checkpoint is not None and self.checkpoint.replica.partial:
+                self.checkpoint.pull_whole_versions(f"loading v{update_info.version} from "
+                                                    f"this node's share failed ({torn})")
             try:
                 restore_after(torn, previous, lambda v: self._apply_version(v, fetch=True),
                               self._load_checkpoint)
@@ -291,8 +296,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def _apply_version(self, version: int, fetch: bool = False) -> None:
         if self.one_copy:  # each node's copy, mapped by the node's other ranks
-            apply_shared(version, self._load, self._broadcast, self._agree,
-                         checkpoint=self.checkpoint, reader=self._shared, fetch=fetch)
+            apply_shared(version, lambda named: self._load(named, self._share_tiles()),
+                         self._broadcast, self._agree, checkpoint=self.checkpoint,
+                         reader=self._shared, fetch=fetch)
         elif self.checkpoint is None:  # (init failed here): the other ranks must still hear it
             self._agree(False)
             raise TensorHubError("TensorHub engine not initialised on this rank")
@@ -318,7 +324,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                               "vLLM's reload quantizes each version", version)
                 raise
             return
-        self._load(named)
+        self._load(named, self._share_tiles())
         if self._fp8_direct is None:
             self._fp8_direct = self._quantizes_as_vllm(named)
 
@@ -352,7 +358,20 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _broadcast(self, payload: bytes | None) -> bytes:
         return self._node_broadcast().broadcast(payload)
 
-    def _load(self, named) -> None:
+    def _share_tiles(self) -> int | None:
+        """The tile count of the version this rank loads, when it loads its node's share."""
+        if self.checkpoint is not None:
+            return self.checkpoint.replica.share_tiles
+        return self._shared.share_tiles if self._shared is not None else None
+
+    def _load(self, named, share_tiles: int | None = None) -> None:
+        """vLLM's layerwise reload of `named`; after the first load from a share of a
+        version in `share_tiles` tiles, the live parameters scanned for rows it read
+        outside the share (`ShareCheck`)."""
+        self._reload(named)
+        self._share_check.after_load(self.model.named_parameters(), share_tiles)
+
+    def _reload(self, named) -> None:
         initialize_layerwise_reload(self.model)
         try:
             self.model.load_weights(iter(named))
