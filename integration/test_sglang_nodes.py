@@ -14,10 +14,16 @@ import pytest
 from integration.faults import skew_share_env
 from integration.sglang_server import SGLangServer
 from integration.test_sglang import LOADER, sglang_env, wait_sglang
-from integration.test_vllm import _bad_versions
 from integration.tp_fleet import TOKENS
-from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
-from tensorhub.tiles import tile
+from integration.two_hosts import (
+    VERSIONS,
+    engine_on_two_hosts,
+    holders,
+    model_bytes,
+    pulled,
+    tiles_pulled_as_shares,
+    wrong_shape_refused,
+)
 from tensorhub_testing.cluster import available
 from tensorhub_testing.waits import wait_for
 
@@ -102,34 +108,16 @@ def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engin
     """A tensor of the wrong shape: each node's copy finds it before the pause, node 1's
     rank says so through the engine's store, and the engine names the tensor, keeps
     serving the version before with HF's tokens, and never tries it again."""
-    engine, state = nodes_engine.engine, nodes_engine.versions.state(VERSIONS)
-    [(_, wrong_shape, tensor)] = [b for b in _bad_versions(state) if b[0] == "a wrong shape"]
-    bad = nodes_engine.publish_state(wrong_shape)
-    wait_for(lambda: (engine.tensorhub_status()["unloadable"] or {}).get("version") == bad,
-             timeout=120, what=f"refusing v{bad}")
-    status = engine.tensorhub_status()
-    assert tensor in status["unloadable"]["reason"], status["unloadable"]
-    assert status["serving_version"] == VERSIONS
+    status = wrong_shape_refused(nodes_engine)
     assert [r["applied"] for r in status["ranks"]] == [VERSIONS] * 2, status["ranks"]
-    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]
 
 
 def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
     """The trainer publishes versions in two tiles (`tensorhub/tiles.py`): each node's copy
     pulls its rank's tile and the part every rank loads whole, not the whole model, and
     the engine serves each (confirmed by both ranks) with HF's tokens."""
-    engine = nodes_engine.engine
-    name = engine.tensorhub_status()["name"]
-    for state_of in (2, 3):
-        state = nodes_engine.versions.state(state_of)
-        parts = [model_bytes(dict(p.tensors)) for p in tile(state.items(), 2)]
-        version = nodes_engine.publish_tiled(state_of, tiles=2)
-        confirmed(nodes_engine, version)
-        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[state_of - 1]
-        nbytes, readers = pulled(nodes_engine.fleet.status(), version, name)
-        print(f"SGLang TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
-              f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
-        assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)
+    tiles_pulled_as_shares(nodes_engine, nodes_engine.engine.tensorhub_status()["name"],
+                           lambda v: confirmed(nodes_engine, v), "SGLang TP=2")
 
 
 def test_a_node_that_loads_outside_its_share_refuses_the_version_and_pulls_whole_after(

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env
+from integration.test_vllm import PLUGIN_ARGS, plugin_env
 from integration.tp_fleet import TOKENS
-from integration.two_hosts import VERSIONS, engine_on_two_hosts, holders, model_bytes, pulled
+from integration.two_hosts import (
+    VERSIONS,
+    engine_on_two_hosts,
+    holders,
+    model_bytes,
+    pulled,
+    tiles_pulled_as_shares,
+    wrong_shape_refused,
+)
 from integration.vllm_server import VLLMServer
-from tensorhub.tiles import tile
 from tensorhub_testing.cluster import available
-from tensorhub_testing.waits import wait_for
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
@@ -83,15 +89,7 @@ def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engin
     """A tensor of the wrong shape: each node's copy finds it before the pause (the check
     every rank answers across the hosts), the engine names the tensor, keeps serving the
     version before with HF's tokens, and never tries it again."""
-    engine, state = nodes_engine.engine, nodes_engine.versions.state(VERSIONS)
-    [(_, wrong_shape, tensor)] = [b for b in _bad_versions(state) if b[0] == "a wrong shape"]
-    bad = nodes_engine.publish_state(wrong_shape)
-    wait_for(lambda: (engine.tensorhub_status()["unloadable"] or {}).get("version") == bad,
-             timeout=120, what=f"refusing v{bad}")
-    status = engine.tensorhub_status()
-    assert tensor in status["unloadable"]["reason"], status["unloadable"]
-    assert status["serving_version"] == VERSIONS
-    assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[VERSIONS - 1]
+    wrong_shape_refused(nodes_engine)
 
 
 def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
@@ -100,14 +98,4 @@ def test_a_version_in_tiles_is_pulled_by_each_node_as_its_share(nodes_engine):
     the engine serves each with HF's tokens."""
     engine = nodes_engine.engine
     prefix = engine.tensorhub_status()["workers"][0].rsplit("-rank", 1)[0]
-    for state_of in (2, 3):
-        state = nodes_engine.versions.state(state_of)
-        parts = [model_bytes(dict(p.tensors)) for p in tile(state.items(), 2)]
-        version = nodes_engine.publish_tiled(state_of, tiles=2)
-        engine.wait_serving(version)
-        assert engine.greedy(nodes_engine.prompts, TOKENS) == nodes_engine.expected[state_of - 1]
-        nbytes, readers = pulled(nodes_engine.fleet.status(), version, prefix)
-        print(f"vLLM TP=2 on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
-              f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
-        assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)
-
+    tiles_pulled_as_shares(nodes_engine, prefix, engine.wait_serving, "vLLM TP=2")

@@ -109,3 +109,41 @@ def holders(status: dict, version: int, names: list[str]) -> set[str]:
 
 def model_bytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def wrong_shape_refused(fleet: SimpleNamespace) -> dict:
+    """Publish a version with a tensor of the wrong shape and wait until the engine refused
+    it, naming the tensor and still serving the version before with HF's tokens; its
+    status then."""
+    from integration.test_vllm import _bad_versions
+    from tensorhub_testing.waits import wait_for
+
+    engine, state = fleet.engine, fleet.versions.state(VERSIONS)
+    [(_, wrong_shape, tensor)] = [b for b in _bad_versions(state) if b[0] == "a wrong shape"]
+    bad = fleet.publish_state(wrong_shape)
+    wait_for(lambda: (engine.tensorhub_status()["unloadable"] or {}).get("version") == bad,
+             timeout=120, what=f"refusing v{bad}")
+    status = engine.tensorhub_status()
+    assert tensor in status["unloadable"]["reason"], status["unloadable"]
+    assert status["serving_version"] == VERSIONS
+    assert engine.greedy(fleet.prompts, TOKENS) == fleet.expected[VERSIONS - 1]
+    return status
+
+
+def tiles_pulled_as_shares(fleet: SimpleNamespace, reader_prefix: str,
+                           serving: Callable[[int], object], what: str) -> None:
+    """Versions 2 and 3 published again in two tiles: each is served (`serving(version)`
+    returns once it is) with HF's tokens, and each node's copy pulled its rank's tile and
+    the part every rank loads whole, as the coordinator saw it."""
+    from tensorhub.tiles import tile
+
+    for state_of in (2, 3):
+        state = fleet.versions.state(state_of)
+        parts = [model_bytes(dict(p.tensors)) for p in tile(state.items(), 2)]
+        version = fleet.publish_tiled(state_of, tiles=2)
+        serving(version)
+        assert fleet.engine.greedy(fleet.prompts, TOKENS) == fleet.expected[state_of - 1]
+        nbytes, readers = pulled(fleet.fleet.status(), version, reader_prefix)
+        print(f"{what} on 2 hosts, 2 tiles: v{version}: {nbytes} B pulled by "
+              f"{sorted(readers)} ({nbytes / model_bytes(state):.2f} x the model)")
+        assert nbytes == parts[0] + parts[1] + 2 * parts[2]  # (each node: its tile, the rest)

@@ -270,13 +270,14 @@ def test_a_node_follows_versions_in_tiles_and_whole_ones_in_turn(coordinator):
 
 
 def test_the_first_load_from_a_share_fails_if_a_rank_read_outside_it():
-    check = ShareCheck()
-    check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=None)
-    with pytest.raises(TensorHubError, match="w holds NaN") as err:
-        check.after_load([("v", torch.ones(2)), ("w", torch.tensor([1.0, float("nan")]))],
-                         share_tiles=2)
+    check, o_proj = ShareCheck(), "model.layers.0.self_attn.o_proj.weight"
+    nan = torch.full((2,), float("nan"))
+    check.after_load([(o_proj, nan)], share_tiles=None)  # (not from a share)
+    with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN") as err:
+        check.after_load([("model.norm.weight", torch.ones(2)),
+                          (o_proj, torch.tensor([1.0, float("nan")]))], share_tiles=2)
     assert err.value.code == "outside_share"
-    check.after_load([("w", torch.ones(2))], share_tiles=2)
-    check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=2)  # (once)
-    with pytest.raises(TensorHubError, match="w holds NaN"):
-        check.after_load([("w", torch.full((2,), float("nan")))], share_tiles=4)
+    check.after_load([(o_proj, torch.ones(2)), ("model.norm.weight", nan)], share_tiles=2)
+    check.after_load([(o_proj, nan)], share_tiles=2)  # (each tile count checked once)
+    with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN"):
+        check.after_load([(o_proj, nan)], share_tiles=4)

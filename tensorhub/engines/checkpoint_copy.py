@@ -116,7 +116,8 @@ class CheckpointCopy:
 
     def pull_whole_versions(self, why: str) -> None:
         """Pull every part of each version from now on, not this node's share (a load
-        from the share failed: `share_check`)."""
+        from the share failed: `share_check`; the engine, which may make new copies,
+        keeps that decision too)."""
         if self.replica.share is not None:
             self.replica.share = None
             log.warning("TensorHub: %s pulls every part of each version from now on: %s",

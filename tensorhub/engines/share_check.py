@@ -4,10 +4,12 @@ A node's copy of a version in tiles holds its ranks' share (`tensorhub/tiles.py`
 the engine whole-shaped tensors whose other rows and columns are NaN
 (`parted.whole_tensors`). Which rows a rank's loaders read is decided by a rule (the tiled
 names, the plugins' `_share`), not learnt from the engine, so the first load from a share
-is followed by a scan of the rank's live parameters: a NaN there means a loader read
-outside the share. The load then fails (the engine restores the version before), and the
-copies pull versions whole from then on (`CheckpointCopy.pull_whole_versions`). The
-share of a rank depends on the tile count only, so each tile count is checked once.
+is followed by a scan of the rank's live projection parameters: a NaN there means a loader
+read outside the share. The load then fails (the engine restores the version before), and
+the engine pulls versions whole from then on. A rank's share depends on the tile count
+only, so each tile count is checked once. Parameters an engine packs away after loading
+(vLLM's CPU build keeps its linear weights out of its parameters) cannot be scanned; the
+log says so.
 """
 
 from __future__ import annotations
@@ -21,31 +23,52 @@ from tensorhub.core.errors import TensorHubError
 
 log = logging.getLogger("tensorhub.engines")
 
+# The live parameters tiled checkpoint tensors are loaded into (fused or not).
+PROJECTIONS = ("q_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "o_proj",
+               "down_proj")
+_CHUNK = 1 << 24  # elements scanned at a time (a bounded scratch mask on a full device)
+
+
+def _has_nan(param: torch.Tensor) -> bool:
+    flat = param.detach().reshape(-1)
+    return any(bool(torch.isnan(piece).any()) for piece in flat.split(_CHUNK))
+
 
 class ShareCheck:
-    """One per rank: scans the live parameters after its first load from a share of a
-    version in each tile count."""
+    """One per rank: scans its projection parameters after its first load from a share of
+    a version in each tile count."""
 
     def __init__(self) -> None:
         self.passed: set[int] = set()  # tile counts whose first load passed
 
     def after_load(self, params: Iterable[tuple[str, torch.Tensor]],
                    share_tiles: int | None) -> None:
-        """Raise `TensorHubError` ("outside_share") if a parameter holds NaN after the
-        first load from a share of a version in `share_tiles` tiles (None: not a share)."""
+        """Raise `TensorHubError` ("outside_share") if a projection parameter holds NaN
+        after the first load from a share of a version in `share_tiles` tiles (None: not
+        a share)."""
         if share_tiles is None or share_tiles in self.passed:
             return
+        scanned = 0
         for name, param in params:
+            if not any(f".{p}." in name for p in PROJECTIONS) or not param.numel() \
+                    or not param.is_floating_point():
+                continue
             try:
-                bad = param.is_floating_point() and bool(torch.isnan(param).any())
-            except RuntimeError:  # (a dtype isnan does not take: fp8 on some builds)
+                bad = _has_nan(param)
+            except Exception:  # (a dtype isnan does not take: fp8 on some builds)
                 continue
             if bad:
                 raise TensorHubError(
                     f"{name} holds NaN after a load from this node's share of a version in "
                     f"tiles: this engine loads rows outside the tiles its TP ranks were "
-                    f"given. Its copies pull every part of each version from now on",
+                    f"given. It pulls every part of each version from now on",
                     code="outside_share")
+            scanned += 1
         self.passed.add(share_tiles)
-        log.info("TensorHub: this rank loads only its node's share of versions in %d tiles "
-                 "(checked once)", share_tiles)
+        if scanned:
+            log.info("TensorHub: this rank loads only its node's share of versions in %d "
+                     "tiles (%d projections checked, once)", share_tiles, scanned)
+        else:
+            log.info("TensorHub: this rank's projections are not parameters after loading "
+                     "(packed by the engine): its loads from a share of versions in %d tiles "
+                     "cannot be checked", share_tiles)

@@ -173,6 +173,8 @@ class Scheduler:
             if shared or self._sparse_error is not None or not checkpoint.by_patches \
                     or self._applying or self._live_key() != key:
                 return None  # (a version pulled whole is a dense change: installed whole)
+            if checkpoint.replica.share_tiles not in (None, *self._share_check.passed):
+                return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):
                 return None
             return sparse.plan(model, self._blocks, named, version, key)
@@ -470,6 +472,9 @@ class Scheduler:
         self._plan = None
         torn = failure if isinstance(failure, TornLoad) else TornLoad(version, failure)
         if self.checkpoint is not None and self.checkpoint.replica.partial:
+            # (the ranks learn only that one failed, not why: any torn load from a share
+            # ends shares, which costs bytes, never answers; later copies keep to it)
+            self.tiled_shares = False
             self.checkpoint.pull_whole_versions(f"loading v{version} from this node's share "
                                                 f"failed ({torn})")
 
@@ -525,32 +530,34 @@ class Scheduler:
 _scheduler: Scheduler | None = None  # this process's, once SGLang has loaded its model
 
 
-def splits_by_tp(hf_config) -> bool:
+def splits_by_tp(text_config, server_args) -> bool:
     """Whether each TP rank loads its 1/TP of the tiled projections (`tensorhub.tiles`):
-    not with attention split over fewer ranks (DP or context-parallel attention) or expert
-    parallelism (SGLang's runtime context, 0.5.23; where it cannot say, no), nor when
-    SGLang re-shaped the model for its TP size (`tp_reshaped`)."""
-    if tp_reshaped(hf_config):
+    not with attention split over fewer ranks (DP or context-parallel attention), expert
+    parallelism or dense MLPs of another TP size (SGLang's runtime context and server
+    arguments, 0.5.23; where they cannot say, no), nor when SGLang re-shaped the model for
+    its TP size (`tp_reshaped`)."""
+    if tp_reshaped(text_config):
         return False
     try:
         from sglang.srt.runtime_context import get_parallel
 
         p = get_parallel()
-        return p.attn_tp_size == p.tp_size and p.moe_ep_size == 1
+        return p.attn_tp_size == p.tp_size and p.moe_ep_size == 1 and \
+            getattr(server_args, "moe_dense_tp_size", None) in (None, p.tp_size)
     except Exception:
         return False
 
 
-def tp_reshaped(hf_config) -> bool:
-    """Whether SGLang padded the model's heads or intermediate size so that its TP size
-    divides them (on CPU, `adjust_config_with_unaligned_cpu_tp`, which keeps the sizes it
-    replaced as `original_*`): its ranks' rows are then not an even split."""
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", heads)
-    return (getattr(hf_config, "original_num_attention_heads", heads) != heads
-            or getattr(hf_config, "original_total_num_kv_heads", kv_heads) != kv_heads
+def tp_reshaped(text_config) -> bool:
+    """Whether SGLang padded the language model's heads or intermediate size so that its
+    TP size divides them (on CPU, `adjust_config_with_unaligned_cpu_tp`, which keeps the
+    sizes it replaced as `original_*`): its ranks' rows are then not an even split."""
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", heads)
+    return (getattr(text_config, "original_num_attention_heads", heads) != heads
+            or getattr(text_config, "original_total_num_kv_heads", kv_heads) != kv_heads
             or any(name.startswith("original_") and "intermediate" in name
-                   for name in vars(hf_config)))
+                   for name in vars(text_config)))
 
 
 def current() -> Scheduler | None:
@@ -649,7 +656,7 @@ def after_load_model(result, runner):
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
                                                 nodes),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
-            nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_config))
+            nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_text_config, args))
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,

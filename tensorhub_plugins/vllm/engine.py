@@ -77,6 +77,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
         self._share_check = ShareCheck()  # its first load from a node's share, scanned
+        self._whole_versions = False  # a load from a share failed: no share from then on
         self._votes: RankVote | None = None
         self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
         self._vote_timeout = 120.0 + settings.VOTE_MARGIN_S
@@ -111,7 +112,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         that load from it (its node's, with one copy per node; else its own). None: every
         part (one rank, pipeline stages, expert parallelism)."""
         pc = self.parallel_config
-        if pc.world_size == 1 or pc.pipeline_parallel_size != 1:
+        if pc.world_size == 1 or pc.pipeline_parallel_size != 1 or self._whole_versions:
             return None
         if getattr(pc, "enable_expert_parallel", False):
             log.info("TensorHub: expert parallelism places layers otherwise than by TP "
@@ -283,7 +284,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         try:
             self._apply_version(update_info.version, update_info.fetch)
         except TornLoad as torn:
+            # (the ranks learn only that one failed, not why: any torn load from a share
+            # ends shares, which costs bytes, never answers)
             if self.checkpoint is not None and self.checkpoint.replica.partial:
+                self._whole_versions = True
                 self.checkpoint.pull_whole_versions(f"loading v{update_info.version} from "
                                                     f"this node's share failed ({torn})")
             try:
