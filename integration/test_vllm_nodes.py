@@ -25,7 +25,9 @@ from tensorhub_testing.cluster import available
 
 pytestmark = pytest.mark.skipif(available() is not None,
                                 reason=f"no emulated hosts here: {available()}")
-MASTER_PORT = "29501"
+# (below 20000: the engines' HTTP ports are drawn from 20000 up, `net.free_port`, and one
+# that came out 29501 collided with torch's default master port on node 0's host)
+MASTER_PORT = "19501"
 
 
 def vllm_on_two_hosts(vllm_python: str, root, tp: int):
