@@ -57,6 +57,7 @@ class PartedReplica:
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
         self._tiles: int | None = None  # the tiles of the version pulled (`Manifest.tiles`)
+        self._joined: tuple[tuple, dict[str, torch.Tensor]] | None = None  # (`tensors`)
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
         self._lock = threading.Lock()  # a pull, or buffers allocated from a declaration
@@ -92,8 +93,8 @@ class PartedReplica:
 
     @property
     def session(self):
-        """The session of the first part it pulls (part 0's, unless its share has not
-        part 0): the reader's coordinator connection."""
+        """The session of the first part it pulls (part 0's, unless its share leaves part
+        0 out): the reader's coordinator connection."""
         return self.replicas[0].session
 
     @property
@@ -180,7 +181,7 @@ class PartedReplica:
             replica.part = Part(part=r, parts=parts)
         if self.version == target:
             return target
-        self.version = None
+        self.version, self._joined = None, None
         if wanted == {0}:
             self._pull_part(0, target, timeout)
         else:
@@ -208,7 +209,7 @@ class PartedReplica:
         # The new workers register before the old ones leave: a trainer deciding whether
         # anyone could keep its version must never see this reader gone for a moment.
         old = self.replicas
-        self.version = None  # (its buffers go with the old workers)
+        self.version, self._joined = None, None  # (its buffers go with the old workers)
         fresh: dict[int, Replica] = {}
         try:
             for r in sorted(wanted):
@@ -250,11 +251,17 @@ class PartedReplica:
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version, whole: a tensor published as slices by several
-        ranks is joined here (a copy); the others are views of the pulled buffers. With a
-        `share`, only the tensors and slices its parts hold: a sliced tensor comes whole
-        in shape, holding its parts' slices, the rest of it unwritten."""
-        return whole_tensors([r.layout for r in self.replicas if r.layout is not None],
-                             partial=self.partial)
+        ranks is joined here (a copy, made once per version pulled: an engine's check
+        before the pause makes it, its install inside the pause reuses it); the others are
+        views of the pulled buffers. With a `share`, only the tensors and slices its parts
+        hold: a sliced tensor comes whole in shape, its other rows or columns NaN."""
+        key = (self.version, tuple(id(r.layout) for r in self.replicas))
+        if self._joined is not None and self._joined[0] == key and self.version is not None:
+            return self._joined[1]
+        joined = whole_tensors([r.layout for r in self.replicas if r.layout is not None],
+                               partial=self.partial)
+        self._joined = (key, joined) if self.version is not None else None
+        return joined
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -281,3 +281,19 @@ def test_the_first_load_from_a_share_fails_if_a_rank_read_outside_it():
     check.after_load([(o_proj, nan)], share_tiles=2)  # (each tile count checked once)
     with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN"):
         check.after_load([(o_proj, nan)], share_tiles=4)
+
+
+def test_a_share_is_joined_once_per_version_pulled():
+    """The engine's check before the pause joins a node's share; its install inside the
+    pause gets the same tensors, not a second copy."""
+    reader = PartedReplica.__new__(PartedReplica)
+    w = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    layout = BoundLayout.allocate(manifest_of([("w", w[:, 4:].contiguous())],
+                                              cols={"w": (4, 8)}))
+    layout.tensors[0].copy_(w[:, 4:])
+    part = type("Part", (), {"layout": layout})()
+    reader._parts, reader._count, reader._joined, reader.version = {1: part}, 3, None, 7
+    first = reader.tensors["w"]
+    assert reader.tensors["w"] is first and first[:, :4].isnan().all()
+    reader.version = 8  # (another version pulled into the same buffers)
+    assert reader.tensors["w"] is not first
