@@ -9,6 +9,7 @@ import pytest
 
 from tensorhub_testing.cluster import Cluster, HostSpec, available
 from tensorhub_testing.fleet import Fleet
+from tensorhub_testing.waits import wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available() is not None,
@@ -56,6 +57,29 @@ def test_a_host_that_dies_mid_pull_leaves_the_others_bit_exact(tmp_path):
         doomed.kill()  # ...and every process on it is gone
         for r in replicas[1:]:  # (a survivor whose reads failed too often pulls again)
             assert _pulled(r, retries=1)["checksums"] == published["checksums"]
+
+
+def test_a_reader_sent_to_a_holder_that_just_fell_silent_reads_from_another(tmp_path):
+    """The coordinator still lists a holder whose host fell silent a moment ago, so a reader
+    is planned onto it: its connect to that holder returns at once (UCX_TCP_CONN_NB), the
+    read makes no progress and is given up after the stall timeout, and the version comes
+    from the trainer, well inside a pull timeout shorter than a blocking connect's ~2 min."""
+    with Cluster(3, egress="800mbit") as cluster, \
+            Fleet(cluster, log_dir=tmp_path, env={"TENSORHUB_STALL_TIMEOUT": "5"}) as fleet:
+        h0, h1, h2 = cluster.hosts
+        holder = fleet.replica(h1)
+        trainer = fleet.trainer(h0, 32)
+        published = trainer.next_json(60)
+        assert _pulled(holder)["checksums"] == published["checksums"]
+        reader = fleet.replica(h2, on_demand=True, pull_timeout=60)
+        wait_for(lambda: any(w["name"] == "h2" for w in fleet.status()["workers"]),
+                 timeout=60, what="the reader registered")
+        h1.set_link(False)  # silent: SYNs to it go unanswered...
+        h1.kill()  # ...and its processes are gone, heartbeats with them
+        reader.send_line(str(published["version"]))  # (before the coordinator expires h1)
+        event = _pulled(reader)
+        assert event["checksums"] == published["checksums"]
+        assert set(event["by_source"]) == {"trainer"}, event["by_source"]
 
 
 def test_a_reader_that_cannot_reach_other_hosts_takes_no_version_away(tmp_path):

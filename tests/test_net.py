@@ -23,7 +23,7 @@ def _sysfs(tmp_path, nets: dict[str, str], rdma: list[str] = ()):
 def test_a_fleet_on_one_host_uses_loopback(tmp_path):
     net, ib = _sysfs(tmp_path, {"lo": "unknown", "eth0": "up"})
     assert ucx_defaults(host="127.0.0.1", sys_net=net, sys_ib=ib, dev=tmp_path) == \
-        {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+        {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma", "UCX_TCP_CONN_NB": "y"}
 
 
 def test_a_gpu_host_gets_a_transport_that_reaches_gpu_memory(tmp_path):

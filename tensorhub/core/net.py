@@ -183,6 +183,11 @@ def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
     - Where NVIDIA GPUs are present, `cuda_copy` too (and `cuda_ipc` with
       TENSORHUB_CUDA_IPC=1): NIXL refuses to create its UCX backend on a GPU host whose
       UCX_TLS cannot reach GPU memory, even for a worker whose buffers are all in host memory.
+    - `UCX_TCP_CONN_NB=y`: UCX's tcp connects without blocking. A blocking connect to a
+      holder that fell silent (a host that lost power or its link) waits out the kernel's
+      SYN retries, ~2 minutes, inside NIXL's `add_remote_agent`, where no stall timeout
+      reaches; non-blocking, the read that follows makes no progress and is given up
+      after the stall timeout like any read of a silent peer.
     - With RDMA devices UCX's own choice (which prefers them) is left alone.
     """
     if rdma_devices(sys_ib):
@@ -195,4 +200,4 @@ def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
         tls.append("cuda_copy")
     if cuda_ipc:
         tls.append("cuda_ipc")
-    return {"UCX_NET_DEVICES": devices, "UCX_TLS": ",".join(tls)}
+    return {"UCX_NET_DEVICES": devices, "UCX_TLS": ",".join(tls), "UCX_TCP_CONN_NB": "y"}
