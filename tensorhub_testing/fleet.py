@@ -58,8 +58,14 @@ class Fleet:
 
     def _start(self, host: Host, name: str, args: list[str],
                env: dict[str, str] | None = None, stdin: bool = False) -> ChildProcess:
-        proc = host.popen([sys.executable, "-m", "tensorhub.tools.cli", "--log-level", "INFO",
-                           *args],
+        return self.python(host, name, "tensorhub.tools.cli", "--log-level", "INFO", *args,
+                           env=env, stdin=stdin)
+
+    def python(self, host: Host, name: str, module: str, *args: str,
+               env: dict[str, str] | None = None, stdin: bool = False) -> ChildProcess:
+        """`python -m module args` on `host`, with the host's environment, logged to
+        `<name>.log` and stopped with the fleet."""
+        proc = host.popen([sys.executable, "-m", module, *args],
                           env=self.host_env(host, env), name=name,
                           log_path=str(self.log_dir / f"{name}.log"),
                           stdin=subprocess.PIPE if stdin else None)

@@ -28,26 +28,7 @@ from tensorhub.core.transport import grants
 from tensorhub.engines.share_check import ShareCheck
 from tensorhub.parted import whole_tensors
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
-
-HIDDEN, FFN, VOCAB = 256, 512, 1024
-
-
-def llama_state(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
-    """A small Llama-shaped state dict (fp32)."""
-    g = torch.Generator().manual_seed(seed)
-    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)),
-                            ("self_attn.k_proj", (HIDDEN, HIDDEN)),
-                            ("self_attn.v_proj", (HIDDEN, HIDDEN)),
-                            ("self_attn.o_proj", (HIDDEN, HIDDEN)),
-                            ("mlp.gate_proj", (FFN, HIDDEN)), ("mlp.up_proj", (FFN, HIDDEN)),
-                            ("mlp.down_proj", (HIDDEN, FFN))):
-            state[f"{p}.{name}.weight"] = torch.randn(*shape, generator=g)
-        state[f"{p}.input_layernorm.weight"] = torch.randn(HIDDEN, generator=g)
-    state["model.norm.weight"] = torch.randn(HIDDEN, generator=g)
-    return state
+from tensorhub_testing.tiled_nodes import FFN, HIDDEN, llama_state
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
