@@ -13,11 +13,13 @@ no one, each timed from when it asked."""
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import replace
 
 from bench.results import RESULTS, Report
-from tensorhub.sim.config import SimConfig
+from tensorhub.sim.config import SimConfig, manifest_bytes
 from tensorhub.sim.coordinator_queue import measure_socket_cost
+from tensorhub.sim.swarm import simulate_swarm
 from tensorhub.sim.sweep import plot, run_arrivals, run_sweep
 
 
@@ -76,6 +78,51 @@ def arrivals(sizes: list[int], socket_cost: float) -> None:
     report.write()
 
 
+def tiled(model: str, engines: int, nodes: int, socket_cost: float) -> None:
+    """One version in tiles (`tensorhub.tiles`, the real layout of `model`'s shapes) to
+    `engines` engines of `nodes` nodes each, one tile per node (the bytes a node of TP =
+    8 x `nodes` pulls with 8 x `nodes` tiles), beside the same fleet pulling it untiled (a
+    copy per node): the worst node against the bound (its NIC receiving its share, the
+    trainer's sending the version once), bytes out of the trainer, into each node and
+    into each engine, in models."""
+    from bench.node_shares import MODELS, meta_state
+    from tensorhub.tiles import manifests
+
+    parts = tuple(manifests(meta_state(*MODELS[model]), nodes))
+    report = Report("simulate_tiled")
+    runs = {}
+    for label, config in (
+            ("in tiles", SimConfig(workers=engines * nodes, tiled=parts, engine_nodes=nodes,
+                                   time_limit=3600.0)),
+            ("untiled", SimConfig(workers=engines * nodes, engine_nodes=nodes,
+                                  model_bytes=sum(manifest_bytes(m) for m in parts),
+                                  tensor_bytes=2 << 30, time_limit=3600.0))):
+        started = time.monotonic()
+        result = simulate_swarm(config, socket_cost)
+        runs[label] = (config, result)
+        print(f"{label}: worst {result.worst:.2f} s = {result.ratio:.3f} x the bound "
+              f"({len(result.finished)} of {config.workers} nodes, unfinished "
+              f"{len(result.unfinished)}; {time.monotonic() - started:.0f} s here)")
+    (config, result), (_, whole) = runs["in tiles"], runs["untiled"]
+    share = config.share_bytes / result.model_bytes
+    name = f"{model}, {engines} engines x {nodes} nodes, {config.nic_gbps:.0f} Gbit/s NICs"
+    report.add(f"{name}: worst node / its bound, in tiles", result.ratio, "x",
+               "untiled (a copy per node)", whole.ratio, higher_is_better=False)
+    report.add(f"{name}: bytes out of the trainer / the model's, in tiles",
+               result.trainer_copies, "x", "one copy", 1.0, higher_is_better=False)
+    report.add(f"{name}: bytes into the fullest node / its share", max(
+        result.node_bytes.values()) / config.share_bytes, "x", "its share", 1.0,
+        higher_is_better=False)
+    report.add(f"{name}: a node's share / the model's", share, "x", "untiled", 1.0,
+               higher_is_better=False)
+    report.add(f"{name}: bytes into the fullest engine / the model's, in tiles",
+               result.engine_copies, "x", "untiled", whole.engine_copies,
+               higher_is_better=False)
+    report.add(f"{name}: worst node, in tiles (simulated)", result.worst, "s", "untiled",
+               whole.worst, higher_is_better=False)
+    report.write()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max", type=int, default=4096, help="largest fleet (power of two)")
@@ -87,6 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arrivals", action="store_true",
                         help="run only the arrival patterns (4 to 512 readers), into "
                              "simulate_arrivals.{jsonl,md}")
+    parser.add_argument("--tiled", action="store_true",
+                        help="run only a version in tiles to engines spanning nodes, into "
+                             "simulate_tiled.{jsonl,md}")
+    parser.add_argument("--tiled-model", default="Llama-3.1-70B",
+                        help="with --tiled: the model's shapes (bench.node_shares.MODELS)")
+    parser.add_argument("--engines", type=int, default=64, help="with --tiled (default 64)")
+    parser.add_argument("--nodes", type=int, default=8,
+                        help="with --tiled: nodes per engine (default 8)")
     args = parser.parse_args(argv)
     sizes = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= args.max]
     base = SimConfig(model_bytes=int(args.model_gib * 2**30))
@@ -94,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     socket_cost = measured.saturated
     if args.arrivals:
         arrivals([n for n in (4, 8, 64, 512) if n <= args.max], socket_cost)
+        return
+    if args.tiled:
+        tiled(args.tiled_model, args.engines, args.nodes, socket_cost)
         return
     report = Report("simulate_tib" if args.tib_only else "simulate")
     report.add("coordinator socket cost per message, saturated loop (measured; charged)",

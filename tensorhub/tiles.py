@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorhub.core.data_types import Manifest
+from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, manifest_of
 from tensorhub.publisher import Publisher
 
 # The linear layers tiled, by the dim tensor parallelism splits them on: a language model's
@@ -83,6 +85,16 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
         raise ValueError("every tensor was tiled, none is left for the part every rank "
                          "loads whole (a model has norms): publish it untiled")
     return parts
+
+
+def manifests(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
+              split: Callable[[str], int | None] = split_dim,
+              compact_threshold: int = DEFAULT_COMPACT_THRESHOLD) -> list[Manifest]:
+    """The manifests of `named` published in `tiles` tiles, part by part, as
+    `TiledPublisher` publishes them (tensors on the meta device will do: only their
+    shapes count). The simulator pulls versions of these."""
+    return [manifest_of(part.tensors, compact_threshold, part.rows, part.cols, tiles)
+            for part in tile(named, tiles, split)]
 
 
 def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:

@@ -3,8 +3,12 @@ runs, simulated links. Structural checks only (its figures are in bench/)."""
 
 from __future__ import annotations
 
-from tensorhub.sim.config import SimConfig
+import pytest
+import torch
+
+from tensorhub.sim.config import SimConfig, manifest_bytes
 from tensorhub.sim.swarm import simulate_swarm
+from tensorhub.tiles import manifests
 
 SMALL = SimConfig(workers=32, model_bytes=1 << 30, tensor_bytes=64 << 20, chunk_bytes=32 << 20)
 
@@ -52,3 +56,48 @@ def test_a_reader_that_reaches_no_one_asking_first_costs_no_second_trainer_copy(
                                          "failing_first": True}))
     assert sorted(result.finished) == sorted(f"w{i}" for i in range(8))
     assert result.trainer_copies == 1.0
+
+
+def meta_llama(layers: int = 4, hidden: int = 2048, ffn: int = 8192, kv: int = 512,
+               vocab: int = 32768) -> list[tuple[str, torch.Tensor]]:
+    """A Llama-shaped state dict's names and shapes (bf16, on the meta device)."""
+    def t(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    named = [("model.embed_tokens.weight", t(vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        named += [(f"{p}.self_attn.q_proj.weight", t(hidden, hidden)),
+                  (f"{p}.self_attn.k_proj.weight", t(kv, hidden)),
+                  (f"{p}.self_attn.v_proj.weight", t(kv, hidden)),
+                  (f"{p}.self_attn.o_proj.weight", t(hidden, hidden)),
+                  (f"{p}.mlp.gate_proj.weight", t(ffn, hidden)),
+                  (f"{p}.mlp.up_proj.weight", t(ffn, hidden)),
+                  (f"{p}.mlp.down_proj.weight", t(hidden, ffn)),
+                  (f"{p}.input_layernorm.weight", t(hidden))]
+    return named
+
+
+def test_nodes_of_engines_in_tiles_pull_their_share_and_the_trainer_sends_one_copy():
+    """8 engines of TP=4 over 2 nodes each (2 ranks a node), a version in 4 tiles: each
+    node receives exactly its ranks' 2 tiles and the whole part, so an engine its tiles once
+    and the whole part twice; the trainer sends each part once."""
+    parts = tuple(manifests(meta_llama(), 4))
+    sizes = [manifest_bytes(m) for m in parts]
+    config = SimConfig(workers=16, tiled=parts, engine_nodes=2, chunk_bytes=32 << 20)
+    result = simulate_swarm(config)
+    assert sorted(result.finished) == sorted(f"w{i}" for i in range(16))
+    for name, nbytes in result.node_bytes.items():
+        first = 2 * (int(name[1:]) % 2)  # node 0 of its engine: tiles 0 and 1
+        assert nbytes == sizes[first] + sizes[first + 1] + sizes[4], name
+    assert result.engine_copies == pytest.approx((sum(sizes) + sizes[4]) / sum(sizes))
+    assert result.trainer_copies == pytest.approx(1.0)
+
+
+def test_a_node_killed_mid_pull_leaves_every_other_node_its_share():
+    parts = tuple(manifests(meta_llama(), 4))
+    config = SimConfig(workers=16, tiled=parts, engine_nodes=2, chunk_bytes=32 << 20,
+                       kill=(1,), kill_at=0.4)
+    result = simulate_swarm(config)
+    assert result.killed == ["w1"]
+    assert not result.unfinished and len(result.finished) == 15

@@ -47,11 +47,47 @@ class SimConfig:
     # One more reader, whose transport reaches no other worker (every read and poll by it
     # or of it fails), asks first; it is in no figure.
     failing_first: bool = False
+    # A version in tiles (`tensorhub/tiles.py`): its parts' manifests, the tiles first and
+    # the part every rank loads whole last (`model_bytes` and `tensor_bytes` then unused).
+    # Worker i is a node, node i % engine_nodes of its engine, whose TP ranks (one per
+    # tile) are spread evenly over the engine's nodes; it pulls the parts
+    # `tiles.node_parts` gives its ranks, each part by a reader of its own on its NIC.
+    tiled: tuple[Manifest, ...] = ()
+    engine_nodes: int = 1
+
+    @property
+    def parts(self) -> list[Manifest]:
+        """The manifests of a version's parts: the tiles, or one synthetic model."""
+        return list(self.tiled) or [synthetic_manifest(self.model_bytes, self.tensor_bytes)]
+
+    def node_parts(self, worker: int) -> list[int]:
+        """The parts worker `worker` pulls: every part of an untiled version; of a version
+        in tiles, its node's ranks' tiles and the whole part (`tiles.node_parts`)."""
+        if not self.tiled:
+            return [0]
+        from tensorhub.tiles import node_parts
+
+        tiles = len(self.tiled) - 1
+        per_node = tiles // self.engine_nodes
+        node = worker % self.engine_nodes
+        return sorted(node_parts(range(node * per_node, (node + 1) * per_node), tiles, tiles))
+
+    @property
+    def share_bytes(self) -> int:
+        """The most bytes one worker pulls: the model, or its node's share of it."""
+        if not self.tiled:
+            return self.model_bytes
+        sizes = [manifest_bytes(m) for m in self.tiled]
+        return max(sum(sizes[p] for p in self.node_parts(w))
+                   for w in range(max(1, self.engine_nodes)))
 
     @property
     def lower_bound(self) -> float:
-        """A reader cannot finish before its NIC has received every byte."""
-        return self.model_bytes * 8 / (self.nic_gbps * GB) + self.latency + self.rpc
+        """A reader cannot finish before its NIC has received every byte it pulls, nor
+        before the trainer's has sent every byte of the version once (more than a node's
+        share, for a version in tiles)."""
+        nbytes = max(self.share_bytes, sum(manifest_bytes(m) for m in self.tiled))
+        return nbytes * 8 / (self.nic_gbps * GB) + self.latency + self.rpc
 
 
 class Completions:
@@ -69,6 +105,10 @@ class Completions:
     def ratio(self) -> float:
         """Worst completion over the lower bound."""
         return self.worst / self.config.lower_bound
+
+
+def manifest_bytes(manifest: Manifest) -> int:
+    return sum(t.nbytes for t in manifest.tensors)
 
 
 def synthetic_manifest(model_bytes: int, tensor_bytes: int) -> Manifest:

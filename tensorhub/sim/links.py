@@ -68,6 +68,7 @@ class Network:
         self.wan_rate = wan_rate
         self.nics: dict[str, Nic] = {}
         self.sent: dict[str, float] = {}  # bytes each worker sent, in transfers that ended
+        self.received: dict[str, float] = {}  # and received
 
     def add(self, name: str, nic: Nic) -> None:
         self.nics[name] = nic
@@ -121,6 +122,7 @@ class Network:
         self._remove(t)
         self._retime(t.src, t.dst)
         self.sent[t.src] = self.sent.get(t.src, 0.0) + t.nbytes
+        self.received[t.dst] = self.received.get(t.dst, 0.0) + t.nbytes
         t.on_done(t)
 
     def _remove(self, t: Transfer) -> None:

@@ -17,7 +17,10 @@ With `SimConfig.standby` the readers stand by before the first version exists
 published once all are, and the clock of the figures starts there; the placing is
 reported apart (`standby_seconds`, `standby_busy`). With `SimConfig.spread` readers ask at
 moments spread after the announcement, each timed from its own; with
-`SimConfig.failing_first` a reader that can reach no one asks first.
+`SimConfig.failing_first` a reader that can reach no one asks first. With `SimConfig.tiled`
+the version is published in tiles (a trainer worker per part, on one NIC) and each worker is
+a node of an engine that pulls its ranks' share, a reader per part on the node's NIC, as
+`PartedReplica(share=...)` does.
 """
 
 from __future__ import annotations
@@ -26,19 +29,22 @@ import itertools
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorhub import settings
 from tensorhub.coordinator.planner import PlannerConfig
 from tensorhub.coordinator.state import CoordinatorConfig, CoordinatorState
-from tensorhub.core.chunks import chunks_of
+from tensorhub.core.chunks import Chunk, chunks_of
 from tensorhub.core.data_types import (
     Announcement,
     Endpoint,
     ErrorReply,
     Heartbeat,
     LatestRequest,
+    Manifest,
     MemoryDesc,
+    Part,
     Publish,
     PullProgress,
     ReadPlan,
@@ -48,7 +54,7 @@ from tensorhub.core.errors import TransferError
 from tensorhub.core.layout import layout_id, plan_items
 from tensorhub.core.stripes import Poll, Read, progress_tag
 from tensorhub.reader.session import Ask, Parents, PullSession, Reader
-from tensorhub.sim.config import GB, Completions, SimConfig, synthetic_manifest
+from tensorhub.sim.config import GB, Completions, SimConfig, manifest_bytes
 from tensorhub.sim.coordinator_queue import CoordinatorQueue, Expiry
 from tensorhub.sim.links import EventLoop, Network, Nic
 
@@ -70,6 +76,17 @@ class SwarmResult(Completions):
     standby_seconds: float = 0.0  # placing every reader ahead (standby), before the version
     standby_busy: float = 0.0  # the coordinator's busy time in it
     trainer_copies: float = 0.0  # what the trainer sent for the version, in models
+    model_bytes: int = 0
+    node_bytes: dict[str, float] = field(default_factory=dict)  # each node received
+
+    @property
+    def engine_copies(self) -> float:
+        """The most an engine's nodes received together, in models: 1 for an engine that
+        pulls the model once whatever its node count, the node count for a copy per node."""
+        engines: Counter[int] = Counter()
+        for name, nbytes in self.node_bytes.items():
+            engines[int(name[1:]) // self.config.engine_nodes] += nbytes
+        return max(engines.values()) / self.model_bytes if engines else math.nan
 
     @property
     def busy_fraction(self) -> float:
@@ -83,19 +100,40 @@ class SwarmResult(Completions):
         return n / max(1, self.config.workers)
 
 
+@dataclass
+class _Part:
+    """One part of the version (the whole model, or a tile): what its readers pull."""
+
+    number: int
+    of: int
+    manifest: Manifest
+    layout_id: str
+    chunks: list[Chunk]
+    memory: list[MemoryDesc]
+
+    @classmethod
+    def of_manifest(cls, number: int, of: int, manifest: Manifest, chunk_bytes: int,
+                    base: itertools.count) -> _Part:
+        items = plan_items(manifest)
+        return cls(number, of, manifest, layout_id(manifest), chunks_of(items, chunk_bytes),
+                   [MemoryDesc(addr=next(base), nbytes=it.nbytes) for it in items])
+
+
 class _Reader:
-    """A simulated reader: a `PullSession` (what `Replica` runs) driven on the simulated
-    clock, links and coordinator queue."""
+    """A simulated reader of one part: a `PullSession` (what `Replica` runs) driven on the
+    simulated clock, links and coordinator queue. A node pulling a share of a version in
+    tiles has one per part, as `PartedReplica` has a `Replica` per part."""
 
     def __init__(self, sim: SwarmSim, name: str, labels: dict[str, str],
-                 broken: bool = False, delay: float = 0.0):
+                 broken: bool = False, delay: float = 0.0, part: int = 0):
         """`broken`: its transport reaches no one; `delay`: it asks for each version this
         long after the announcement."""
         self.sim, self.name, self.broken, self.delay = sim, name, broken, delay
+        self.part = sim.parts[part]
         reply = sim.queue.call_now(Register(name=name, role="replica", endpoint=sim.endpoint,
                                             labels=labels, progress=sim.progress))
         self.id = reply.worker_id
-        self.reader = Reader("m", sim.layout_id, sim.memory)
+        self.reader = Reader("m", self.part.layout_id, self.part.memory)
         self.alive = True
         self.pull: PullSession | None = None
         self.finished: float | None = None
@@ -114,7 +152,7 @@ class _Reader:
         return PullSession(self.reader, self.id, self.version, now=sim.loop.now,
                            deadline=sim.config.time_limit, warm=warm, held=self.held,
                            stall=sim.stall, poll_min=sim.poll_min, poll_max=sim.poll_max,
-                           chunks=sim.chunks, rng=sim.rng)
+                           chunks=self.part.chunks, rng=sim.rng)
 
     def start(self) -> None:
         """A cold pull: the announcement carried the manifest, so its buffers are allocated
@@ -160,7 +198,7 @@ class _Reader:
             return
         self.version = version
         warm = None if self.parents is None else self.parents.warm_plan(
-            announcement, self.sim.manifest, self.id, self.held)
+            announcement, self.part.manifest, self.id, self.held)
         if warm is None:
             self.start()
             return
@@ -223,7 +261,9 @@ class _Reader:
             return
         self.finished = self.sim.loop.now
         self.held, self.parents = self.version, self.pull.parents()
-        self.send(self.pull.hold(self.sim.memory, self.sim.manifest))
+        part = self.part
+        self.send(self.pull.hold(part.memory, part.manifest, Part(part=part.number,
+                                                                  parts=part.of)))
         for done in self.pull.end(ok=True):
             self.send(done)
         self.sim.finished_one(self)
@@ -256,6 +296,9 @@ class _Reader:
 class SwarmSim:
     def __init__(self, config: SimConfig, socket_cost: float = 0.0,
                  stripes: int = 2, stall: float = 5.0):
+        if config.tiled and config.standby:
+            raise ValueError("readers of a version in tiles do not stand by here: "
+                             "PartedReplica stands by with part 0 only")
         self.config = config
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
@@ -275,24 +318,32 @@ class SwarmSim:
         self.queue = CoordinatorQueue(self.loop, self.coordinator, config.rpc, socket_cost)
         self.endpoint = Endpoint(transport="zmq", address="tcp://sim:1")
         self.progress = MemoryDesc(addr=1 << 20, nbytes=1 << 16)
-        self.manifest = manifest = synthetic_manifest(config.model_bytes, config.tensor_bytes)
-        items = plan_items(manifest)
-        self.layout_id = layout_id(manifest)
-        self.chunks = chunks_of(items, config.chunk_bytes)
         base = itertools.count(1 << 30, 1 << 40)
-        self.memory = [MemoryDesc(addr=next(base), nbytes=it.nbytes) for it in items]
+        manifests = config.parts
+        self.parts = [_Part.of_manifest(k, len(manifests), m, config.chunk_bytes, base)
+                      for k, m in enumerate(manifests)]
+        self.model_bytes = sum(manifest_bytes(m) for m in manifests)
         self.replans = self.polls = 0
         self.reader_messages: Counter[str] = Counter()
         nic = config.nic_gbps * GB / 8
-        trainer = self.queue.call_now(Register(name="trainer", role="trainer",
-                                               endpoint=self.endpoint,
-                                               labels={"dc": "dc0", "node": "trainer"}))
-        self.trainer = trainer.worker_id
-        self.net.add(self.trainer, Nic(nic, nic, "dc0", "trainer"))
-        self._publish = Publish(worker_id=self.trainer, model="m", version=1,
-                                manifest=manifest, checksums=["x"] * len(items),
-                                memory=self.memory)
-        self.readers: list[_Reader] = []
+        # One trainer worker per part (as `TiledPublisher` has a `Publisher` per part),
+        # all on the trainer's one NIC.
+        trainer_nic = Nic(nic, nic, "dc0", "trainer")
+        self.trainers: list[str] = []
+        self._publishes: list[Publish] = []
+        for part in self.parts:
+            name = "trainer" if part.of == 1 else f"trainer.tile{part.number}"
+            trainer = self.queue.call_now(Register(name=name, role="trainer",
+                                                   endpoint=self.endpoint,
+                                                   labels={"dc": "dc0", "node": "trainer"}))
+            self.trainers.append(trainer.worker_id)
+            self.net.add(trainer.worker_id, trainer_nic)
+            self._publishes.append(Publish(
+                worker_id=trainer.worker_id, model="m", version=1, manifest=part.manifest,
+                checksums=["x"] * len(part.memory), memory=part.memory, part=part.number,
+                parts=part.of))
+        self.readers: list[_Reader] = []  # every part's reader, of every node
+        self.nodes: dict[str, list[_Reader]] = {}  # a node's readers, by the node's name
         self.by_id: dict[str, _Reader] = {}
         self.broken: _Reader | None = None
         if config.failing_first:  # (registered first, so on no node of the others)
@@ -304,12 +355,17 @@ class SwarmSim:
         for i in range(config.workers):
             labels = {"dc": f"dc{i % config.dcs}",
                       "node": f"n{i // config.dcs // config.per_node}"}
-            r = _Reader(self, f"w{i}", labels,
-                        delay=lead + i * config.spread / max(1, config.workers - 1))
-            self.net.add(r.id, Nic(nic, nic, labels["dc"], labels["node"]))
-            self.readers.append(r)
-            self.by_id[r.id] = r
+            node_nic = Nic(nic, nic, labels["dc"], labels["node"])
+            for p in config.node_parts(i):
+                r = _Reader(self, Part.worker_name(f"w{i}", p), labels,
+                            delay=lead + i * config.spread / max(1, config.workers - 1),
+                            part=p)
+                self.net.add(r.id, node_nic)
+                self.readers.append(r)
+                self.nodes.setdefault(f"w{i}", []).append(r)
+                self.by_id[r.id] = r
         self.trainer_sent = 0.0  # what the trainer had sent when the measured version came
+        self.received: dict[str, float] = {}  # what each reader had received by then
         self.version = 1  # the version published last
         self.done_count = 0
         self.measured_from = 0.0  # when the measured version was published
@@ -327,7 +383,7 @@ class SwarmSim:
         return reader.broken or (src is not None and src.broken)
 
     def read(self, reader: _Reader, action: Read) -> None:
-        nbytes = sum(self.chunks[c].nbytes for c in action.chunks)
+        nbytes = sum(reader.part.chunks[c].nbytes for c in action.chunks)
         start = self.loop.now + self._latency(action.source, reader.id)
         if self._unreachable(reader, action.source):
             self.loop.at(start, lambda: reader.read_done(action, False))
@@ -360,9 +416,10 @@ class SwarmSim:
 
     # ------------------------------------------------------------------ the run
     def _beat(self, worker_id: str) -> None:
-        if worker_id != self.trainer and not self.by_id[worker_id].alive:
+        trainer = worker_id not in self.by_id
+        if not trainer and not self.by_id[worker_id].alive:
             return
-        pull = None if worker_id == self.trainer else self.by_id[worker_id].pulling()
+        pull = None if trainer else self.by_id[worker_id].pulling()
         self.queue.send(Heartbeat(worker_id=worker_id, pull=pull))
         if self._running():
             self.loop.at(self.loop.now + 1.0, lambda: self._beat(worker_id))
@@ -402,22 +459,33 @@ class SwarmSim:
             self.loop.at(self.loop.now + 0.01, self._publish_next)
             return
         self.measured_from = self.loop.now
-        self.trainer_sent = self.net.sent.get(self.trainer, 0.0)
+        self.trainer_sent = self._trainer_sent()
+        self.received = dict(self.net.received)
         self.queue.busy, self.queue.longest_wait = 0.0, 0.0
         self.queue.messages.clear()
         self.reader_messages.clear()
         self.replans = self.polls = 0
-        publish = self._publish.model_copy(update={"version": self.version})
-        self.queue.send(publish, self._announce)
+        self._publish_parts(self._announce)
 
-    def _bound(self, reply) -> None:
-        """The first publish's reply: the model's credential, shown by every later one."""
-        owner = getattr(reply, "owner", None)
-        if owner is not None:
-            self._publish = self._publish.model_copy(update={"owner": owner})
+    def _trainer_sent(self) -> float:
+        return sum(self.net.sent.get(t, 0.0) for t in self.trainers)
 
-    def _announce(self, reply) -> None:
-        self._bound(reply)
+    def _publish_parts(self, then: Callable[[], None]) -> None:
+        """Every part of `self.version`, one publish each (the version is announced with
+        the last); `then` once the coordinator took them all."""
+        def bound(k: int, reply) -> None:
+            """A part's first publish: the model's credential, shown by every later one."""
+            owner = getattr(reply, "owner", None)
+            if owner is not None:
+                self._publishes[k] = self._publishes[k].model_copy(update={"owner": owner})
+            if k == len(self._publishes) - 1:
+                then()
+
+        for k, publish in enumerate(self._publishes):
+            self.queue.send(publish.model_copy(update={"version": self.version}),
+                            lambda reply, k=k: bound(k, reply))
+
+    def _announce(self) -> None:
         """The version's announcement, as the coordinator's PUB socket carries it to every
         reader."""
         announcement = self.queue.call_now(LatestRequest(model="m"))
@@ -430,25 +498,26 @@ class SwarmSim:
         return [self.broken, *self.readers] if self.broken is not None else self.readers
 
     def _schedule_kills(self, start: float) -> None:
-        """`SimConfig.kill` at `kill_at` of the lower bound after `start` (the publish)."""
+        """`SimConfig.kill` at `kill_at` of the lower bound after `start` (the publish): a
+        worker killed is its node, every part's reader on it."""
         for i in self.config.kill:
             self.loop.at(start + self.config.kill_at * self.config.lower_bound,
-                         lambda r=self.readers[i]: self._kill(r))
+                         lambda node=self.nodes[f"w{i}"]: self._kill(node))
 
-    def _kill(self, r: _Reader) -> None:
-        r.alive = False
-        self.net.kill(r.id)
+    def _kill(self, node: list[_Reader]) -> None:
+        for r in node:
+            r.alive = False
+            self.net.kill(r.id)
 
     def run(self) -> SwarmResult:
         if self.config.standby:
             for r in self.readers:
                 self.loop.at(0.0, r.stand_by)
         else:
-            self.queue.send(self._publish,
-                            lambda reply: [self._bound(reply)] + [
-                                self.loop.at(self.loop.now + self.config.rpc / 2 + r.delay,
-                                             r.start) for r in self._askers()])
-        for wid in [self.trainer, *self.by_id]:
+            self._publish_parts(lambda: [
+                self.loop.at(self.loop.now + self.config.rpc / 2 + r.delay, r.start)
+                for r in self._askers()])
+        for wid in [*self.trainers, *self.by_id]:
             self.loop.at(self.rng.random(), lambda w=wid: self._beat(w))
         self.loop.at(settings.EXPIRY_PERIOD, self._expire)
         if not self.config.standby:
@@ -456,20 +525,27 @@ class SwarmSim:
         self.loop.run(until=self.config.time_limit)
         layout = next(iter(
             self.coordinator.table.models["m"].versions[self.version].layouts.values()))
+        done = {name: max(r.finished for r in node) - self.measured_from - node[0].delay
+                for name, node in self.nodes.items()
+                if all(r.finished is not None and r.version == self.config.version
+                       for r in node)}
         return SwarmResult(
             self.config,
-            finished={r.name: r.finished - self.measured_from - r.delay for r in self.readers
-                      if r.finished is not None and r.version == self.config.version},
-            killed=[r.name for r in self.readers if not r.alive],
-            unfinished=[r.name for r in self.readers if r.alive and r.finished is None],
+            finished=done,
+            killed=[name for name, node in self.nodes.items() if not node[0].alive],
+            unfinished=[name for name, node in self.nodes.items()
+                        if node[0].alive and any(r.finished is None for r in node)],
             messages=dict(self.queue.messages), coordinator_busy=self.queue.busy,
             longest_wait=self.queue.longest_wait, socket_cost=self.queue.socket_cost,
             max_depth=layout.forest.deepest if layout.forest else 0,
             replans=self.replans, polls=self.polls,
             reader_messages=dict(self.reader_messages),
             standby_seconds=self.standby_seconds, standby_busy=self.standby_busy,
-            trainer_copies=(self.net.sent.get(self.trainer, 0.0) - self.trainer_sent)
-            / self.config.model_bytes)
+            trainer_copies=(self._trainer_sent() - self.trainer_sent) / self.model_bytes,
+            model_bytes=self.model_bytes,
+            node_bytes={name: sum(self.net.received.get(r.id, 0.0)
+                                  - self.received.get(r.id, 0.0) for r in node)
+                        for name, node in self.nodes.items()})
 
 
 def simulate_swarm(config: SimConfig, socket_cost: float = 0.0, **kwargs) -> SwarmResult:
