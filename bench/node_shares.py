@@ -4,12 +4,15 @@ models' shapes, against one copy per node and a copy per rank.
 An engine of TP = 8N ranks on N nodes of 8 (vLLM and SGLang place an engine's ranks on
 its nodes in consecutive blocks). Each version is laid out by `tensorhub.tiles.tile` in TP
 tiles (the real code, on tensors of the models' shapes on the meta device: no memory), and
-each node pulls the parts `tensorhub.tiles.node_parts` gives its ranks: its tiles of the
-q/gate/up (rows) and o/down (columns) projections, and the part every rank loads whole
-(norms, biases, K/V projections, embeddings and LM head). The figures are computed, not
-timed: bytes of the parts each node pulls, summed over the engine's nodes, / the model's
-bytes. The engine tests across two emulated hosts (`integration/test_*_nodes.py`) check
-the same sums against the bytes the coordinator saw pulled.
+each node pulls the parts `tensorhub.tiles.node_share` gives its ranks: its tiles of the
+q/k/v/gate/up projections, the embeddings and the LM head (rows) and of the o/down
+projections (columns), and the part every rank loads whole (norms, biases). Where TP exceeds
+the K/V heads, a group of TP / heads ranks loads one head's K/V rows, and a node whose ranks
+take part of a group pulls the group's tiles: with 8 K/V heads and 8 ranks a node, from 16
+nodes on. The figures are computed, not timed: bytes of the parts each node pulls, summed
+over the engine's nodes, / the model's bytes. The engine tests across two emulated hosts
+(`integration/test_*_nodes.py`) check the same sums against the bytes the coordinator saw
+pulled.
 
 Run: python -m bench.node_shares
 """
@@ -21,7 +24,7 @@ import argparse
 import torch
 
 from bench.results import Report
-from tensorhub.tiles import node_parts, tile
+from tensorhub.tiles import node_share, tile
 
 # config.json values: hidden, intermediate, heads, KV heads, head dim, vocab, layers,
 # q/k/v biases, tied embeddings.
@@ -68,7 +71,7 @@ def nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", default="2,4,8", help="nodes per engine, comma-separated")
+    p.add_argument("--nodes", default="2,4,8,16", help="nodes per engine, comma-separated")
     args = p.parse_args(argv)
     report = Report("node_shares")
     for model, config in MODELS.items():
@@ -77,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         for nodes in (int(n) for n in args.nodes.split(",")):
             tp = RANKS_PER_NODE * nodes
             parts = [nbytes(part.tensors) for part in tile(named, tp)]
-            per_node = [sum(parts[k] for k in node_parts(
-                range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), tp, tp))
+            kv_heads = config[3]
+            per_node = [sum(parts[k] for k in node_share(
+                range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), tp, kv_heads)(
+                    len(parts), tp))
                 for n in range(nodes)]
             label = f"{model} ({total / 2**30:.0f} GiB bf16), TP={tp} on {nodes} nodes"
             report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,

@@ -7,7 +7,7 @@ per row, slower than reading the whole weight (`bench/results/share_reads.md`), 
 trainer lays each version out in `tiles` tiles in which every share is contiguous: tile t
 holds rows [tR/T, (t+1)R/T) of each column-parallel weight and columns [tC/T, (t+1)C/T) of
 each row-parallel one, stored contiguous (`TILED`). One more part holds what every rank
-loads whole (norms, biases, K/V projections, embeddings, tensors that do not divide).
+loads whole (norms, biases, tensors that do not divide).
 
 Each tile is a part of a sharded version (`Publisher(part=, parts=)`), so it has its own
 checksums, holders, relay forest and failover: a node pulls the parts of its tiles
@@ -19,6 +19,7 @@ up to it that divides it splits on tile edges. Design: docs/design/sharded-versi
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,15 +31,21 @@ from tensorhub.core.data_types import Manifest
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, manifest_of
 from tensorhub.publisher import Publisher
 
-# The linear layers tiled, by the dim tensor parallelism splits them on: a language model's
+# The weights tiled, by the dim tensor parallelism splits them on: a language model's
 # decoder layers (Llama, Qwen, Mistral names), column-parallel by output rows, row-parallel
-# by input columns. K and V projections stay whole: under GQA a rank may load another
-# rank's KV heads. Embeddings and the LM head stay whole too: engines pad the vocabulary
-# before they split it. So do experts (expert parallelism places them otherwise) and vision
-# towers (engines may run them data-parallel): their names do not match.
-_DECODER = r"^(model\.|model\.language_model\.|language_model\.model\.)layers\.\d+\."
-TILED = {0: re.compile(_DECODER + r"(self_attn\.q_proj|mlp\.gate_proj|mlp\.up_proj)\.weight$"),
+# by input columns, and its embeddings and LM head by vocabulary rows. Under GQA with more
+# ranks than K/V heads, a group of ranks loads one head's K/V rows (`node_share` pulls the
+# whole group's tiles). Experts (expert parallelism places them otherwise) and vision
+# towers (engines may run them data-parallel) stay whole: their names do not match.
+_MODEL = r"^(model\.|model\.language_model\.|language_model\.model\.)"
+_DECODER = _MODEL + r"layers\.\d+\."
+VOCAB = re.compile(_MODEL + r"embed_tokens\.weight$|^(language_model\.)?lm_head\.weight$")
+TILED = {0: re.compile(_DECODER + r"(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)"
+                       r"\.weight$|" + VOCAB.pattern),
          1: re.compile(_DECODER + r"(self_attn\.o_proj|mlp\.down_proj)\.weight$")}
+# vLLM and SGLang pad the vocabulary to a multiple of this before they split it over TP
+# ranks: only then are a rank's rows of a vocabulary that divides into the tiles its tiles.
+VOCAB_PADDING = 64
 
 Share = Callable[[int, "int | None"], set[int]]
 
@@ -64,13 +71,15 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
          split: Callable[[str], int | None] = split_dim) -> list[Tile]:
     """`tiles` + 1 parts of a state dict: parts 0..tiles-1 the tiles (column slices made
     contiguous: a copy of the row-parallel weights), part `tiles` every tensor kept whole
-    (`split` says None, not 2-D, or not divisible into `tiles`)."""
+    (`split` says None, not 2-D, or not divisible into `tiles`; a vocabulary not a multiple
+    of `VOCAB_PADDING` too)."""
     if tiles < 1:
         raise ValueError(f"tiles: at least 1, not {tiles}")
     parts = [Tile() for _ in range(tiles + 1)]
     for name, t in named:
         dim = split(name)
-        if dim is None or t.dim() != 2 or t.shape[dim] % tiles:
+        multiple = math.lcm(tiles, VOCAB_PADDING) if VOCAB.search(name) else tiles
+        if dim is None or t.dim() != 2 or t.shape[dim] % multiple:
             parts[tiles].tensors.append((name, t))
             continue
         step = t.shape[dim] // tiles
@@ -111,10 +120,19 @@ def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
     return wanted
 
 
-def node_share(ranks: Iterable[int], tp: int) -> Share:
+def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Share:
     """What a node's copy pulls of each version (`PartedReplica(share=)`): its ranks'
-    tiles of a version in tiles that split over `tp`; every part of any other."""
+    tiles of a version in tiles that split over `tp`; every part of any other.
+
+    `kv_heads`: the model's K/V heads. With more ranks than heads, each group of
+    tp / kv_heads ranks loads one head's K/V rows, the tiles of the whole group: a node
+    whose ranks take part of a group pulls the group's tiles (engines place ranks on nodes
+    in blocks, so a node of 8 ranks splits no group up to TP = 8 x kv_heads)."""
     ranks = sorted(ranks)
+    if kv_heads and tp > kv_heads and tp % kv_heads == 0:
+        group = tp // kv_heads
+        ranks = sorted({q for r in ranks for q in range(r // group * group,
+                                                        (r // group + 1) * group)})
 
     def share(parts: int, tiles: int | None) -> set[int]:
         if tiles is None or tiles % tp:

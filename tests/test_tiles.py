@@ -50,7 +50,8 @@ def test_each_tile_holds_a_contiguous_share_of_rows_or_columns():
         assert torch.equal(tensors[q], state[q][k * HIDDEN // 4:(k + 1) * HIDDEN // 4])
     shared = dict(parts[4].tensors)
     assert set(shared) == {n for n in state if split_dim(n) is None}
-    assert "model.layers.0.self_attn.k_proj.weight" in shared  # (GQA: ranks may share KV)
+    assert set(shared) == {"model.norm.weight"} | {f"model.layers.{i}.input_layernorm.weight"
+                                                   for i in range(2)}
     check_parts_fit([manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=4)
                      for p in parts])
     with pytest.raises(ValueError, match="4 tiles make 5 parts, not 4"):
@@ -69,7 +70,7 @@ def test_columns_that_overlap_do_not_fit():
 def test_tiles_in_the_wrong_parts_do_not_fit():
     parts = tile(llama_state(0).items(), 2)
     manifests = [manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=2) for p in parts]
-    with pytest.raises(ValueError, match=r"part 1 holds 0\.\.128 of 256, not tile 1 of 2"):
+    with pytest.raises(ValueError, match=r"part 1 holds 0\.\.512 of 1024, not tile 1 of 2"):
         check_parts_fit([manifests[1], manifests[0], manifests[2]])
     with pytest.raises(ValueError, match="in 2 tiles is published in 3 parts, not 1"):
         Publish(worker_id="t", model="m", version=1, manifest=manifests[0],
@@ -166,14 +167,40 @@ def test_a_node_loads_its_ranks_tiles_and_the_shared_part():
     assert share(3, None) == {0, 1, 2}  # (a version not in tiles: every part)
 
 
-def test_linear_weights_are_tiled_on_the_dim_tensor_parallelism_splits():
-    assert split_dim("model.layers.3.self_attn.q_proj.weight") == 0
-    assert split_dim("model.layers.3.mlp.up_proj.weight") == 0
+def test_weights_are_tiled_on_the_dim_tensor_parallelism_splits():
+    for rows in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight",
+                 "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.3.self_attn.v_proj.weight", "model.embed_tokens.weight",
+                 "lm_head.weight", "model.language_model.embed_tokens.weight"):
+        assert split_dim(rows) == 0, rows
     assert split_dim("model.layers.3.self_attn.o_proj.weight") == 1
     assert split_dim("model.layers.3.mlp.down_proj.weight") == 1
-    for whole in ("model.layers.3.self_attn.o_proj.bias", "model.layers.3.self_attn.v_proj.weight",
-                  "model.embed_tokens.weight", "lm_head.weight"):
-        assert split_dim(whole) is None
+    for whole in ("model.layers.3.self_attn.o_proj.bias", "model.layers.3.self_attn.k_proj.bias",
+                  "model.layers.3.input_layernorm.weight",
+                  "model.layers.3.mlp.experts.0.up_proj.weight"):
+        assert split_dim(whole) is None, whole
+
+
+def test_a_vocabulary_engines_would_pad_stays_whole():
+    """Engines pad the vocabulary to a multiple of 64 before splitting it: 1000 rows would
+    split as 512 + 488 at TP=2, not on the tiles' 500."""
+    padded = torch.zeros(1000, 8)
+    parts = tile([("model.embed_tokens.weight", padded),
+                  ("model.layers.0.mlp.up_proj.weight", torch.zeros(16, 8)),
+                  ("model.norm.weight", torch.zeros(8))], 2)
+    assert [n for n, _ in parts[2].tensors] == ["model.embed_tokens.weight",
+                                                "model.norm.weight"]
+    parts = tile([("model.embed_tokens.weight", torch.zeros(1024, 8)),
+                  ("model.norm.weight", torch.zeros(8))], 2)
+    assert parts[0].rows == {"model.embed_tokens.weight": (0, 1024)}
+
+
+def test_a_node_whose_ranks_split_a_kv_head_group_pulls_the_whole_groups_tiles():
+    """TP=8 over 4 nodes of 2 ranks and 2 K/V heads: ranks 0-3 load head 0's K/V rows, so
+    the node of ranks 2 and 3 pulls ranks 0-3's tiles; at 4 K/V heads it pulls its own."""
+    assert node_share([2, 3], 8, kv_heads=2)(9, 8) == {0, 1, 2, 3, 8}
+    assert node_share([2, 3], 8, kv_heads=4)(9, 8) == {2, 3, 8}
+    assert node_share([2, 3], 8, kv_heads=16)(9, 8) == {2, 3, 8}
 
 
 @pytest.mark.slow

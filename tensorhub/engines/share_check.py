@@ -4,7 +4,7 @@ A node's copy of a version in tiles holds its ranks' share (`tensorhub/tiles.py`
 the engine whole-shaped tensors whose other rows and columns are NaN
 (`parted.whole_tensors`). Which rows a rank's loaders read is decided by a rule (the tiled
 names, the plugins' `_share`), not learnt from the engine, so the first load from a share
-is followed by a scan of the rank's live projection parameters: a NaN there means a loader
+is followed by a scan of the rank's live parameters of tiled weights: a NaN there means a loader
 read outside the share. The load then fails (the engine restores the version before), and
 the engine pulls versions whole from then on. A rank's share depends on the tile count
 only, so each tile count is checked once. Parameters an engine packs away after loading
@@ -24,8 +24,8 @@ from tensorhub.core.errors import TensorHubError
 log = logging.getLogger("tensorhub.engines")
 
 # The live parameters tiled checkpoint tensors are loaded into (fused or not).
-PROJECTIONS = ("q_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "o_proj",
-               "down_proj")
+TILED_PARAMS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj",
+                "gate_up_proj", "o_proj", "down_proj", "embed_tokens", "lm_head")
 _CHUNK = 1 << 24  # elements scanned at a time (a bounded scratch mask on a full device)
 
 
@@ -50,7 +50,7 @@ class ShareCheck:
             return
         scanned = 0
         for name, param in params:
-            if not any(f".{p}." in name for p in PROJECTIONS) or not param.numel() \
+            if not any(f".{p}." in f".{name}" for p in TILED_PARAMS) or not param.numel() \
                     or not param.is_floating_point():
                 continue
             try:
@@ -67,8 +67,8 @@ class ShareCheck:
         self.passed.add(share_tiles)
         if scanned:
             log.info("TensorHub: this rank loads only its node's share of versions in %d "
-                     "tiles (%d projections checked, once)", share_tiles, scanned)
+                     "tiles (%d tiled weights checked, once)", share_tiles, scanned)
         else:
-            log.info("TensorHub: this rank's projections are not parameters after loading "
+            log.info("TensorHub: this rank's tiled weights are not parameters after loading "
                      "(packed by the engine): its loads from a share of versions in %d tiles "
                      "cannot be checked", share_tiles)

@@ -80,18 +80,19 @@ class Scheduler:
 
     def __init__(self, settings: EngineSettings, rank: int, one_copy: bool, instance: str,
                  votes: RankVote | None = None, reports: Reports | None = None,
-                 nodes: int = 1, tiled_shares: bool = True):
+                 nodes: int = 1, tiled_shares: bool = True, kv_heads: int | None = None):
         """`votes`: the TP ranks' votes, if already made (their rounds must stay in step:
         one per process); `reports`: where this rank reports (default: the status
         directory of a one-node engine); `nodes`: the nodes the engine's ranks span;
         `tiled_shares`: whether the copy may pull only its ranks' tiles of a version in
-        tiles (`splits_by_tp`)."""
+        tiles (`splits_by_tp`); `kv_heads`: the model's K/V heads (`tiles.node_share`)."""
         self.settings = settings
         self.reports = reports
         self.rank = rank
         self.one_copy = one_copy  # the TP ranks of a node share its lowest rank's copy
         self.nodes = nodes
         self.tiled_shares = tiled_shares
+        self.kv_heads = kv_heads
         self.name = worker_name(instance, rank)  # the checkpoint copy's
         self.native_name = native_worker_name(instance, rank)
         self.native: NativeHolder | None = None
@@ -253,7 +254,7 @@ class Scheduler:
                      "copy pulls every part of a version in tiles")
             return None
         ranks = node_of(self.rank, tp, self.nodes) if self.one_copy else [self.rank]
-        return node_share(ranks, tp)
+        return node_share(ranks, tp, self.kv_heads)
 
     def _drop_copy(self) -> None:
         """Free the checkpoint copy: withdraw what it holds (its reads end first), then
@@ -548,6 +549,13 @@ def splits_by_tp(text_config, server_args) -> bool:
         return False
 
 
+def kv_heads_of(text_config) -> int | None:
+    """The model's K/V heads (None where its config does not say)."""
+    heads = getattr(text_config, "num_key_value_heads", None) or \
+        getattr(text_config, "num_attention_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
 def tp_reshaped(text_config) -> bool:
     """Whether SGLang padded the language model's heads or intermediate size so that its
     TP size divides them (on CPU, `adjust_config_with_unaligned_cpu_tp`, which keeps the
@@ -656,7 +664,8 @@ def after_load_model(result, runner):
             settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
                                                 nodes),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
-            nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_text_config, args))
+            nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_text_config, args),
+            kv_heads=kv_heads_of(runner.model_config.hf_text_config))
         scheduler.native = NativeHolder(
             settings.coordinator, settings.model, scheduler.native_name,
             native_params(runner.model, rank, args.tp_size), transport=settings.transport,

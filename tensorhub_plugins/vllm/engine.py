@@ -122,7 +122,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         tp = len(group.ranks)
         ranks = node_of(group.rank_in_group, tp, engine_nodes(pc)) if self.one_copy \
             else [group.rank_in_group]
-        return node_share(ranks, tp)
+        try:
+            kv_heads = self.vllm_config.model_config.get_total_num_kv_heads()
+        except Exception:  # (a model whose config does not say: K/V as if one per rank)
+            kv_heads = None
+        return node_share(ranks, tp, kv_heads)
 
     def _rank_votes(self) -> RankVote:
         if self._votes is None:
