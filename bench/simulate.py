@@ -102,7 +102,7 @@ def tiled(model: str, engines: int, nodes: int, socket_cost: float) -> None:
         runs[label] = (config, result)
         print(f"{label}: worst {result.worst:.2f} s = {result.ratio:.3f} x the bound "
               f"({len(result.finished)} of {config.workers} nodes, unfinished "
-              f"{len(result.unfinished)}; {time.monotonic() - started:.0f} s here)")
+              f"{len(result.unfinished)}; {time.monotonic() - started:.0f} s here)", flush=True)
     (config, result), (_, whole) = runs["in tiles"], runs["untiled"]
     share = config.share_bytes / result.model_bytes
     name = f"{model}, {engines} engines x {nodes} nodes, {config.nic_gbps:.0f} Gbit/s NICs"
