@@ -15,6 +15,7 @@ import pytest
 from integration.engine_server import EngineServer, free_port
 from integration.engine_venvs import engine_python
 from tensorhub.tools.child_process import ChildProcess
+from tensorhub_testing import shared_memory
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -23,6 +24,17 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if here in Path(item.path).parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_memory_left_by_engines():
+    """At the end of the session, the /dev/shm segments its engines left behind and no
+    live process uses are removed (`tensorhub_testing.shared_memory`)."""
+    before = shared_memory.names()
+    yield
+    removed = shared_memory.remove_unused(before)
+    if removed:
+        print(f"\nremoved {len(removed)} shared-memory segments engines left in /dev/shm")
 
 
 def _engine_python(target: str) -> str:
