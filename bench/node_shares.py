@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         total = nbytes(named)
         for nodes in (int(n) for n in args.nodes.split(",")):
             tp = RANKS_PER_NODE * nodes
+            if config[2] % tp:  # (engines refuse a TP size that does not divide the heads)
+                continue
             parts = [nbytes(part.tensors) for part in tile(named, tp)]
             kv_heads = config[3]
             per_node = [sum(parts[k] for k in node_share(

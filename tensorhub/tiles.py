@@ -88,8 +88,8 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
             parts[k].tensors.append((name, piece.contiguous()))
             (parts[k].cols if dim else parts[k].rows)[name] = (k * step, t.shape[dim])
     if not parts[0].tensors:
-        raise ValueError(f"nothing to tile: no q/gate/up/o/down projection splits into "
-                         f"{tiles} tiles")
+        raise ValueError(f"nothing to tile: no decoder projection, embedding or LM head "
+                         f"(`TILED`) splits into {tiles} tiles")
     if not parts[tiles].tensors:
         raise ValueError("every tensor was tiled, none is left for the part every rank "
                          "loads whole (a model has norms): publish it untiled")
@@ -126,8 +126,9 @@ def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Sh
 
     `kv_heads`: the model's K/V heads. With more ranks than heads, each group of
     tp / kv_heads ranks loads one head's K/V rows, the tiles of the whole group: a node
-    whose ranks take part of a group pulls the group's tiles (engines place ranks on nodes
-    in blocks, so a node of 8 ranks splits no group up to TP = 8 x kv_heads)."""
+    whose ranks take part of a group pulls the group's tiles. Engines place ranks on nodes
+    in blocks, so a node splits no group while tp / kv_heads divides its rank count; past
+    that, a group of G nodes' ranks has each of them pull G nodes' tiles."""
     ranks = sorted(ranks)
     if kv_heads and tp > kv_heads and tp % kv_heads == 0:
         group = tp // kv_heads

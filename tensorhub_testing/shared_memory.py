@@ -4,8 +4,8 @@ live process uses any more.
 vLLM (its `psm_*` message queues), Python's multiprocessing (`sem.mp-*`) and SGLang
 (`sgl*`) create named segments that a process killed at teardown never unlinks, so they pile
 up across runs on a machine that is kept. The engine tests remove, at the end of their
-session, the segments that appeared during it and that no process maps or holds open:
-never one a live process still uses.
+session, the engines' segments that appeared during it, that this user owns and that no
+process maps or holds open: never one a live process still uses.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 
 SHM = Path("/dev/shm")
+# What the engines name their segments: vLLM's message queues, Python's multiprocessing
+# semaphores, SGLang's queues and loads.
+ENGINE_PREFIXES = ("psm_", "sem.mp-", "sgl")
 
 
 def names(shm: Path = SHM) -> set[str]:
@@ -45,11 +48,14 @@ def in_use(shm: Path = SHM) -> set[str]:
 
 
 def remove_unused(before: set[str], shm: Path = SHM) -> list[str]:
-    """Unlink the segments that appeared since `before` (`names()`) and that no live
-    process uses; the names removed."""
+    """Unlink the engines' segments (`ENGINE_PREFIXES`, ours) that appeared since
+    `before` (`names()`) and that no live process uses; the names removed."""
     removed = []
-    for name in sorted(names(shm) - before - in_use(shm)):
+    fresh = {n for n in names(shm) - before if n.startswith(ENGINE_PREFIXES)}
+    for name in sorted(fresh - in_use(shm)):
         try:
+            if (shm / name).stat().st_uid != os.getuid():
+                continue
             (shm / name).unlink()
             removed.append(name)
         except OSError:

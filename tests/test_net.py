@@ -49,7 +49,7 @@ def test_across_hosts_ucx_uses_the_interface_towards_the_coordinator(tmp_path, m
 
 def test_rdma_hosts_keep_ucx_s_own_transport_choice(tmp_path):
     net, ib = _sysfs(tmp_path, {"lo": "unknown", "ib0": "up"}, rdma=["mlx5_0"])
-    assert ucx_defaults(host="10.0.0.5", sys_net=net, sys_ib=ib) == {}
+    assert ucx_defaults(host="10.0.0.5", sys_net=net, sys_ib=ib) == {"UCX_TCP_CONN_NB": "y"}
 
 
 def test_the_loopback_interface_holds_127_0_0_1():

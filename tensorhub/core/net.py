@@ -188,10 +188,11 @@ def ucx_defaults(cuda_ipc: bool = False, host: str = "127.0.0.1",
       SYN retries, ~2 minutes, inside NIXL's `add_remote_agent`, where no stall timeout
       reaches; non-blocking, the read that follows makes no progress and is given up
       after the stall timeout like any read of a silent peer.
-    - With RDMA devices UCX's own choice (which prefers them) is left alone.
+    - With RDMA devices UCX's own choice (which prefers them) is left alone, but for
+      `UCX_TCP_CONN_NB`.
     """
     if rdma_devices(sys_ib):
-        return {}
+        return {"UCX_TCP_CONN_NB": "y"}  # (where UCX still picks tcp lanes)
     devices = "lo" if is_loopback(host) else interface_of(host)
     if devices is None:
         devices = ",".join(network_interfaces(sys_net)) or "lo"

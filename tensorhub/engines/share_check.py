@@ -35,23 +35,27 @@ def _has_nan(param: torch.Tensor) -> bool:
 
 
 class ShareCheck:
-    """One per rank: scans its projection parameters after its first load from a share of
-    a version in each tile count."""
+    """One per rank: scans the parameters its tiled weights load into after its first load
+    from a share of a version in each tile count."""
 
     def __init__(self) -> None:
         self.passed: set[int] = set()  # tile counts whose first load passed
 
     def after_load(self, params: Iterable[tuple[str, torch.Tensor]],
                    share_tiles: int | None) -> None:
-        """Raise `TensorHubError` ("outside_share") if a projection parameter holds NaN
-        after the first load from a share of a version in `share_tiles` tiles (None: not
-        a share)."""
+        """Raise `TensorHubError` ("outside_share") if a parameter a tiled weight loads
+        into holds NaN after the first load from a share of a version in `share_tiles`
+        tiles (None: not a share)."""
         if share_tiles is None or share_tiles in self.passed:
             return
-        scanned = 0
+        scanned, packed = 0, 0
         for name, param in params:
-            if not any(f".{p}." in f".{name}" for p in TILED_PARAMS) or not param.numel() \
-                    or not param.is_floating_point():
+            if not any(f".{p}." in f".{name}" for p in TILED_PARAMS):
+                continue
+            if not param.numel():  # (its weights packed away by the engine)
+                packed += 1
+                continue
+            if not param.is_floating_point():
                 continue
             try:
                 bad = _has_nan(param)
@@ -68,7 +72,7 @@ class ShareCheck:
         if scanned:
             log.info("TensorHub: this rank loads only its node's share of versions in %d "
                      "tiles (%d tiled weights checked, once)", share_tiles, scanned)
-        else:
-            log.info("TensorHub: this rank's tiled weights are not parameters after loading "
-                     "(packed by the engine): its loads from a share of versions in %d tiles "
-                     "cannot be checked", share_tiles)
+        if packed:
+            log.info("TensorHub: %d of this rank's tiled weights are not parameters after "
+                     "loading (packed by the engine): its loads of them from a share of "
+                     "versions in %d tiles cannot be checked", packed, share_tiles)

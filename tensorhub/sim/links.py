@@ -85,15 +85,18 @@ class Network:
         self._retime(src, dst)
 
     def kill(self, name: str) -> None:
-        """The worker dies: every transfer from or to it stops; readers see theirs fail."""
+        """The worker dies, with its NIC and every worker on it (a node's part readers
+        share one): every transfer from or to that NIC stops; its readers see theirs
+        fail."""
         nic = self.nics[name]
         nic.alive = False
         stopped = list(nic.sending) + list(nic.receiving)
         for t in stopped:
             self._remove(t)
-        self._retime(*dict.fromkeys(t.dst if t.src == name else t.src for t in stopped))
+        self._retime(*dict.fromkeys(t.dst if self.nics[t.src] is nic else t.src
+                                    for t in stopped))
         for t in stopped:
-            if t.src == name:
+            if self.nics[t.src] is nic:
                 t.on_fail(t)
 
     def _rate(self, t: Transfer) -> float:
