@@ -1,5 +1,8 @@
 """vLLM end to end: real `vllm serve` engines with the TensorHub plugin, a real coordinator,
-a trainer publishing float32 versions; greedy tokens checked against HF transformers."""
+a trainer publishing float32 versions; greedy tokens checked against HF transformers.
+
+The tests run in file order on one fleet, each on the versions the tests before it
+published (v1 first, v7 last): one run alone with `-k` finds the fleet at v1."""
 
 from __future__ import annotations
 

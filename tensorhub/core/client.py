@@ -84,21 +84,21 @@ class CoordinatorClient:
         if self.curve_server_key is not None:
             curve.secure_client(sock, self.curve_server_key, self._keypair)
 
-    def _new_socket(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _new_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.secure(sock)
+        # Watched with or without CURVE: a client without the token fails the handshake
+        # of a coordinator that has one (a mechanism mismatch), and is told so.
         monitor = sock.get_monitor_socket(  # (a fresh address: an fd-named one may be taken)
-            _HANDSHAKE_EVENTS, addr=f"inproc://tensorhub-monitor-{uuid.uuid4().hex}") \
-            if self.curve_server_key is not None else None
+            _HANDSHAKE_EVENTS, addr=f"inproc://tensorhub-monitor-{uuid.uuid4().hex}")
         sock.connect(self.address)
         return sock, monitor
 
     def _refused(self, request) -> CoordinatorError | None:
         """Why the coordinator's handshakes fail, if they did since the last success."""
-        if self._monitor is not None:
-            self._handshake.take(self._monitor)
+        self._handshake.take(self._monitor)
         if self._handshake.failed < REFUSALS:
             return None
         return CoordinatorError(
@@ -110,6 +110,55 @@ class CoordinatorClient:
             f"{settings.CURVE_SERVER_KEY.name} to its public key",
             code="unauthorized")
 
+    def _send(self, request, frames: list[bytes], deadline: float, timeout: float) -> None:
+        """Queue a request, waiting no later than `deadline` for a connection to take it.
+        Bounded like the reply: with the coordinator gone, requests queue up to the
+        socket's high-water mark, and a blocking send would then wait for ever. A
+        connection writable when polled may be dropped before the send (a handshake the
+        coordinator refused): the wait then goes on for the next one."""
+        while True:
+            self._wait(request, zmq.POLLOUT, deadline, timeout, unsent=True)
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                continue
+
+    def _wait(self, request, event: int, deadline: float, timeout: float,
+              unsent: bool = False) -> None:
+        """Return once the socket is ready for `event`; raise at `deadline`, or as soon as
+        the handshakes are refused (no use waiting out the timeout then)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, event)
+        poller.register(self._monitor, zmq.POLLIN)
+        while not self._sock.poll(0, event):
+            refused = self._refused(request)
+            if refused is not None:
+                raise refused
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(int(remaining * 1000) + 1):
+                raise self._unanswered(request, timeout, unsent)
+
+    def _unanswered(self, request, timeout: float,
+                    unsent: bool = False) -> CoordinatorError | CoordinatorUnavailable:
+        """Why a call got no reply in time: a refused handshake, or no coordinator."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        hint = ("" if self.curve_server_key is not None else
+                " (if it uses a token, set TENSORHUB_TOKEN as it has it; if it "
+                f"uses a CURVE key, set {settings.CURVE_SERVER_KEY.name} to its "
+                f"public key)")
+        if unsent:
+            return CoordinatorUnavailable(
+                f"cannot send {request.type!r} to the coordinator at {self.address} within "
+                f"{timeout:.1f}s: no connection to it takes requests ({SNDHWM} wait unsent "
+                f"once it has been unreachable for a while); is `tensorhub coordinator` "
+                f"running there?{hint}")
+        return CoordinatorUnavailable(
+            f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
+            f"to {request.type!r}; is `tensorhub coordinator` running there?{hint}")
+
     def call(self, request, timeout: float | None = None):
         """Send one request; return its typed reply or raise `CoordinatorError` /
         `CoordinatorUnavailable`."""
@@ -117,30 +166,11 @@ class CoordinatorClient:
         req_id = uuid.uuid4().bytes
         payload = encode(self.credentials.envelope(request))
         with self._lock:
-            if self._monitor is not None:  # (read every call: its queue is bounded)
-                self._handshake.take(self._monitor)
+            self._handshake.take(self._monitor)  # (read every call: its queue is bounded)
             deadline = time.monotonic() + timeout
-            # Bounded like the reply: with the coordinator gone, requests queue up to the
-            # socket's high-water mark, and a blocking send would then wait for ever.
-            if not self._sock.poll(int(timeout * 1000) + 1, zmq.POLLOUT):
-                raise CoordinatorUnavailable(
-                    f"cannot send {request.type!r} to the coordinator at {self.address}: "
-                    f"{SNDHWM} requests wait unsent (it has been unreachable for a while)")
-            self._sock.send_multipart([req_id, payload], zmq.NOBLOCK)
+            self._send(request, [req_id, payload], deadline, timeout)
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
-                    refused = self._refused(request)
-                    if refused is not None:
-                        raise refused
-                    hint = ("" if self.curve_server_key is not None else
-                            " (if it uses a token, set TENSORHUB_TOKEN as it has it; if it "
-                            f"uses a CURVE key, set {settings.CURVE_SERVER_KEY.name} to its "
-                            f"public key)")
-                    raise CoordinatorUnavailable(
-                        f"no reply from the coordinator at {self.address} within {timeout:.1f}s "
-                        f"to {request.type!r}; is `tensorhub coordinator` running there?{hint}"
-                    )
+                self._wait(request, zmq.POLLIN, deadline, timeout)
                 frames = self._sock.recv_multipart()
                 if len(frames) == 2 and frames[0] == req_id:
                     break  # anything else is a late reply to a call that timed out
@@ -157,9 +187,8 @@ class CoordinatorClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(0)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
 
@@ -169,7 +198,7 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 
 
 class _Handshake:
-    """What a client socket's monitor said of its CURVE handshakes: `failed` scores those
+    """What a client socket's monitor said of its handshakes: `failed` scores those
     that failed since the last that succeeded. A handshake refused in so many words (ZAP,
     a mechanism mismatch) scores `REFUSALS` at once; one cut short scores 1 (a coordinator
     with another key drops it silently, but so does one killed mid-way)."""
