@@ -449,7 +449,7 @@ class Replica:
             # holder, rather than a momentarily idle trainer (trees, not stars).
             self.session.offer(pull.hold(self.layout.memory(), self.layout.manifest,
                                          self.part, self.session.transport.endpoint()),
-                               self.layout)
+                               self.layout, planned=True)
             self.version = plan.version
             self._checksums, self._late_seen = plan.checksums, late_before
             if relay:

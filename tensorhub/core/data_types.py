@@ -166,6 +166,12 @@ class Hold(Part):
     manifest: Manifest | None = None
     checksums: list[str] | None = Field(default=None, max_length=MAX_TENSORS)
 
+    def by_reference(self) -> Hold:
+        """This Hold naming its layout by id alone, for a layout the coordinator planned
+        the read from: the manifest and checksums it already has are most of the bytes
+        it decodes (a fleet's part readers send one each per version)."""
+        return self.model_copy(update={"manifest": None, "checksums": None})
+
 
 class Withdraw(Strict):
     """A holder stops serving a version (before overwriting it). Idempotent: call again to

@@ -278,14 +278,17 @@ class WorkerSession:
                         checksums=checksums, part=part.part if part else 0,
                         parts=part.parts if part else 1), layout)
 
-    def offer(self, hold: Hold, layout: BoundLayout) -> None:
+    def offer(self, hold: Hold, layout: BoundLayout, planned: bool = False) -> None:
         """`hold` (of the bytes of `layout`) told to the coordinator, and kept: offered
-        again after a re-registration, or later when it is unreachable now."""
+        again after a re-registration, or later when it is unreachable now. `planned`:
+        the coordinator planned the pull of this layout, so it is named by id alone
+        (`Hold.by_reference`), and told in full only if the coordinator no longer has it
+        (restarted since)."""
         model, version = hold.model, hold.version
         with self._lock:
             self._holds[(model, version)] = (layout, hold)
             try:
-                self.call(hold)
+                self._tell(hold, planned)
             except CoordinatorUnavailable:
                 # The bytes are complete and verified: keep serving them, and announce them
                 # as soon as the coordinator answers again (the heartbeat loop retries).
@@ -361,6 +364,16 @@ class WorkerSession:
                         self._holds.pop(key, None)
                 self._unannounced.discard(key)
                 self._offer_after.pop(key, None)
+
+    def _tell(self, hold: Hold, planned: bool) -> None:
+        if planned:
+            try:
+                self.call(hold.by_reference())
+                return
+            except CoordinatorError as exc:
+                if exc.code not in ("layout_mismatch", "unknown_version"):
+                    raise
+        self.call(hold)
 
     def remember(self, model: str, version: int, layout: BoundLayout, hold: Hold) -> None:
         with self._lock:

@@ -263,7 +263,7 @@ class _Reader:
         self.held, self.parents = self.version, self.pull.parents()
         part = self.part
         self.send(self.pull.hold(part.memory, part.manifest, Part(part=part.number,
-                                                                  parts=part.of)))
+                                                                  parts=part.of)).by_reference())
         for done in self.pull.end(ok=True):
             self.send(done)
         self.sim.finished_one(self)
