@@ -13,12 +13,13 @@ import pickle
 import socket
 import time
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from integration.faults import load_fault_env
+from integration.faults import checkpoint_layout_env, load_fault_env
 from integration.sglang_server import SGLangServer
 from integration.test_vllm import (
     PLUGIN_ARGS,
@@ -69,8 +70,11 @@ def fleet(tmp_path_factory, sglang_python, vllm_python, coordinator_process):
                                    # (the test tokenizer has none: for /v1/chat/completions)
                                    "--chat-template", "chatml"],
                        log_path=root / "sglang.log").launch()
+    # (its live weights in the checkpoint's layout, as on a GPU: a sparse step is written
+    # into them word by word, and they can be read)
     vllm = VLLMServer(vllm_python, versions.dir, extra_args=PLUGIN_ARGS,
-                      env=plugin_env(address), log_path=root / "vllm.log").launch()
+                      env={**plugin_env(address), **checkpoint_layout_env()},
+                      live_weights=True, log_path=root / "vllm.log").launch()
     try:
         sgl.wait_healthy(300)
         vllm.wait_healthy(300)
@@ -298,13 +302,28 @@ def _checksums(server: SGLangServer) -> tuple[str, dict[str, str]]:
     return r["per_engine_checksum"], rank["checksums"]
 
 
+def _vllm_live(server: VLLMServer, prefix) -> dict[str, str]:
+    """vLLM's live parameters (one rank), each tensor's checksum."""
+    from safetensors.torch import load_file
+
+    from tensorhub.core.checksum import checksum
+
+    [rank] = server.dump_live_weights(prefix)
+    try:
+        return {n: checksum(t) for n, t in load_file(rank["path"]).items()}
+    finally:
+        Path(rank["path"]).unlink()
+
+
 def test_a_sparse_step_is_installed_sparse_and_byte_equal_to_a_whole_install(fleet):
-    """A 1 %-density step that reaches the engine as a patch is written into the live
-    parameters word by word (the scheduler compared the new version with them before the
-    pause); SGLang's own checksums of its live parameters then equal those after a whole
-    install (`load_weights`) of the same bytes."""
+    """A 1 %-density step that reaches an engine as a patch is written into its live
+    parameters word by word (each compared the new version with them before the pause);
+    their checksums then equal those after a whole install of the same bytes: SGLang's
+    own, and vLLM's live parameters read back (its CPU twin of a GPU's weights, which keep
+    the checkpoint's layout)."""
     base = fleet.pub.publish(fleet.versions.state(2))  # dense: installed whole
     wait_sglang(fleet.sgl, base)
+    wait_serving(fleet.vllm, base)
     step = sparse_step(fleet.versions.state(2), seed=5)
     version = fleet.pub.publish(step)
     assert fleet.pub.last_patch.version == version
@@ -313,17 +332,29 @@ def test_a_sparse_step_is_installed_sparse_and_byte_equal_to_a_whole_install(fle
     assert (rank["applied"], rank["install"]) == (version, "sparse"), rank
     total = sum(t.numel() for t in step.values())
     assert 0 < rank["changed"] < 0.05 * total
+    assert wait_serving(fleet.vllm, version)["last_update"]["install"] == "sparse"
     sparse_sums = _checksums(fleet.sgl)
     sparse_tokens = fleet.sgl.greedy(fleet.prompts, TOKENS)
+    vllm_sums = _vllm_live(fleet.vllm, fleet.root / "live")
+    vllm_tokens = fleet.vllm.greedy(fleet.prompts, TOKENS)
+    from integration.tiny_model import hf_greedy
+
+    assert vllm_tokens == sparse_tokens == hf_greedy(fleet.versions.dir, fleet.prompts,
+                                                     TOKENS, state_dict=step)
     # the same bytes again, installed whole: from a version far from them (dense change)
-    wait_sglang(fleet.sgl, fleet.pub.publish(fleet.versions.state(3)))
+    dense = fleet.pub.publish(fleet.versions.state(3))
+    wait_sglang(fleet.sgl, dense)
+    wait_serving(fleet.vllm, dense)
+    assert _vllm_live(fleet.vllm, fleet.root / "live") != vllm_sums
     again = fleet.pub.publish(step)
     wait_sglang(fleet.sgl, again)
     rank = scheduler_status(fleet.sgl)
     assert (rank["applied"], rank["install"]) == (again, "whole"), rank
     assert _checksums(fleet.sgl) == sparse_sums
     assert fleet.sgl.greedy(fleet.prompts, TOKENS) == sparse_tokens
-    wait_serving(fleet.vllm, again)
+    assert wait_serving(fleet.vllm, again)["last_update"]["install"] == "whole"
+    assert _vllm_live(fleet.vllm, fleet.root / "live") == vllm_sums
+    assert fleet.vllm.greedy(fleet.prompts, TOKENS) == vllm_tokens
 
 
 def test_a_client_streams_through_twenty_updates_without_a_failed_request(fleet):

@@ -7,7 +7,9 @@ processes through its environment by the tests alone: no product code reads them
 `freeze_fault_env(file)`: once `file` exists, a vLLM engine freezes the requests in flight
 (its own `keep` pause) right after one of them produced a token, and removes `file`.
 `skew_share_env(file)`: while `file` exists, a copy pulling its node's share of a version in
-tiles pulls the other tiles."""
+tiles pulls the other tiles.
+`checkpoint_layout_env()`: a vLLM engine on CPU keeps its live weights in the checkpoint's
+layout, as on a GPU (not a fault: the CPU twin of a GPU engine's weights)."""
 
 from __future__ import annotations
 
@@ -31,3 +33,7 @@ def freeze_fault_env(freeze_file: Path) -> dict[str, str]:
 
 def skew_share_env(skew_file: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(FAULTS_DIR), "TENSORHUB_TEST_SKEW_SHARE": str(skew_file)}
+
+
+def checkpoint_layout_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(FAULTS_DIR), "TENSORHUB_TEST_CHECKPOINT_LAYOUT": "1"}

@@ -15,6 +15,10 @@ product code knows of them: they wrap `CheckpointCopy` once its module loads.
 - `TENSORHUB_TEST_SKEW_SHARE`: while the file it names exists, a checkpoint copy that pulls
   a node's share of a version in tiles pulls the other tiles instead (and the part every
   rank loads whole), as a rule that misjudged which rows the engine's ranks load would.
+- `TENSORHUB_TEST_CHECKPOINT_LAYOUT=1`: vLLM's CPU build keeps its linear weights as it
+  loaded them and multiplies with `torch.nn.functional.linear`, instead of repacking them for
+  its CPU GEMMs: the live weights keep the checkpoint's layout, as vLLM's on a GPU do. The
+  CPU twin of a GPU engine for what writes into live weights (a sparse install).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ FAULT_FILE = os.environ.get("TENSORHUB_TEST_FAULT_LOAD")
 REFUSE = os.environ.get("TENSORHUB_TEST_FAULT_REFUSE")
 FREEZE_FILE = os.environ.get("TENSORHUB_TEST_FREEZE")
 SKEW_FILE = os.environ.get("TENSORHUB_TEST_SKEW_SHARE")
+CHECKPOINT_LAYOUT = os.environ.get("TENSORHUB_TEST_CHECKPOINT_LAYOUT") == "1"
 
 
 def faulty_version() -> int | None:
@@ -131,6 +136,20 @@ def skew(module) -> None:
     replica.wanted = skewed
 
 
+def keep_checkpoint_layout(module) -> None:
+    """vLLM's `dispatch_cpu_unquantized_gemm`, as it falls back where no CPU GEMM applies:
+    the weight kept, `torch.nn.functional.linear` on it."""
+    import torch
+
+    def dispatch(layer, remove_weight: bool) -> None:
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    module.dispatch_cpu_unquantized_gemm = dispatch
+
+
+if CHECKPOINT_LAYOUT:
+    sys.meta_path.insert(0, WrapOnImport("vllm.model_executor.layers.utils",
+                                         keep_checkpoint_layout))
 if SKEW_FILE:
     sys.meta_path.insert(0, WrapOnImport("tensorhub.parted", skew))
 if FAULT_FILE or REFUSE:

@@ -2,6 +2,7 @@
 engine imports here. Plugins import from this package (the names below) and from
 `tensorhub`'s top level, never from `tensorhub.core` or `tensorhub.coordinator`."""
 
+from tensorhub.engines import sparse_install
 from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.background_check import BackgroundCheck, CheckAnswer, all_ready, refusal_in
 from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad, alone, versions_to_release
@@ -67,6 +68,7 @@ __all__ = [
     "restore_after",
     "salted",
     "show_tensorhub_logs",
+    "sparse_install",
     "tied_optional",
     "versions_to_release",
 ]

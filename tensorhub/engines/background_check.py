@@ -37,6 +37,8 @@ class CheckAnswer(BaseModel):
     state: Literal["checking", "ready", "refused"]
     reason: str = Field(default="", max_length=4000)
     outcome: LoadOutcome | None = None
+    # ready to install sparse: the elements it will write (`sparse_install`); None: whole
+    sparse: int | None = Field(default=None, ge=0)
 
     @classmethod
     def refused(cls, reason: str) -> CheckAnswer:
@@ -52,9 +54,10 @@ class BackgroundCheck:
         self._latest: dict[str, tuple[tuple[int, int], Future]] = {}  # asker -> its check
 
     def answer(self, asker: str, attempt: int, version: int,
-               check: Callable[[], None]) -> CheckAnswer:
+               check: Callable[[], int | None]) -> CheckAnswer:
         """How far `asker`'s check `attempt` of `version` is (started here, with `check`,
-        the first time it is asked about)."""
+        the first time it is asked about). `check` returns the elements a sparse install
+        it prepared will write, or None (a whole install)."""
         key = (attempt, version)
         with self._lock:
             latest = self._latest.get(asker)
@@ -67,7 +70,8 @@ class BackgroundCheck:
             return CheckAnswer(state="checking")
         failure = done.exception()
         if failure is None:
-            return CheckAnswer(state="ready")
+            sparse = done.result()
+            return CheckAnswer(state="ready", sparse=sparse if type(sparse) is int else None)
         if isinstance(failure, InstallFailed):
             return CheckAnswer(state="refused", reason=str(failure)[:4000],
                                outcome=failure.outcome)

@@ -58,9 +58,9 @@ from tensorhub.engines import (
     node_share,
     one_copy_per_engine,
     restore_after,
+    sparse_install,
     tied_optional,
 )
-from tensorhub_plugins.sglang import sparse
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 from tensorhub_plugins.sglang.reports import (
@@ -107,9 +107,9 @@ class Scheduler:
         self.model = None  # SGLang's model (set once it is loaded)
         self.prepared: int | None = None  # the version `prepare` last checked
         self._writes = 0  # bumped whenever the live parameters may be written
-        self._blocks: dict[str, sparse.Block] | None = None  # where checkpoint tensors land
+        self._blocks: dict[str, sparse_install.Block] | None = None  # where checkpoint tensors land
         self._sparse_error: str | None = None  # why this model is always installed whole
-        self._plan: sparse.Plan | None = None
+        self._plan: sparse_install.Plan | None = None
         self._install: dict = {}  # the last checkpoint-path install: how, how many elements
         self._applying = False  # an update is writing the live parameters (no preparing)
         self._error: str | None = None  # the last error reported to the driver
@@ -163,7 +163,7 @@ class Scheduler:
         """Before the pause (a thread of ours, while SGLang serves): check and verify the
         copy's `version` again (`CheckpointCopy.prepare`) and, for a model whose tensors
         land as blocks of its live parameters, find the words that differ from what they
-        hold (`sparse.plan`). The swap's install then writes only those."""
+        hold (`sparse_install.plan`). The swap's install then writes only those."""
         checkpoint, model = self.checkpoint, self.model
         if checkpoint is None or model is None:
             return
@@ -178,7 +178,7 @@ class Scheduler:
                 return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):
                 return None
-            return sparse.plan(model, self._blocks, named, version, key)
+            return sparse_install.plan(model, self._blocks, named, version, key)
 
         started = time.perf_counter()
         self._plan = None
@@ -205,7 +205,10 @@ class Scheduler:
         if self._blocks is None and self._sparse_error is None and self.model is not None:
             started = time.perf_counter()
             try:
-                self._blocks = sparse.live_blocks(self.model, named)
+                from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+                self._blocks = sparse_install.live_blocks(self.model, named,
+                                                          default_weight_loader)
                 log.info("TensorHub: sparse steps are installed sparse (their tensors' places "
                          "in the live parameters learnt in %.0f ms)",
                          (time.perf_counter() - started) * 1e3)
@@ -307,7 +310,7 @@ class Scheduler:
             self.torn = True
             self._writes += 1
             if plan is not None:
-                sparse.install(plan)
+                sparse_install.install(plan)
                 self._install = {"install": "sparse", "changed": plan.changed}
             else:
                 model.load_weights(named)

@@ -42,6 +42,7 @@ from tensorhub.engines import (
     node_share,
     outcome_in,
     restore_after,
+    sparse_install,
     tied_optional,
 )
 from tensorhub_plugins.vllm import fp8_install
@@ -87,6 +88,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         # its first load shows vLLM's quantization is ours, then True or False.
         self._fp8_direct: bool | None = False
         self._quantized: tuple[int, dict] | None = None  # (version, its fp8 layers)
+        # A sparse step written word by word where the live weights keep the checkpoint's
+        # layout (`sparse_install`; a GPU's, not vLLM's CPU GEMMs, which repack them).
+        self._blocks: dict[str, sparse_install.Block] | None = None
+        self._sparse_error: str | None = None  # why this model is always installed whole
+        self._plan: sparse_install.Plan | None = None
+        self._writes = 0  # loads into the live weights: a plan is valid for one count
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -223,14 +230,18 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         except Exception as exc:
             return CheckAnswer.refused(f"checking failed: {exc}").model_dump()
 
-    def _check(self, checkpoint: CheckpointCopy, version: int) -> None:
+    def _check(self, checkpoint: CheckpointCopy, version: int) -> int | None:
         """The check before the pause (a thread of its own); an fp8 engine that quantizes
         before the pause quantizes the verified copy here too (if that fails, vLLM's reload
-        quantizes it inside the pause)."""
+        quantizes it inside the pause); a version that came as patches is compared with the
+        live weights, for a sparse install (`_plan_sparse`: the elements it will write)."""
         self._quantized = None
+        if not self._fp8_direct and checkpoint.version == version and checkpoint.by_patches \
+                and not self.one_copy and self._sparse_error is None:
+            return self._plan_sparse(checkpoint, version)
         if not self._fp8_direct or checkpoint.version != version:
             checkpoint.check(version)  # (a copy that holds another version: the install says)
-            return
+            return None
         started = time.perf_counter()
 
         def quantize(named) -> dict | None:
@@ -246,6 +257,56 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             self._quantized = (version, quantized)
             log.info("TensorHub: v%d verified and quantized before the pause in %.0f ms",
                      version, (time.perf_counter() - started) * 1e3)
+        return None
+
+    def _live_key(self) -> tuple:
+        """What the live weights hold: a sparse plan is valid only for these bytes."""
+        return (self.applied, self._writes)
+
+    def _plan_sparse(self, checkpoint: CheckpointCopy, version: int) -> int | None:
+        """Verify the copy and find the words of `version` that differ from the live
+        weights (`sparse_install.plan`), while the engine generates; the install then
+        writes only those. None: it installs whole (too much changed, or this model's
+        live weights do not keep the checkpoint's layout: learnt once)."""
+        started, key = time.perf_counter(), self._live_key()
+        self._plan = None
+
+        def then(named) -> sparse_install.Plan | None:
+            if self._live_key() != key or not self._learn_blocks(named):
+                return None
+            return sparse_install.plan(self.model, self._blocks, named, version, key)
+
+        try:
+            plan = checkpoint.prepare(version, then)
+        except TensorHubError as exc:
+            if exc.code != "unknown_version":
+                raise
+            return None  # (the copy moved on meanwhile: the install says)
+        if plan is None:
+            return None
+        self._plan = plan
+        log.info("TensorHub: v%d verified and planned sparse before the pause in %.0f ms: "
+                 "%d of %d elements differ", version, (time.perf_counter() - started) * 1e3,
+                 plan.changed, plan.total)
+        return plan.changed
+
+    def _learn_blocks(self, named) -> bool:
+        """Where the checkpoint tensors land in the live weights (once): whether a sparse
+        install is possible on this model."""
+        if self._blocks is None and self._sparse_error is None:
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            started = time.perf_counter()
+            try:
+                self._blocks = sparse_install.live_blocks(self.model, named,
+                                                          default_weight_loader)
+                log.info("TensorHub: sparse steps are installed sparse (their tensors' "
+                         "places in the live weights learnt in %.0f ms)",
+                         (time.perf_counter() - started) * 1e3)
+            except Exception as exc:  # (Unsupported, or a loader that cannot be probed)
+                self._sparse_error = str(exc)
+                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
+        return self._blocks is not None
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it
@@ -320,9 +381,19 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         the pause, its fp8 layers and the parameters it can place written instead, and only
         the rest reloaded."""
         quantized, self._quantized = self._quantized, None
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.version == version and plan.key == self._live_key() \
+                and self.checkpoint.prepared(version):
+            started = time.perf_counter()
+            self._writes += 1
+            sparse_install.install(plan)
+            log.info("TensorHub: v%d installed sparse: %d of %d elements written in %.1f ms",
+                     version, plan.changed, plan.total, (time.perf_counter() - started) * 1e3)
+            return
         if self._fp8_direct and quantized is not None and quantized[0] == version \
                 and self.checkpoint.prepared(version):
             try:
+                self._writes += 1
                 rest = fp8_install.write(self.model, quantized[1], named)
                 if rest:
                     self._load(rest)
@@ -380,6 +451,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._share_check.after_load(self.model.named_parameters(), share_tiles)
 
     def _reload(self, named) -> None:
+        self._writes += 1
         initialize_layerwise_reload(self.model)
         try:
             self.model.load_weights(iter(named))

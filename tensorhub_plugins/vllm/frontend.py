@@ -87,6 +87,7 @@ class Frontend:
         self._opening: asyncio.Future | None = None  # vLLM's update session (`check`)
         self._asker = uuid.uuid4().hex[:12]  # this front end, to its workers' checks
         self._check_attempts = 0  # each swap's check is an attempt of its own
+        self._install_kind = "whole"  # how the ranks said they will install the version
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -150,6 +151,9 @@ class Frontend:
             if refusal is not None:
                 raise refusal
             if all_ready(answers):
+                # (how the ranks will install it: sparse where every one planned so)
+                self._install_kind = "sparse" if all(a.sparse is not None for a in answers) \
+                    else "whole"
                 break
             await asyncio.sleep(settings.CHECK_POLL)
         await self._open_update()
@@ -223,7 +227,8 @@ class Frontend:
             if isinstance(failure, BaseException):
                 raise failure
         clock.mark("finish")
-        return {"pause_mode": self.settings.pause, "steps_ms": clock.ms}
+        return {"pause_mode": self.settings.pause, "install": self._install_kind,
+                "steps_ms": clock.ms}
 
     async def _reset_cache(self) -> None:
         """KV computed with the old weights must not serve the new ones: requests kept

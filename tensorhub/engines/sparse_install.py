@@ -1,36 +1,42 @@
-"""A sparse step installed as sparse: only the words that changed are written into SGLang's
-live parameters.
+"""A sparse step installed as sparse: only the words that changed are written into an
+engine's live parameters, where they keep the checkpoint's layout (SGLang; vLLM on a GPU).
 
 Where each checkpoint tensor lands in the live parameters is learnt once from the model's
 own weight loaders (`live_blocks`): each checkpoint tensor is loaded, as a tensor of its
 element indices, into a scratch copy of its live parameter, so the fused q/k/v and
 gate/up row offsets, a TP rank's slice and the embedding's padding come out exactly as
-`load_weights` lays them. A tensor is supported when it lands as one rectangular block,
-element for element, in a live parameter of its dtype; a model with any other tensor (an
-unknown name, a tied lm_head kept as a separate parameter, a dtype cast) is installed whole
-(`load_weights`), always.
+the engine's `load_weights` lays them. A tensor is supported when it lands as one
+rectangular block, element for element, in a live parameter of its dtype; a model with any
+other tensor (an unknown name, a tied lm_head kept as a separate parameter, a dtype cast,
+a weight the engine repacked: vLLM's CPU GEMMs) is installed whole, always.
 
 Before the pause (`plan`), the new version in the checkpoint copy is compared word for word
 with the live parameters through those blocks; the pause then writes only the words that
 differ (`install`). The result is byte-equal to a whole install by construction: every other
 word already held the new version's bits. A plan is only valid for the live bytes it was
-compared with (the scheduler keys it by the version they hold and a count of writes).
+compared with (the caller keys it by the version they hold and a count of writes).
+
+The engine plugins give what is theirs: the fused parameters of their models (`Stacked`)
+and the loader a parameter without one of its own is loaded with.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("tensorhub.sglang")
+log = logging.getLogger("tensorhub.engines")
 
-# SGLang's stacked parameters for Llama/Qwen2-style models (its `stacked_params_mapping`):
-# (live parameter, checkpoint name part, shard id).
+# Llama/Qwen2-style models' fused parameters, as both engines name them (their
+# `stacked_params_mapping`): (live parameter, checkpoint name part, shard id).
 STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
            ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
            ("gate_up_proj", "up_proj", 1))
+Stacked = tuple[tuple[str, str, object], ...]
+Loader = Callable[..., None]  # (param, loaded_weight[, shard id])
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Above this fraction of changed words a whole install is as fast: no plan.
 MAX_DENSITY = 0.25
@@ -49,8 +55,8 @@ class Unsupported(Exception):
     pass
 
 
-def _target(name: str, params: dict) -> tuple[str, object]:
-    for fused, part, shard in STACKED:
+def _target(name: str, params: dict, stacked: Stacked) -> tuple[str, object]:
+    for fused, part, shard in stacked:
         if f".{part}." in name:
             fused_name = name.replace(f".{part}.", f".{fused}.")
             if fused_name in params:
@@ -64,19 +70,22 @@ def _index_dtype(numel: int) -> torch.dtype:
     return torch.float32 if numel < 1 << 24 else torch.float64  # (exact integers)
 
 
-def _probe(param: torch.nn.Parameter, shape: torch.Size, shard) -> torch.Tensor:
+def _probe(param: torch.nn.Parameter, shape: torch.Size, shard,
+           default_loader: Loader) -> torch.Tensor:
     """Where each element of a checkpoint tensor of `shape` lands in `param`: a float
-    copy of `param` holding the element's flat index there, -1 elsewhere."""
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
-
+    copy of `param` holding the element's flat index there, -1 elsewhere (in host memory,
+    of `param`'s class and attributes: loaders that are the parameter's own methods, as
+    vLLM's, see what they expect). The live parameter is not touched."""
     dtype = _index_dtype(shape.numel())
-    scratch = torch.nn.Parameter(torch.full(param.shape, -1.0, dtype=dtype),
-                                 requires_grad=False)
-    for key, value in vars(param).items():  # output_dim, input_dim, weight_loader, ...
-        if not key.startswith("_"):
+    data = torch.full(param.shape, -1.0, dtype=dtype)
+    scratch = torch.nn.Parameter(data, requires_grad=False) if type(param) is \
+        torch.nn.Parameter else torch.Tensor._make_subclass(type(param), data, False)
+    own = type(param) is not torch.nn.Parameter  # (a class whose methods read `_` fields)
+    for key, value in vars(param).items():  # output_dim, weight_loader, tp_rank, ...
+        if not key.startswith("__") and (own or not key.startswith("_")):
             setattr(scratch, key, value)
     index = torch.arange(shape.numel(), dtype=dtype).view(shape)
-    loader = getattr(param, "weight_loader", default_weight_loader)
+    loader = getattr(param, "weight_loader", None) or default_loader
     if shard is None:
         loader(scratch, index)
     else:
@@ -110,7 +119,8 @@ def _block(name: str, where: torch.Tensor, shape: torch.Size) -> tuple[tuple, tu
     return dst, src
 
 
-def live_blocks(model, named: list[tuple[str, torch.Tensor]]) -> dict[str, Block]:
+def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Loader,
+                stacked: Stacked = STACKED) -> dict[str, Block]:
     """Each checkpoint tensor's block in the live parameters; `Unsupported` when any one has
     none (the model is then always installed whole)."""
     params = dict(model.named_parameters())
@@ -119,17 +129,24 @@ def live_blocks(model, named: list[tuple[str, torch.Tensor]]) -> dict[str, Block
         raise Unsupported("a tied lm_head kept as a parameter of its own")
     blocks = {}
     for name, tensor in named:
-        pname, shard = _target(name, params)
+        pname, shard = _target(name, params, stacked)
         param = params[pname]
         if param.dtype != tensor.dtype:
             raise Unsupported(f"{name}: {tensor.dtype} loaded into {param.dtype}")
+        if param.dim() != tensor.dim() or param.numel() == 0:
+            raise Unsupported(f"{name}: its live parameter {pname} is "
+                              f"{tuple(param.shape)} (repacked by the engine)")
         if shard is None and param.shape == tensor.shape \
                 and getattr(param, "weight_loader", None) is None:
-            # SGLang's default loader: a plain copy of the whole tensor
+            # the engine's default loader: a plain copy of the whole tensor
             whole = tuple(slice(0, n) for n in tensor.shape)
             blocks[name] = Block(pname, whole, whole)
             continue
-        dst, src = _block(name, _probe(param, tensor.shape, shard), tensor.shape)
+        try:
+            where = _probe(param, tensor.shape, shard, default_loader)
+        except Exception as exc:  # (a loader that cannot be probed this way)
+            raise Unsupported(f"{name}: its loader could not be probed ({exc})") from None
+        dst, src = _block(name, where, tensor.shape)
         blocks[name] = Block(pname, dst, src)
     return blocks
 
@@ -139,7 +156,7 @@ class Plan:
     """The words of the live parameters that differ from a version, and their new bits."""
 
     version: int
-    key: tuple  # what the live parameters held when compared (the scheduler's)
+    key: tuple  # what the live parameters held when compared (the caller's key)
     writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (flat param, idx, bits)
     changed: int  # elements
     total: int
@@ -178,7 +195,8 @@ def plan(model, blocks: dict[str, Block], named: list[tuple[str, torch.Tensor]],
         if not param.is_contiguous():
             raise Unsupported(f"{block.param}: not contiguous")
         src = new[block.src]
-        where = (_bits(param[block.dst]) != _bits(src)).nonzero(as_tuple=True)
+        live = param[block.dst].to(src.device)  # (a GPU's weights: compared in host memory)
+        where = (_bits(live) != _bits(src)).nonzero(as_tuple=True)
         n = where[0].numel()
         if n == 0:
             continue
@@ -190,8 +208,8 @@ def plan(model, blocks: dict[str, Block], named: list[tuple[str, torch.Tensor]],
     writes = []
     for pname, parts in per_param.items():
         flat = _bits(params[pname].data).view(-1)
-        writes.append((flat, torch.cat([i for i, _ in parts]),
-                       torch.cat([v for _, v in parts])))
+        writes.append((flat, torch.cat([i for i, _ in parts]).to(flat.device),
+                       torch.cat([v for _, v in parts]).to(flat.device)))
     return Plan(version, key, writes, changed, total)
 
 
