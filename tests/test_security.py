@@ -96,6 +96,41 @@ def test_one_handshake_cut_short_is_a_timeout_not_a_refusal():
         thread.join(5)
 
 
+@pytest.mark.parametrize("token", [None, "t"], ids=["no token", "token"])
+def test_handshakes_cut_short_for_a_while_are_waited_out_not_taken_as_a_refusal(token):
+    """A proxy whose coordinator restarts accepts connections and drops them, many times
+    over; the call waits (within its timeout) and is answered once the coordinator is back,
+    with or without a token."""
+    from tensorhub.coordinator.server import Coordinator
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.settimeout(0.1)
+    coordinator = []
+
+    def drop_connections_then_start_the_coordinator():
+        for _ in range(10):  # ~1 s of connections cut short (libzmq retries every 0.1 s)
+            try:
+                conn, _ = listener.accept()
+                conn.close()
+            except TimeoutError:
+                pass
+        listener.close()
+        coordinator.append(Coordinator(CoordinatorConfig(
+            bind=f"tcp://127.0.0.1:{port}", token=token)).start())
+
+    thread = threading.Thread(target=drop_connections_then_start_the_coordinator)
+    thread.start()
+    client = CoordinatorClient(f"tcp://127.0.0.1:{port}", token=token, timeout=10.0)
+    try:
+        assert client.call(StatusRequest()).type == "status_reply"
+    finally:
+        client.close()
+        thread.join(10)
+        for c in coordinator:
+            c.stop()
+
+
 def test_a_client_gets_a_clear_timeout_not_a_hang_when_nobody_answers():
     client = CoordinatorClient("tcp://127.0.0.1:9", timeout=0.5)  # discard port: no server
     with pytest.raises(CoordinatorUnavailable, match="no reply from the coordinator"):

@@ -76,7 +76,9 @@ class CoordinatorClient:
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock, self._monitor = self._new_socket()
-        self._handshake = _Handshake()
+        # (without CURVE a connection cut short says nothing of keys: only a refusal in so
+        # many words, a CURVE coordinator's mechanism mismatch, counts)
+        self._handshake = _Handshake(cut_short_counts=self.curve_server_key is not None)
 
     def secure(self, sock: zmq.Socket) -> None:
         """Make a (not yet connected) socket of ours speak to the coordinator as this
@@ -96,10 +98,11 @@ class CoordinatorClient:
         sock.connect(self.address)
         return sock, monitor
 
-    def _refused(self, request) -> CoordinatorError | None:
-        """Why the coordinator's handshakes fail, if they did since the last success."""
+    def _refused(self, request, outright: bool = False) -> CoordinatorError | None:
+        """Why the coordinator's handshakes fail, if they did since the last success
+        (`outright`: only if the last one was refused in so many words)."""
         self._handshake.take(self._monitor)
-        if self._handshake.failed < REFUSALS:
+        if self._handshake.failed < REFUSALS or (outright and not self._handshake.outright):
             return None
         return CoordinatorError(
             f"the coordinator at {self.address} refused our handshake for {request.type!r} "
@@ -127,12 +130,14 @@ class CoordinatorClient:
     def _wait(self, request, event: int, deadline: float, timeout: float,
               unsent: bool = False) -> None:
         """Return once the socket is ready for `event`; raise at `deadline`, or as soon as
-        the handshakes are refused (no use waiting out the timeout then)."""
+        a handshake is refused in so many words (no use waiting out the timeout then;
+        handshakes cut short may be a coordinator restarting behind a proxy, and count
+        only at the deadline)."""
         poller = zmq.Poller()
         poller.register(self._sock, event)
         poller.register(self._monitor, zmq.POLLIN)
         while not self._sock.poll(0, event):
-            refused = self._refused(request)
+            refused = self._refused(request, outright=True)
             if refused is not None:
                 raise refused
             remaining = deadline - time.monotonic()
@@ -200,11 +205,15 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 class _Handshake:
     """What a client socket's monitor said of its handshakes: `failed` scores those
     that failed since the last that succeeded. A handshake refused in so many words (ZAP,
-    a mechanism mismatch) scores `REFUSALS` at once; one cut short scores 1 (a coordinator
-    with another key drops it silently, but so does one killed mid-way)."""
+    a mechanism mismatch) scores `REFUSALS` at once and is `outright`; one cut short scores
+    1 (a coordinator with another key drops it silently, but so does one killed mid-way,
+    or a proxy whose coordinator restarts), and nothing where the client has no CURVE key
+    (a CURVE coordinator refuses such a client outright)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cut_short_counts: bool = True) -> None:
         self.failed = 0
+        self.outright = False  # the last failure was a refusal in so many words
+        self._cut_short_counts = cut_short_counts
         self._up = False
         self._counted = False  # this connection's failure is scored already
 
@@ -213,12 +222,16 @@ class _Handshake:
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.failed, self._up, self._counted = 0, True, False
+                self.outright = False
             elif event == zmq.EVENT_DISCONNECTED:
-                self.failed += not (self._up or self._counted)
+                cut_short = not (self._up or self._counted) and self._cut_short_counts
+                self.failed += cut_short
+                self.outright = self.outright and not cut_short
                 self._up = self._counted = False
             elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self.failed += 1
+                self.failed += self._cut_short_counts
+                self.outright = self.outright and not self._cut_short_counts
                 self._counted = True
             else:  # refused: wrong credentials, or no CURVE at all on one side
                 self.failed += REFUSALS
-                self._counted = True
+                self.outright = self._counted = True
