@@ -25,6 +25,7 @@ from tensorhub.core.data_types import (
     RetentionRequest,
     Withdraw,
     Withdrawn,
+    checksums_digest,
 )
 from tensorhub.core.wire import encode
 
@@ -59,6 +60,13 @@ def hold(state: CoordinatorState, req: Hold) -> Ack:
         if lid != req.layout_id:
             raise Reject("layout_mismatch", "layout id does not match the manifest")
         new_layout = lid
+    elif req.checksums is None and req.checksums_digest is not None \
+            and req.checksums_digest != checksums_digest(layout.checksums):
+        # by reference, but verified against other checksums than this layout's now (its
+        # record made again since the plan): told in full, it is compared as below
+        raise Reject("layout_mismatch",
+                     f"version {req.version}'s layout {req.layout_id} has other checksums "
+                     f"than those it was verified against; send them")
     elif req.checksums is not None and list(req.checksums) != layout.checksums:
         if req.layout_id not in vrec.part_ids and not layout.untrusted:
             # Nobody but its holders vouches for a layout other than the publisher's: two

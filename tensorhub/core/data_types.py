@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import xxhash
 from pydantic import Field, model_validator
 
 from tensorhub.core.manifest import Manifest, TensorSpec  # noqa: F401 - (part of the protocol)
@@ -150,6 +151,11 @@ class Publish(Part):
         return self
 
 
+def checksums_digest(checksums: list[str]) -> str:
+    """One short digest of a layout's checksums (`Hold.by_reference`)."""
+    return xxhash.xxh3_64_hexdigest("\n".join(checksums).encode())
+
+
 class Hold(Part):
     """A worker holds a complete, verified copy of an existing version (of one part of it,
     for a sharded version) and serves reads of it."""
@@ -165,12 +171,18 @@ class Hold(Part):
     # from its holders, and so a worker can hold a layout of its own (an engine's native one).
     manifest: Manifest | None = None
     checksums: list[str] | None = Field(default=None, max_length=MAX_TENSORS)
+    # By reference: the digest of the checksums verified against (`checksums_digest`), so
+    # a layout id the coordinator has with other checksums is not taken for ours.
+    checksums_digest: Name | None = None
 
     def by_reference(self) -> Hold:
-        """This Hold naming its layout by id alone, for a layout the coordinator planned
-        the read from: the manifest and checksums it already has are most of the bytes
-        it decodes (a fleet's part readers send one each per version)."""
-        return self.model_copy(update={"manifest": None, "checksums": None})
+        """This Hold naming its layout by id and its checksums by digest alone, for a layout
+        the coordinator planned the read from: the manifest and checksums it already has
+        are most of the bytes it decodes (a fleet's part readers send one each per
+        version)."""
+        return self.model_copy(update={
+            "manifest": None, "checksums": None,
+            "checksums_digest": checksums_digest(self.checksums or [])})
 
 
 class Withdraw(Strict):
