@@ -14,7 +14,7 @@ Measured in one run, for one engine (vLLM or SGLang, TP=1 or TP=2):
 Ratios are our figure over the baseline (a swap that adds 2 memcpys reads 2.0).
 
 Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
-     [--pause keep|keep_kv]
+     [--pause keep|keep_kv] [--checkpoint-layout]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from bench.results import Report
 from bench.workdir import make_scratch, tear_down
 from integration.engine_venvs import engine_python
+from integration.faults import checkpoint_layout_env
 from integration.sglang_server import SGLangServer
 from integration.stream_client import StreamingClients, percentile
 from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
@@ -57,11 +58,13 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def start_engine(kind: str, tp: int, model_dir, address: str, work, pause: str = "keep"
-                 ) -> VLLMServer | SGLangServer:
+def start_engine(kind: str, tp: int, model_dir, address: str, work, pause: str = "keep",
+                 checkpoint_layout: bool = False) -> VLLMServer | SGLangServer:
     env = {"TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy",
            "TENSORHUB_PAUSE": pause}
     if kind == "vllm":
+        if checkpoint_layout:  # (the CPU twin of a GPU's weights: `integration/faults`)
+            env.update(checkpoint_layout_env())
         extra = ["--weight-transfer-config", json.dumps({"backend": "tensorhub"})]
         if tp > 1:
             extra += ["--tensor-parallel-size", str(tp)]
@@ -99,6 +102,9 @@ def main() -> None:
     p.add_argument("--pause", choices=["keep", "keep_kv"], default="keep",
                    help="the engine's TENSORHUB_PAUSE (default keep)")
     p.add_argument("--layers", type=int, default=ARCH["layers"])
+    p.add_argument("--checkpoint-layout", action="store_true",
+                   help="vLLM: keep its live weights in the checkpoint's layout, as on a GPU "
+                        "(its CPU build's linear fallback), so sparse steps install sparse")
     args = p.parse_args()
     from safetensors.torch import save_file
 
@@ -109,7 +115,8 @@ def main() -> None:
     state = load_state_dict(model_dir)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     label = f"{args.engine} TP={args.tp}, {nbytes / 2**20:.0f} MiB bf16" + (
-        f", pause {args.pause}" if args.pause != "keep" else "")
+        f", pause {args.pause}" if args.pause != "keep" else "") + (
+        ", weights in the checkpoint's layout" if args.checkpoint_layout else "")
     print(f"{label}: building done", flush=True)
     coordinator, address = coordinator_process()
     servers, publisher = [], None
@@ -117,7 +124,8 @@ def main() -> None:
         coordinator.next_line(timeout=60)
         publisher = Publisher(address, "policy", name="trainer")
         version = publisher.publish(state)
-        engine = start_engine(args.engine, args.tp, model_dir, address, work, args.pause)
+        engine = start_engine(args.engine, args.tp, model_dir, address, work, args.pause,
+                              args.checkpoint_layout)
         servers.append(engine)
         engine.wait_serving(version, timeout=600)
         client = StreamingClients(engine.url, make_prompts(4, 16, ARCH["vocab"]), TOKENS,
@@ -145,7 +153,7 @@ def main() -> None:
             row["serving"].append(serving - published)
             pulls = [t for t in coordinator_status(address).transfers
                      if t.version == version and t.ok and t.reader != "trainer"]
-            print(f"{kind} v{version}: reported stall "
+            print(f"{kind} v{version} ({last.get('install', 'whole')}): reported stall "
                   f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s "
                   f"(publish {returned - published:.2f} s, the copy's pull "
                   f"{sum(t.seconds for t in pulls):.2f} s of {sum(t.nbytes for t in pulls)} B, "

@@ -333,6 +333,7 @@ def test_a_sparse_step_is_installed_sparse_and_byte_equal_to_a_whole_install(fle
     total = sum(t.numel() for t in step.values())
     assert 0 < rank["changed"] < 0.05 * total
     assert wait_serving(fleet.vllm, version)["last_update"]["install"] == "sparse"
+    assert f"v{version} installed sparse" in fleet.vllm.log_tail(400)  # (the rank's word)
     sparse_sums = _checksums(fleet.sgl)
     sparse_tokens = fleet.sgl.greedy(fleet.prompts, TOKENS)
     vllm_sums = _vllm_live(fleet.vllm, fleet.root / "live")

@@ -112,3 +112,33 @@ def test_a_weight_the_engine_repacked_means_whole_installs():
     model.qkv = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     with pytest.raises(sparse_install.Unsupported, match="repacked"):
         sparse_install.live_blocks(model, _version(1), _default_loader)
+
+
+def test_an_embedding_whose_loader_zero_fills_the_padding_is_found_as_a_block():
+    """Both engines pad the vocabulary and fill the padding rows with zeros as they load."""
+    vocab, padded = 10, 12
+
+    def embedding_loader(param, loaded):
+        param.data[:vocab].copy_(loaded)
+        param.data[vocab:].fill_(0)
+
+    class Embedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(padded, HIDDEN), requires_grad=False)
+            self.w.weight_loader = embedding_loader
+
+        def named_parameters(self, *args, **kwargs):
+            yield "model.embed_tokens.weight", self.w
+
+    model = Embedding()
+    v1 = [("model.embed_tokens.weight", torch.randn(vocab, HIDDEN))]
+    embedding_loader(model.w, v1[0][1])
+    blocks = sparse_install.live_blocks(model, v1, _default_loader)
+    assert blocks["model.embed_tokens.weight"].dst == (slice(0, vocab), slice(0, HIDDEN))
+    v2 = [(n, t.clone()) for n, t in v1]
+    v2[0][1][3, 4] = 5.0
+    plan = sparse_install.plan(model, blocks, v2, version=2, key=(1, 0))
+    sparse_install.install(plan)
+    assert plan.changed == 1 and torch.equal(model.w[:vocab], v2[0][1])
+    assert not model.w[vocab:].any()

@@ -108,12 +108,6 @@ class CheckpointCopy:
     def sources(self) -> list[str]:
         return self.replica.sources()
 
-    @property
-    def by_patches(self) -> bool:
-        """Whether the copy took the version it holds as patches of the one before (a
-        sparse step: an engine may install only what changed)."""
-        return all(r.last_pull_patches for r in self.replica.replicas)
-
     def pull_whole_versions(self, why: str) -> None:
         """Pull every part of each version from now on, not this node's share (a load
         from the share failed: `share_check`; the engine, which may make new copies,
@@ -258,19 +252,26 @@ class CheckpointCopy:
         return self._unloadable(version) or self._reverified()
 
     def prepare(self, version: int, then: Callable[[list[tuple[str, torch.Tensor]]], object]
-                | None = None) -> object:
+                | None = None, busy_after: float | None = None) -> object:
         """Before the engine pauses: the checks `tensors_of` makes (loadable, every byte
         verified again), so that inside the pause only a late read that landed since is
         checked; then `then(tensors)` while the copy cannot change (an engine's own
         preparation, e.g. what a sparse install will write). Raises the refusal; returns
-        what `then` returned. Waits for a pull in progress (the copy's lock)."""
-        with self._lock:
+        what `then` returned. Waits for a pull in progress (the copy's lock), or, with
+        `busy_after`, that long at most, then raises `busy` (the checks are then left to
+        `tensors_of`, as `check` leaves them)."""
+        if not self._lock.acquire(timeout=-1 if busy_after is None else busy_after):
+            raise TensorHubError(f"the copy is busy (a pull): v{version} is checked as it "
+                                 f"is installed", code="busy")
+        try:
             if self.replica.version != version:
                 self._prepared = None
                 raise TensorHubError(f"the copy holds v{self.replica.version}, not "
                                      f"v{version}", code="unknown_version")
             self._ready_before_pause(version)
             return then(self.replica.named_tensors()) if then is not None else None
+        finally:
+            self._lock.release()
 
     def _ready_before_pause(self, version: int) -> None:
         """Check that the engine can load `version` and verify every byte of the copy

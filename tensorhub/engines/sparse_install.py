@@ -66,57 +66,71 @@ def _target(name: str, params: dict, stacked: Stacked) -> tuple[str, object]:
     raise Unsupported(f"{name}: no live parameter")
 
 
-def _index_dtype(numel: int) -> torch.dtype:
-    return torch.float32 if numel < 1 << 24 else torch.float64  # (exact integers)
-
-
-def _probe(param: torch.nn.Parameter, shape: torch.Size, shard,
-           default_loader: Loader) -> torch.Tensor:
-    """Where each element of a checkpoint tensor of `shape` lands in `param`: a float
-    copy of `param` holding the element's flat index there, -1 elsewhere (in host memory,
-    of `param`'s class and attributes: loaders that are the parameter's own methods, as
-    vLLM's, see what they expect). The live parameter is not touched."""
-    dtype = _index_dtype(shape.numel())
-    data = torch.full(param.shape, -1.0, dtype=dtype)
+def _scratch(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A float32 parameter of `param`'s shape, class and attributes (loaders that are the
+    parameter's own methods, as vLLM's, see what they expect), in host memory, zeros."""
+    data = torch.zeros(param.shape, dtype=torch.float32)
     scratch = torch.nn.Parameter(data, requires_grad=False) if type(param) is \
         torch.nn.Parameter else torch.Tensor._make_subclass(type(param), data, False)
     own = type(param) is not torch.nn.Parameter  # (a class whose methods read `_` fields)
     for key, value in vars(param).items():  # output_dim, weight_loader, tp_rank, ...
         if not key.startswith("__") and (own or not key.startswith("_")):
             setattr(scratch, key, value)
-    index = torch.arange(shape.numel(), dtype=dtype).view(shape)
+    return scratch
+
+
+def _probe(param: torch.nn.Parameter, shape: torch.Size, shard,
+           default_loader: Loader) -> list[torch.Tensor]:
+    """Where each element of a checkpoint tensor of `shape` lands in `param`: for each of
+    its dims, a float32 copy of `param` holding 1 + the element's index along that dim
+    where it landed, 0 elsewhere (a loader that zero-fills padding leaves it a miss). The
+    index is a broadcast view, so a probe holds no more than `param`'s size per dim. The
+    live parameter is not touched."""
+    if max(shape) >= 1 << 24:
+        raise Unsupported(f"a dim of {tuple(shape)} past float32's exact integers")
     loader = getattr(param, "weight_loader", None) or default_loader
-    if shard is None:
-        loader(scratch, index)
-    else:
-        loader(scratch, index, shard)
-    return scratch.data
+    wheres = []
+    for dim, n in enumerate(shape):
+        view = [1] * len(shape)
+        view[dim] = n
+        index = torch.arange(1, n + 1, dtype=torch.float32).view(view).expand(shape)
+        for loaded in (index, index.contiguous()):  # (a loader that cannot take a view)
+            scratch = _scratch(param)
+            try:
+                loader(scratch, loaded) if shard is None else loader(scratch, loaded, shard)
+                break
+            except Exception:
+                if loaded is not index:
+                    raise
+        wheres.append(scratch.data)
+    return wheres
 
 
-def _block(name: str, where: torch.Tensor, shape: torch.Size) -> tuple[tuple, tuple]:
-    """(dst, src) regions when the checkpoint tensor landed as one rectangular block."""
-    hit = where >= 0
-    if where.dim() != len(shape) or where.dim() not in (1, 2) or not bool(hit.any()):
+def _block(name: str, wheres: list[torch.Tensor], shape: torch.Size) -> tuple[tuple, tuple]:
+    """(dst, src) regions when the checkpoint tensor landed as one rectangular block,
+    element for element."""
+    hit = wheres[0] > 0
+    if len(shape) not in (1, 2) or any(w.dim() != len(shape) for w in wheres) \
+            or not bool(hit.any()) or any(not torch.equal(w > 0, hit) for w in wheres[1:]):
         raise Unsupported(f"{name}: lands as no block")
-    if where.dim() == 1:
-        idx = hit.nonzero().flatten()
-        r0, r1 = int(idx[0]), int(idx[-1]) + 1
-        dst = (slice(r0, r1),)
-        a = int(where[r0])
-        src = (slice(a, a + r1 - r0),)
-    else:
-        rows = hit.any(1).nonzero().flatten()
-        cols = hit.any(0).nonzero().flatten()
-        r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-        dst = (slice(r0, r1), slice(c0, c1))
-        first = int(where[r0, c0])
-        a, b = divmod(first, shape[1])
-        src = (slice(a, a + r1 - r0), slice(b, b + c1 - c0))
-    expect = torch.arange(shape.numel(), dtype=where.dtype).view(shape)[src]
-    if int(hit.sum()) != expect.numel() or where[dst].shape != expect.shape \
-            or not torch.equal(where[dst], expect):
+    spans = [hit.any(1 - d) if len(shape) == 2 else hit for d in range(len(shape))]
+    dst = tuple(slice(int(idx[0]), int(idx[-1]) + 1)
+                for idx in (span.nonzero().flatten() for span in spans))
+    src = []
+    for d, where in enumerate(wheres):
+        n = dst[d].stop - dst[d].start
+        corner = where[tuple(s.start for s in dst)]
+        a = int(corner) - 1
+        view = [1] * len(shape)
+        view[d] = n
+        expect = torch.arange(a + 1, a + 1 + n, dtype=torch.float32).view(view)
+        if a < 0 or a + n > shape[d] or \
+                not torch.equal(where[dst], expect.expand(where[dst].shape)):
+            raise Unsupported(f"{name}: not loaded as one block")
+        src.append(slice(a, a + n))
+    if int(hit.sum()) != hit[dst].numel():
         raise Unsupported(f"{name}: not loaded as one block")
-    return dst, src
+    return dst, tuple(src)
 
 
 def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Loader,
@@ -136,6 +150,8 @@ def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Lo
         if param.dim() != tensor.dim() or param.numel() == 0:
             raise Unsupported(f"{name}: its live parameter {pname} is "
                               f"{tuple(param.shape)} (repacked by the engine)")
+        if not param.is_contiguous():
+            raise Unsupported(f"{name}: its live parameter {pname} is not contiguous")
         if shard is None and param.shape == tensor.shape \
                 and getattr(param, "weight_loader", None) is None:
             # the engine's default loader: a plain copy of the whole tensor
@@ -157,9 +173,11 @@ class Plan:
 
     version: int
     key: tuple  # what the live parameters held when compared (the caller's key)
-    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (flat param, idx, bits)
+    # (flat param, idx, bits): the index and bits in host memory, whatever the device
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     changed: int  # elements
     total: int
+    params: list[str]  # the live parameters written
 
     @property
     def density(self) -> float:
@@ -208,12 +226,15 @@ def plan(model, blocks: dict[str, Block], named: list[tuple[str, torch.Tensor]],
     writes = []
     for pname, parts in per_param.items():
         flat = _bits(params[pname].data).view(-1)
-        writes.append((flat, torch.cat([i for i, _ in parts]).to(flat.device),
-                       torch.cat([v for _, v in parts]).to(flat.device)))
-    return Plan(version, key, writes, changed, total)
+        writes.append((flat, torch.cat([i for i, _ in parts]),
+                       torch.cat([v for _, v in parts])))
+    return Plan(version, key, writes, changed, total, list(per_param))
 
 
 def install(p: Plan) -> None:
-    """Write the plan's words into the live parameters (inside the pause)."""
+    """Write the plan's words into the live parameters (inside the pause; on a device,
+    each parameter's words moved there as it is written, so a plan holds no device
+    memory before the pause)."""
     for flat, index, bits in p.writes:
-        flat.index_copy_(0, index, bits)  # (on CPU ~1.6x faster than an indexed assignment)
+        # (on CPU ~1.6x faster than an indexed assignment)
+        flat.index_copy_(0, index.to(flat.device), bits.to(flat.device))

@@ -171,9 +171,11 @@ class Scheduler:
         shared = self.one_copy and _tp_size() > 1
 
         def then(named):
-            if shared or self._sparse_error is not None or not checkpoint.by_patches \
-                    or self._applying or self._live_key() != key:
-                return None  # (a version pulled whole is a dense change: installed whole)
+            if shared or self._sparse_error is not None or self._applying \
+                    or self._live_key() != key:
+                return None
+            # (a version pulled whole may be a sparse step too: on one host no patch pays,
+            # so none is built; a dense change ends the comparison at `MAX_DENSITY`)
             if checkpoint.replica.share_tiles not in (None, *self._share_check.passed):
                 return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -233,11 +234,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _check(self, checkpoint: CheckpointCopy, version: int) -> int | None:
         """The check before the pause (a thread of its own); an fp8 engine that quantizes
         before the pause quantizes the verified copy here too (if that fails, vLLM's reload
-        quantizes it inside the pause); a version that came as patches is compared with the
-        live weights, for a sparse install (`_plan_sparse`: the elements it will write)."""
+        quantizes it inside the pause); each version is compared with the
+        live weights, for a sparse install (`_plan_sparse`: the elements it will write),
+        whether it came as patches or whole (on one host no patch pays, so none is built)."""
         self._quantized = None
-        if not self._fp8_direct and checkpoint.version == version and checkpoint.by_patches \
-                and not self.one_copy and self._sparse_error is None:
+        if not self._fp8_direct and checkpoint.version == version and not self.one_copy \
+                and self._sparse_error is None:
             return self._plan_sparse(checkpoint, version)
         if not self._fp8_direct or checkpoint.version != version:
             checkpoint.check(version)  # (a copy that holds another version: the install says)
@@ -272,16 +274,28 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._plan = None
 
         def then(named) -> sparse_install.Plan | None:
-            if self._live_key() != key or not self._learn_blocks(named):
+            share = checkpoint.replica.share_tiles
+            if self._live_key() != key or share not in (None, *self._share_check.passed) \
+                    or not self._learn_blocks(named):
+                return None  # (a first load from a share: whole, and checked)
+            try:
+                plan = sparse_install.plan(self.model, self._blocks, named, version, key)
+            except Exception as exc:  # never a refusal: the install is whole
+                log.warning("TensorHub: planning a sparse install of v%d failed (%s); it is "
+                            "installed whole%s", version, exc,
+                            ", and so is every version" if isinstance(
+                                exc, sparse_install.Unsupported) else "")
+                if isinstance(exc, sparse_install.Unsupported):
+                    self._sparse_error = str(exc)
                 return None
-            return sparse_install.plan(self.model, self._blocks, named, version, key)
+            return plan if self._live_key() == key else None
 
         try:
-            plan = checkpoint.prepare(version, then)
+            plan = checkpoint.prepare(version, then, busy_after=1.0)
         except TensorHubError as exc:
-            if exc.code != "unknown_version":
+            if exc.code not in ("unknown_version", "busy"):
                 raise
-            return None  # (the copy moved on meanwhile: the install says)
+            return None  # (the copy moved on or is pulling: the install checks and says)
         if plan is None:
             return None
         self._plan = plan
@@ -385,16 +399,17 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         if plan is not None and plan.version == version and plan.key == self._live_key() \
                 and self.checkpoint.prepared(version):
             started = time.perf_counter()
-            self._writes += 1
-            sparse_install.install(plan)
+            with self._writing():
+                sparse_install.install(plan)
+                self._after_writes(plan.params)
             log.info("TensorHub: v%d installed sparse: %d of %d elements written in %.1f ms",
                      version, plan.changed, plan.total, (time.perf_counter() - started) * 1e3)
             return
         if self._fp8_direct and quantized is not None and quantized[0] == version \
                 and self.checkpoint.prepared(version):
             try:
-                self._writes += 1
-                rest = fp8_install.write(self.model, quantized[1], named)
+                with self._writing():
+                    rest = fp8_install.write(self.model, quantized[1], named)
                 if rest:
                     self._load(rest)
             except Exception:
@@ -450,8 +465,35 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._reload(named)
         self._share_check.after_load(self.model.named_parameters(), share_tiles)
 
-    def _reload(self, named) -> None:
+    @contextmanager
+    def _writing(self):
+        """Around every write of the live weights: the count moves before and after, so
+        a sparse plan compared with them meanwhile is never installed."""
         self._writes += 1
+        try:
+            yield
+        finally:
+            self._writes += 1
+
+    def _after_writes(self, written: list[str]) -> None:
+        """What vLLM derives from a weight after loading it, made again for the modules
+        whose weights a sparse install wrote (on CPU, a packed GEMM copy of an embedding
+        or LM head it keeps beside the weight; a tied LM head shares the embedding's)."""
+        if self.device.type != "cpu":
+            return  # (unquantized weights on a GPU: nothing is derived from them)
+        params = dict(self.model.named_parameters())
+        wanted = {id(params[name]) for name in written}
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and any(id(p) in wanted
+                                          for p in module.parameters(recurse=False)):
+                method.process_weights_after_loading(module)
+
+    def _reload(self, named) -> None:
+        with self._writing():
+            self._reload_now(named)
+
+    def _reload_now(self, named) -> None:
         initialize_layerwise_reload(self.model)
         try:
             self.model.load_weights(iter(named))
