@@ -23,6 +23,7 @@ and the loader a parameter without one of its own is loaded with.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,6 +166,31 @@ def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Lo
         dst, src = _block(name, where, tensor.shape)
         blocks[name] = Block(pname, dst, src)
     return blocks
+
+
+class LiveBlocks:
+    """A model's `live_blocks`, learnt once (the first version an engine would install
+    sparse), or why there are none: then every version is installed whole (`error`)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, Block] | None = None
+        self.error: str | None = None
+
+    def learn(self, model, named: list[tuple[str, torch.Tensor]],
+              default_loader: Callable[[], Loader]) -> bool:
+        """Whether a sparse install is possible on `model` (`default_loader()`: the
+        engine's, imported only when needed)."""
+        if self.blocks is None and self.error is None:
+            started = time.perf_counter()
+            try:
+                self.blocks = live_blocks(model, named, default_loader())
+                log.info("TensorHub: sparse steps are installed sparse (their tensors' places "
+                         "in the live parameters learnt in %.0f ms)",
+                         (time.perf_counter() - started) * 1e3)
+            except Exception as exc:  # (Unsupported, or a loader that cannot be probed)
+                self.error = str(exc)
+                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
+        return self.blocks is not None
 
 
 @dataclass

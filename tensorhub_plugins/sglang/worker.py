@@ -107,8 +107,7 @@ class Scheduler:
         self.model = None  # SGLang's model (set once it is loaded)
         self.prepared: int | None = None  # the version `prepare` last checked
         self._writes = 0  # bumped whenever the live parameters may be written
-        self._blocks: dict[str, sparse_install.Block] | None = None  # where checkpoint tensors land
-        self._sparse_error: str | None = None  # why this model is always installed whole
+        self._live = sparse_install.LiveBlocks()  # where checkpoint tensors land
         self._plan: sparse_install.Plan | None = None
         self._install: dict = {}  # the last checkpoint-path install: how, how many elements
         self._applying = False  # an update is writing the live parameters (no preparing)
@@ -171,7 +170,7 @@ class Scheduler:
         shared = self.one_copy and _tp_size() > 1
 
         def then(named):
-            if shared or self._sparse_error is not None or self._applying \
+            if shared or self._live.error is not None or self._applying \
                     or self._live_key() != key:
                 return None
             # (a version pulled whole may be a sparse step too: on one host no patch pays,
@@ -180,7 +179,7 @@ class Scheduler:
                 return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):
                 return None
-            return sparse_install.plan(model, self._blocks, named, version, key)
+            return sparse_install.plan(model, self._live.blocks, named, version, key)
 
         started = time.perf_counter()
         self._plan = None
@@ -202,22 +201,8 @@ class Scheduler:
                  if plan is not None else "whole")
 
     def _learn_blocks(self, named) -> bool:
-        """Where the checkpoint tensors land in the live parameters (once; whether a sparse
-        install is possible on this model)."""
-        if self._blocks is None and self._sparse_error is None and self.model is not None:
-            started = time.perf_counter()
-            try:
-                from sglang.srt.model_loader.weight_utils import default_weight_loader
-
-                self._blocks = sparse_install.live_blocks(self.model, named,
-                                                          default_weight_loader)
-                log.info("TensorHub: sparse steps are installed sparse (their tensors' places "
-                         "in the live parameters learnt in %.0f ms)",
-                         (time.perf_counter() - started) * 1e3)
-            except Exception as exc:  # (Unsupported, or a loader we cannot probe)
-                self._sparse_error = str(exc)
-                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
-        return self._blocks is not None
+        """Whether a sparse install is possible on this model (learnt once)."""
+        return self.model is not None and self._live.learn(self.model, named, _default_loader)
 
     def _prepare_loop(self) -> None:
         """Prepare each version the checkpoint copy comes to hold, once."""
@@ -691,3 +676,9 @@ def after_load_model(result, runner):
             raise
         log.exception("TensorHub: join failed; serving the weights from disk")
     return result
+
+
+def _default_loader():
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    return default_weight_loader

@@ -91,8 +91,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._quantized: tuple[int, dict] | None = None  # (version, its fp8 layers)
         # A sparse step written word by word where the live weights keep the checkpoint's
         # layout (`sparse_install`; a GPU's, not vLLM's CPU GEMMs, which repack them).
-        self._blocks: dict[str, sparse_install.Block] | None = None
-        self._sparse_error: str | None = None  # why this model is always installed whole
+        self._live = sparse_install.LiveBlocks()
         self._plan: sparse_install.Plan | None = None
         self._writes = 0  # loads into the live weights: a plan is valid for one count
 
@@ -239,7 +238,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         whether it came as patches or whole (on one host no patch pays, so none is built)."""
         self._quantized = None
         if not self._fp8_direct and checkpoint.version == version and not self.one_copy \
-                and self._sparse_error is None:
+                and self._live.error is None:
             return self._plan_sparse(checkpoint, version)
         if not self._fp8_direct or checkpoint.version != version:
             checkpoint.check(version)  # (a copy that holds another version: the install says)
@@ -276,17 +275,17 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         def then(named) -> sparse_install.Plan | None:
             share = checkpoint.replica.share_tiles
             if self._live_key() != key or share not in (None, *self._share_check.passed) \
-                    or not self._learn_blocks(named):
+                    or not self._live.learn(self.model, named, _default_loader):
                 return None  # (a first load from a share: whole, and checked)
             try:
-                plan = sparse_install.plan(self.model, self._blocks, named, version, key)
+                plan = sparse_install.plan(self.model, self._live.blocks, named, version, key)
             except Exception as exc:  # never a refusal: the install is whole
                 log.warning("TensorHub: planning a sparse install of v%d failed (%s); it is "
                             "installed whole%s", version, exc,
                             ", and so is every version" if isinstance(
                                 exc, sparse_install.Unsupported) else "")
                 if isinstance(exc, sparse_install.Unsupported):
-                    self._sparse_error = str(exc)
+                    self._live.error = str(exc)
                 return None
             return plan if self._live_key() == key else None
 
@@ -303,24 +302,6 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                  "%d of %d elements differ", version, (time.perf_counter() - started) * 1e3,
                  plan.changed, plan.total)
         return plan.changed
-
-    def _learn_blocks(self, named) -> bool:
-        """Where the checkpoint tensors land in the live weights (once): whether a sparse
-        install is possible on this model."""
-        if self._blocks is None and self._sparse_error is None:
-            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-            started = time.perf_counter()
-            try:
-                self._blocks = sparse_install.live_blocks(self.model, named,
-                                                          default_weight_loader)
-                log.info("TensorHub: sparse steps are installed sparse (their tensors' "
-                         "places in the live weights learnt in %.0f ms)",
-                         (time.perf_counter() - started) * 1e3)
-            except Exception as exc:  # (Unsupported, or a loader that cannot be probed)
-                self._sparse_error = str(exc)
-                log.info("TensorHub: versions are installed whole on this model (%s)", exc)
-        return self._blocks is not None
 
     def _loadable(self):
         """What this engine's model loads: the checkpoint it started from (None where it
@@ -522,3 +503,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         if self.checkpoint is not None:
             self.checkpoint.close()
             self.checkpoint = None
+
+
+def _default_loader():
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    return default_weight_loader
