@@ -222,11 +222,32 @@ def _flat_index(param: torch.Tensor, dst: tuple[slice, ...],
     return (where[0] + dst[0].start) * param.shape[1] + where[1] + dst[1].start
 
 
+SAMPLE_EVERY = 64  # the rows (of a 2-D block; elements of a 1-D one) the sample compares
+
+
+def _sampled_density(params: dict, blocks: dict[str, Block],
+                     named: list[tuple[str, torch.Tensor]]) -> float:
+    """The fraction of words that differ in every `SAMPLE_EVERY`-th row of each block."""
+    changed = seen = 0
+    for name, new in named:
+        block = blocks.get(name)
+        if block is None:
+            raise Unsupported(f"{name}: not in the live blocks")
+        live = params[block.param].data[block.dst][::SAMPLE_EVERY]
+        src = new[block.src][::SAMPLE_EVERY]
+        changed += int((_bits(live.to(src.device)) != _bits(src)).sum())
+        seen += src.numel()
+    return changed / max(1, seen)
+
+
 def plan(model, blocks: dict[str, Block], named: list[tuple[str, torch.Tensor]],
          version: int, key: tuple) -> Plan | None:
     """Compare the new version (`named`, checkpoint layout) with the live parameters; None
-    when too much changed for a sparse install to pay."""
+    when too much changed for a sparse install to pay (told from a sample first: a whole
+    new version is not compared in full)."""
     params = dict(model.named_parameters())
+    if _sampled_density(params, blocks, named) > MAX_DENSITY:
+        return None
     per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     changed = 0
     total = sum(new.numel() for _, new in named)
