@@ -142,3 +142,15 @@ def test_an_embedding_whose_loader_zero_fills_the_padding_is_found_as_a_block():
     sparse_install.install(plan)
     assert plan.changed == 1 and torch.equal(model.w[:vocab], v2[0][1])
     assert not model.w[vocab:].any()
+
+
+def test_a_plan_that_cannot_be_made_installs_whole_from_then_on():
+    """Live weights the engine re-laid since the blocks were learnt (a transposed copy):
+    no plan, and the model is installed whole for good, never refused."""
+    model, live = Model(False), sparse_install.LiveBlocks()
+    v1 = _version(1)
+    model.load(v1)
+    assert live.learn(model, v1, lambda: _default_loader)
+    model.qkv.data = model.qkv.data.t().contiguous().t()
+    assert live.plan(model, _step(v1, changed=3), version=2, key=(1, 0)) is None
+    assert "not contiguous" in live.error

@@ -16,8 +16,8 @@ differ (`install`). The result is byte-equal to a whole install by construction:
 word already held the new version's bits. A plan is only valid for the live bytes it was
 compared with (the caller keys it by the version they hold and a count of writes).
 
-The engine plugins give what is theirs: the fused parameters of their models (`Stacked`)
-and the loader a parameter without one of its own is loaded with.
+The engine plugins give what is theirs: the loader a parameter without one of its own is
+loaded with (both engines fuse the same parameters: `STACKED`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ log = logging.getLogger("tensorhub.engines")
 STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
            ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
            ("gate_up_proj", "up_proj", 1))
-Stacked = tuple[tuple[str, str, object], ...]
 Loader = Callable[..., None]  # (param, loaded_weight[, shard id])
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Above this fraction of changed words a whole install is as fast: no plan.
@@ -56,8 +55,8 @@ class Unsupported(Exception):
     pass
 
 
-def _target(name: str, params: dict, stacked: Stacked) -> tuple[str, object]:
-    for fused, part, shard in stacked:
+def _target(name: str, params: dict) -> tuple[str, object]:
+    for fused, part, shard in STACKED:
         if f".{part}." in name:
             fused_name = name.replace(f".{part}.", f".{fused}.")
             if fused_name in params:
@@ -134,8 +133,8 @@ def _block(name: str, wheres: list[torch.Tensor], shape: torch.Size) -> tuple[tu
     return dst, tuple(src)
 
 
-def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Loader,
-                stacked: Stacked = STACKED) -> dict[str, Block]:
+def live_blocks(model, named: list[tuple[str, torch.Tensor]],
+                default_loader: Loader) -> dict[str, Block]:
     """Each checkpoint tensor's block in the live parameters; `Unsupported` when any one has
     none (the model is then always installed whole)."""
     params = dict(model.named_parameters())
@@ -144,7 +143,7 @@ def live_blocks(model, named: list[tuple[str, torch.Tensor]], default_loader: Lo
         raise Unsupported("a tied lm_head kept as a parameter of its own")
     blocks = {}
     for name, tensor in named:
-        pname, shard = _target(name, params, stacked)
+        pname, shard = _target(name, params)
         param = params[pname]
         if param.dtype != tensor.dtype:
             raise Unsupported(f"{name}: {tensor.dtype} loaded into {param.dtype}")
@@ -192,6 +191,22 @@ class LiveBlocks:
                 log.info("TensorHub: versions are installed whole on this model (%s)", exc)
         return self.blocks is not None
 
+    def plan(self, model, named: list[tuple[str, torch.Tensor]], version: int,
+             key: tuple) -> Plan | None:
+        """`plan` through the blocks learnt; None where it cannot be made (logged: the
+        version is installed whole, never refused; every later one too where the model
+        turned out `Unsupported`)."""
+        try:
+            return plan(model, self.blocks, named, version, key)
+        except Exception as exc:
+            unsupported = isinstance(exc, Unsupported)
+            log.warning("TensorHub: planning a sparse install of v%d failed (%s); it is "
+                        "installed whole%s", version, exc,
+                        ", and so is every version" if unsupported else "")
+            if unsupported:
+                self.error = str(exc)
+            return None
+
 
 @dataclass
 class Plan:
@@ -204,10 +219,6 @@ class Plan:
     changed: int  # elements
     total: int
     params: list[str]  # the live parameters written
-
-    @property
-    def density(self) -> float:
-        return self.changed / max(1, self.total)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

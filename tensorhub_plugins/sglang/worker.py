@@ -179,7 +179,7 @@ class Scheduler:
                 return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):
                 return None
-            return sparse_install.plan(model, self._live.blocks, named, version, key)
+            return self._live.plan(model, named, version, key)
 
         started = time.perf_counter()
         self._plan = None

@@ -233,9 +233,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _check(self, checkpoint: CheckpointCopy, version: int) -> int | None:
         """The check before the pause (a thread of its own); an fp8 engine that quantizes
         before the pause quantizes the verified copy here too (if that fails, vLLM's reload
-        quantizes it inside the pause); each version is compared with the
-        live weights, for a sparse install (`_plan_sparse`: the elements it will write),
-        whether it came as patches or whole (on one host no patch pays, so none is built)."""
+        quantizes it inside the pause); otherwise each version is compared with the live
+        weights for a sparse install (`_plan_sparse`: the elements it will write), whether
+        it came as patches or whole (on one host no patch pays, so none is built)."""
         self._quantized = None
         if not self._fp8_direct and checkpoint.version == version and not self.one_copy \
                 and self._live.error is None:
@@ -277,16 +277,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             if self._live_key() != key or share not in (None, *self._share_check.passed) \
                     or not self._live.learn(self.model, named, _default_loader):
                 return None  # (a first load from a share: whole, and checked)
-            try:
-                plan = sparse_install.plan(self.model, self._live.blocks, named, version, key)
-            except Exception as exc:  # never a refusal: the install is whole
-                log.warning("TensorHub: planning a sparse install of v%d failed (%s); it is "
-                            "installed whole%s", version, exc,
-                            ", and so is every version" if isinstance(
-                                exc, sparse_install.Unsupported) else "")
-                if isinstance(exc, sparse_install.Unsupported):
-                    self._live.error = str(exc)
-                return None
+            plan = self._live.plan(self.model, named, version, key)
             return plan if self._live_key() == key else None
 
         try:
