@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,13 @@ from tensorhub.core.patch import PatchWriter, sample_changes, word_count
 from tensorhub.core.patch_budget import PatchCosts, Verdict
 from tensorhub.core.session import WorkerSession
 from tensorhub.core.transport import Transport
+from tensorhub.quant.layouts import (
+    check_recipe,
+    quantizable,
+    quantize_named,
+    quantized_model,
+    stand_ins,
+)
 
 log = logging.getLogger("tensorhub.publisher")
 
@@ -101,6 +108,8 @@ class Publisher:
         parts: int = 1,
         patches: bool = True,
         owners: dict[str, str] | None = None,
+        quantize: Sequence[str] = (),
+        _session: WorkerSession | None = None,
     ):
         """`coordinator_wait`: how long a call is tried again while a coordinator that
         answered before does not (a restart, a pause). `register_wait`: how long the
@@ -120,7 +129,19 @@ class Publisher:
         patch from the previous one (`core/patch.py`), which readers holding that one pull
         instead of the whole version, where it pays: decided before it is built, on a
         sample of the step and measured rates (`core/patch_budget.py`, `patch_costs`;
-        `TENSORHUB_PATCHES=0` turns it off too)."""
+        `TENSORHUB_PATCHES=0` turns it off too).
+        `quantize`: recipes (`"fp8_per_channel"`) in which each version is also published,
+        quantized once here, as the companion model `<model>@<recipe>` with the same
+        version number (`tensorhub/quant/layouts.py`): engines that run that recipe pull it
+        instead of the bf16 version, half the bytes, with no quantization in their pause.
+        Unsharded trainers only; each quantized layout is published through this trainer's
+        own session (`_session`), so it is bound to the same worker as the model, which the
+        coordinator requires of a model's companions."""
+        if quantize and parts > 1:
+            raise ValueError("quantize: a sharded trainer cannot publish quantized layouts "
+                             "yet (each rank would quantize only its part)")
+        for recipe in quantize:
+            check_recipe(recipe)
         self.model = model
         self.zero_copy = zero_copy
         self.compact_threshold = compact_threshold
@@ -130,9 +151,13 @@ class Publisher:
         self.coordinator_wait = coordinator_wait
         self.part = Part(part=part, parts=parts)
         self._newest = 0  # never publish below what we published (coordinator restarts)
-        self.session = WorkerSession(coordinator, name, "trainer", transport, labels, token,
-                                     timeout, register_wait=register_wait, owners=owners)
-        self.session.published = self._published
+        self.quantized: dict[str, Publisher] = {}  # by recipe (`quantize`)
+        self._owns_session = _session is None
+        self.session = _session or WorkerSession(
+            coordinator, name, "trainer", transport, labels, token, timeout,
+            register_wait=register_wait, owners=owners)
+        if self._owns_session:
+            self.session.published = self._published
         self._layout: BoundLayout | None = None
         self._buffers_version = 0  # the version our buffers hold whole (0: none, or torn)
         self._patches = patches and settings.PATCHES.get()
@@ -144,11 +169,19 @@ class Publisher:
         self._patch_started = 0.0
         self.version: int | None = None
         self.layout_id: str | None = None
+        self.quantized = {
+            recipe: Publisher(
+                coordinator, quantized_model(model, recipe), compact_threshold=compact_threshold,
+                release_timeout=release_timeout, min_replicas=min_replicas,
+                retain_timeout=retain_timeout, coordinator_wait=coordinator_wait,
+                patches=patches, _session=self.session)
+            for recipe in quantize}
 
     @property
     def owners(self) -> dict[str, str]:
-        """The credentials of the models this trainer bound (its model, and its patches'),
-        to save with a checkpoint: a resumed job passes them back (`owners=`)."""
+        """The credentials of the models this trainer bound (its model, its patches' and its
+        quantized layouts'), to save with a checkpoint: a resumed job passes them back
+        (`owners=`)."""
         return dict(self.session.owners)
 
     def _published(self) -> dict[str, int]:
@@ -157,6 +190,8 @@ class Publisher:
         out = {self.model: self._newest} if self._newest else {}
         if self._held_patches.newest:
             out[self._held_patches.model] = self._held_patches.newest
+        for publisher in self.quantized.values():
+            out.update(publisher._published())
         return out
 
     def latest(self) -> int:
@@ -185,8 +220,8 @@ class Publisher:
         if self.part.parts > 1:
             raise ValueError("declare: a sharded trainer's parts cannot be declared yet; "
                              "its readers ask for plans when the first version comes")
-        manifest = manifest_of(named_list(named_tensors, empty_ok=False),
-                               self.compact_threshold)
+        named = named_list(named_tensors, empty_ok=False)
+        manifest = manifest_of(named, self.compact_threshold)
         try:
             self.session.call(Declare(worker_id=self.session.worker_id, model=self.model,
                                       manifest=manifest))
@@ -194,6 +229,8 @@ class Publisher:
             if exc.code != "stale_version":
                 raise
             return False
+        for publisher in self.quantized.values():
+            publisher.declare(stand_ins(named))
         return True
 
     def publish(self, named_tensors: NamedTensors, version: int | None = None, *,
@@ -217,6 +254,11 @@ class Publisher:
             raise ValueError("a sharded publish needs an explicit version, the same on every "
                              "rank (the training step, say)")
         named = named_list(named_tensors, empty_ok=False)
+        if self.quantized and not any(quantizable(n, str(t.dtype).removeprefix("torch."),
+                                                  tuple(t.shape)) for n, t in named):
+            raise ValueError("quantize: none of these tensors is a bf16 decoder projection "
+                             "(`tensorhub/quant/layouts.py`), so no engine could take the "
+                             "quantized layout; publish bf16 weights, or drop quantize")
         latest = max(self._latest(), self._newest)
         version = latest + 1 if version is None else version
         if version <= latest:
@@ -277,6 +319,13 @@ class Publisher:
             checksums=checksums, part=self.part.part, parts=self.part.parts))
         log.info("published %s v%d (%.1f MiB, layout %s)", self.model, version,
                  layout.nbytes / 2**20, layout.layout_id)
+        for recipe, publisher in self.quantized.items():
+            started = time.perf_counter()
+            quantized = quantize_named(named, recipe)
+            quantized_s = time.perf_counter() - started
+            publisher.publish(quantized, version)
+            log.info("published %s v%d (quantized in %.0f ms)", publisher.model, version,
+                     quantized_s * 1e3)
         return version
 
     def _copy_making_patch(self, layout: BoundLayout, tensors: list[torch.Tensor],
@@ -431,15 +480,26 @@ class Publisher:
     def close(self, retain: bool = True) -> None:
         """Unregister, after waiting (up to `retain_timeout`) for `min_replicas` replicas to
         hold the newest version, said at once when they do not yet; `retain=False`: no
-        wait (the newest version is gone unless a replica holds it already)."""
-        try:
-            if retain and self.version is not None and not self.retained(
-                    waiting=("close()", "close(retain=False) skips the wait")):
-                log.warning("%s v%d: no replica holds it; it is gone when the trainer exits",
-                            self.model, self.version)
-        except TensorHubError as exc:
-            log.warning("closing anyway: %s", exc)
-        self.session.close()
+        wait (the newest version is gone unless a replica holds it already). With quantized
+        layouts beside it, each model waits only where a replica holds or reads its newest
+        version (its engines may all follow another of them)."""
+        for publisher in [self, *self.quantized.values()]:
+            try:
+                if retain and publisher.version is not None \
+                        and (not self.quantized or publisher._read()) \
+                        and not publisher.retained(waiting=("close()", "close(retain=False) "
+                                                                       "skips the wait")):
+                    log.warning("%s v%d: no replica holds it; it is gone when the trainer "
+                                "exits", publisher.model, publisher.version)
+            except TensorHubError as exc:
+                log.warning("closing anyway: %s", exc)
+        if self._owns_session:
+            self.session.close()
+
+    def _read(self) -> bool:
+        """Whether a replica holds or reads our current version."""
+        r = self.session.client.call(RetentionRequest(model=self.model, version=self.version))
+        return r.replica_holders > 0 or r.active_reads > 0
 
     def __enter__(self) -> Publisher:
         return self

@@ -68,3 +68,14 @@ def test_status_shows_a_models_patches_under_it(coordinator, capsys):
     assert lines[model + 1:patches] == [next(li for li in lines if li.startswith("  v2 layout "))]
     assert lines[patches + 1].startswith("    v2 layout ")
     assert not any(line.startswith("model lm.patch") for line in lines)
+
+
+def test_a_model_is_forgotten_with_its_quantized_layouts(coordinator):
+    w = torch.randn(256, 128).to(torch.bfloat16)
+    pub = Publisher(coordinator.address, "lm", name="trainer", transport="zmq",
+                    quantize=["fp8_per_channel"])
+    pub.publish({"model.layers.0.mlp.down_proj.weight": w})
+    pub.close(retain=False)
+    forgotten = _call(coordinator.address, Forget(model="lm"))
+    assert set(forgotten.versions) == {"lm", "lm@fp8_per_channel"}
+    assert _call(coordinator.address, StatusRequest()).models == []

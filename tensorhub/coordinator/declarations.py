@@ -3,6 +3,7 @@ readers stand by in the forest of that version (`standby.py`)."""
 
 from __future__ import annotations
 
+from tensorhub.coordinator.owners import companion_of
 from tensorhub.coordinator.state import ACK, CoordinatorState, Reject, source_of
 from tensorhub.coordinator.table import load_memory, store_memory
 from tensorhub.core.data_types import (
@@ -64,8 +65,13 @@ def declare(state: CoordinatorState, req: Declare) -> Ack:
     if mrec is not None and mrec.versions:
         raise Reject("stale_version", f"{req.model!r} v{mrec.latest} is out already: "
                                       f"readers allocate from its manifest")
+    base = companion_of(req.model)
+    if base is not None and not (state.owners.held_by(base, req.worker_id)
+                                 or state.standby.declared_by(base) == req.worker_id):
+        raise Reject("unauthorized", f"{req.model!r} goes with {base!r}: only the trainer "
+                                     f"that declares or publishes {base!r} declares it")
     state.check_manifest(req.manifest)  # (one that could be published)
-    state.standby.declare(req.model, req.manifest)
+    state.standby.declare(req.model, req.manifest, req.worker_id)
     return ACK
 
 

@@ -1,6 +1,6 @@
 """Forgetting a model: an operator's way to drop a model nobody uses any more (and its
-patches, `<model>.patch`) from the coordinator's records, so that `tensorhub status` lists
-only the models in use.
+companions: its patches, `<model>.patch`, and quantized layouts, `<model>@<recipe>`) from
+the coordinator's records, so that `tensorhub status` lists only the models in use.
 
 The rule: a model is forgotten only when no registered worker holds any version of it
 (whole or in part), publishes it (a sharded version waiting for parts, or a trainer bound
@@ -11,9 +11,9 @@ publish it); a model in use is refused with the names of the workers that use it
 
 from __future__ import annotations
 
+from tensorhub.coordinator.owners import companion_of
 from tensorhub.coordinator.state import CoordinatorState, Reject
 from tensorhub.core.data_types import Forget, Forgotten
-from tensorhub.core.patch import patch_model
 
 
 def _users(state: CoordinatorState, model: str) -> set[str]:
@@ -32,9 +32,18 @@ def _users(state: CoordinatorState, model: str) -> set[str]:
     return {w for w in users if w in workers}
 
 
+def _goes_with(model: str, base: str) -> bool:
+    """Whether `model` is a companion of `base`, or of one of its companions (the patches
+    of a quantized layout)."""
+    while (model := companion_of(model)) is not None:
+        if model == base:
+            return True
+    return False
+
+
 def forget(state: CoordinatorState, req: Forget) -> Forgotten:
-    names = [m for m in (req.model, patch_model(req.model))
-             if m in state.table.models or state.standby.declared(m) is not None]
+    names = sorted(m for m in {*state.table.models, *state.standby.declared_models()}
+                   if m == req.model or _goes_with(m, req.model))
     if not names:
         known = ", ".join(sorted(state.table.models)) or "none"
         raise Reject("unknown_model", f"model {req.model!r} is not known (known: {known})")

@@ -17,6 +17,10 @@ binds the model anew), the older credential wins. A coordinator with neither (on
 a process, with no `owner_key_file`) has a key of its own: after a restart the first
 publish of a model binds it again.
 
+A model's companions (its patches, its quantized layouts: `companion_of`) are taken only
+from the worker that holds the model's binding, so nobody else can publish bytes that the
+model's engines would take as its trainer's.
+
 Pure bookkeeping (the key and the wall clock are given): no I/O.
 """
 
@@ -28,6 +32,9 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from tensorhub.core.patch import PATCH_SUFFIX, is_patch_model
+from tensorhub.quant.layouts import SEPARATOR, recipe_of
 
 
 def owner_key(curve_secret: str | None, kept: bytes | None = None) -> tuple[bytes, bool]:
@@ -81,6 +88,10 @@ class Owners:
         return made_for == str(part) and hmac.compare_digest(
             mac, self._mac(model, part, issued, nonce))
 
+    def held_by(self, model: str, worker: str) -> bool:
+        """Whether `worker` holds a binding of `model` (of any part)."""
+        return any(m == model and w == worker for (m, _), w in self.by.items())
+
     def owns(self, model: str, part: int, credential: str | None) -> bool:
         """Whether `credential` is the one binding (model, part)."""
         bound = self.bound.get((model, part))
@@ -106,6 +117,17 @@ class Owners:
             return True
         return False
 
+
+
+def companion_of(model: str) -> str | None:
+    """The model `model` goes with: its patches (`<m>.patch`) and its quantized layouts
+    (`<m>@<recipe>`) are published by `m`'s trainer alone (the engines that take them trust
+    them as `m`'s); None for a model of its own."""
+    if is_patch_model(model):
+        return model.removesuffix(PATCH_SUFFIX)
+    if recipe_of(model) is not None:
+        return model.rpartition(SEPARATOR)[0]
+    return None
 
 
 def part_of(credential: str | None) -> int | None:

@@ -4,6 +4,7 @@ becomes the model's newest and is announced."""
 from __future__ import annotations
 
 from tensorhub import settings
+from tensorhub.coordinator.owners import companion_of
 from tensorhub.coordinator.parts import PendingPart, PendingVersion, check_parts_fit
 from tensorhub.coordinator.state import CoordinatorState, Reject, log, source_of
 from tensorhub.coordinator.table import LayoutRec, ModelRec, VersionRec, WorkerRec
@@ -36,6 +37,11 @@ def publish(state: CoordinatorState, req: Publish) -> Published:
         return Published(model=req.model, version=latest,
                          layout_id=vrec.part_ids[req.part],
                          owner=owners.bound.get((req.model, req.part)))
+    base = companion_of(req.model)
+    if base is not None and not owners.held_by(base, worker.worker_id):
+        raise Reject("unauthorized",
+                     f"{req.model!r} goes with {base!r}: only the trainer that publishes "
+                     f"{base!r} publishes it (publish {base!r} first, from the same worker)")
     binds = not owners.is_bound(req.model, req.part)
     if not binds and not owners.owns(req.model, req.part, req.owner):
         raise Reject("unauthorized",

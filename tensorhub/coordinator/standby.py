@@ -46,9 +46,17 @@ class StandingForests:
         self._by_key: dict[tuple[str, str], Standing] = {}
         # model -> the manifest declared for its first version, and that layout's id
         self._declared: dict[str, tuple[Manifest, str]] = {}
+        self._declarers: dict[str, str] = {}  # model -> the worker that declared it
 
-    def declare(self, model: str, manifest: Manifest) -> None:
+    def declare(self, model: str, manifest: Manifest, by: str = "") -> None:
         self._declared[model] = (manifest, layout_id(manifest))
+        self._declarers[model] = by
+
+    def declared_models(self) -> list[str]:
+        return list(self._declared)
+
+    def declared_by(self, model: str) -> str | None:
+        return self._declarers.get(model) if model in self._declared else None
 
     def declared(self, model: str) -> tuple[Manifest, str] | None:
         return self._declared.get(model)
@@ -105,6 +113,7 @@ class StandingForests:
         sharded first version) will never be taken, and readers allocate from the
         version's manifest, not from a declaration."""
         self._declared.pop(model, None)
+        self._declarers.pop(model, None)
         for key in [k for k in self._by_key if k[0] == model]:
             del self._by_key[key]
 

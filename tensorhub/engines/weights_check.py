@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tensorhub.quant.layouts import check_recipe, quantized_specs
+
 # safetensors' dtype names, as torch names them
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -65,6 +67,13 @@ class LoadableWeights:
         missing = sorted(set(self.specs) - seen - self.optional)
         found += [f"tensor {name!r} is missing" for name in missing]
         return found
+
+    def quantized(self, recipe: str) -> LoadableWeights:
+        """What this model loads from a version in the trainer's quantized layout by
+        `recipe` (`tensorhub/quant/layouts.py`)."""
+        check_recipe(recipe)
+        return LoadableWeights(quantized_specs(self.specs), f"{self.source}, quantized "
+                               f"{recipe}", set(self.optional))
 
     def refusal(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         """Why `version` cannot be loaded (None: it can)."""

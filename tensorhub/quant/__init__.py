@@ -9,8 +9,17 @@ that function runs on CPU, and by `tests/test_gpu_quant.py` where it needs CUDA.
 """
 
 from tensorhub.quant.fp8 import Fp8Weight
+from tensorhub.quant.layouts import (
+    quantizable,
+    quantize_named,
+    quantized_model,
+    quantized_specs,
+    recipe_of,
+    split_quantized,
+)
 from tensorhub.quant.sglang_fp8 import sglang_block_ue8m0, sglang_per_tensor
 from tensorhub.quant.vllm_fp8 import vllm_block, vllm_per_channel, vllm_per_tensor
 
-__all__ = ["Fp8Weight", "sglang_block_ue8m0", "sglang_per_tensor", "vllm_block",
-           "vllm_per_channel", "vllm_per_tensor"]
+__all__ = ["Fp8Weight", "quantizable", "quantize_named", "quantized_model", "quantized_specs",
+           "recipe_of", "sglang_block_ue8m0", "sglang_per_tensor", "split_quantized",
+           "vllm_block", "vllm_per_channel", "vllm_per_tensor"]
