@@ -11,6 +11,7 @@ from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
 from tensorhub.engines.kv_salt import salted
 from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in
+from tensorhub.engines.quantized import followed_model
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.share_check import ShareCheck
@@ -57,6 +58,7 @@ __all__ = [
     "authorized",
     "checkpoint_tensors",
     "copy_holders",
+    "followed_model",
     "from_checkpoint",
     "layout_labels",
     "load_settings",

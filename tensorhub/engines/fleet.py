@@ -23,11 +23,13 @@ import zmq.asyncio
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     LAYOUT_LABEL,
+    GetDeclared,
     GetManifest,
     HoldingsRequest,
     Manifest,
     TransferRecord,
 )
+from tensorhub.core.errors import CoordinatorError
 from tensorhub.core.layout import layout_id, manifest_of
 from tensorhub.core.net import reachable_announce
 
@@ -128,6 +130,18 @@ class FleetView:
     def latest(self) -> int:
         """The model's newest version (0: none yet)."""
         return self.holdings([]).latest
+
+    def published(self) -> bool:
+        """Whether the model has a version, or a first version declared (`Declare`)."""
+        if self.latest() > 0:
+            return True
+        try:
+            self.caller.call(GetDeclared(model=self.model))
+        except CoordinatorError as exc:
+            if exc.code == "unknown_model":
+                return False
+            raise
+        return True
 
     def in_layout(self, layout: str) -> LayoutHolders:
         reply = self.caller.call(HoldingsRequest(model=self.model, names=[], layout_id=layout))

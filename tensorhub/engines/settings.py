@@ -40,6 +40,7 @@ class EngineSettings(BaseModel):
     swap_timeout: float = _field(settings.SWAP_TIMEOUT, gt=0)
     poll_interval: float = _field(settings.POLL_INTERVAL, gt=0)
     checkpoint_copy: Literal["auto", "always", "never"] = _field(settings.CHECKPOINT_COPY)
+    quantized_layout: Literal["auto", "never"] = _field(settings.QUANTIZED_LAYOUT)
 
     def instance_name(self, engine: str, port: int | None) -> str:
         """A readable, unique name: `vllm-host:port-1a2b` unless one was given."""

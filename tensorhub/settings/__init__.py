@@ -140,6 +140,11 @@ POLL_INTERVAL = _setting("TENSORHUB_POLL_INTERVAL", Seconds, 0.2,
 CHECKPOINT_COPY = _setting(
     "TENSORHUB_CHECKPOINT_COPY", Literal["auto", "always", "never"], "auto",
     "SGLang: keep the checkpoint copy always, never, or only while the checkpoint path is used")
+QUANTIZED_LAYOUT = _setting(
+    "TENSORHUB_QUANTIZED_LAYOUT", Literal["auto", "never"], "auto",
+    "vLLM fp8 engines: `auto` follows the trainer's quantized layout of the model "
+    "(`<model>@fp8_per_channel`, `Publisher(quantize=...)`) where the trainer publishes one "
+    "and the engine can take it; `never` always pulls bf16 and lets the engine quantize")
 LOG_LEVEL = _setting("TENSORHUB_LOG_LEVEL", str, "INFO",
                      "level of TensorHub's log inside an engine")
 COPY_PER_RANK = _setting("TENSORHUB_COPY_PER_RANK", bool, False,

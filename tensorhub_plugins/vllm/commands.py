@@ -63,10 +63,27 @@ class Check(Command):
     attempt: int = Field(ge=0)
 
 
-AnyCommand = Annotated[Init | Prefetch | Release | Check, Field(discriminator="op")]
+class CanInstall(Command):
+    """Whether the rank can install versions of the trainer's quantized layout by `recipe`
+    (`fp8_install`): asked, through the answering call as a `Check` is, by a front end
+    before it picks the model to follow, while the live weights are still the engine's own
+    load of its checkpoint (the rank compares them with the reference quantization)."""
+
+    op: Literal["can_install"] = "can_install"
+    recipe: str = Field(min_length=1, max_length=64)
+
+
+class CanInstallAnswer(BaseModel):
+    """A rank's answer to `CanInstall`: why it cannot (None: it can)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cannot: str | None = None
+
+
+AnyCommand = Annotated[Init | Prefetch | Release | Check | CanInstall, Field(discriminator="op")]
 _COMMANDS: TypeAdapter[AnyCommand] = TypeAdapter(AnyCommand)
 
 
-def parse(info: dict[str, Any]) -> Init | Prefetch | Release | Check:
+def parse(info: dict[str, Any]) -> Init | Prefetch | Release | Check | CanInstall:
     """The command an `init_info` carries (raises `ValueError`, as vLLM expects, if none)."""
     return _COMMANDS.validate_python(info)

@@ -32,6 +32,7 @@ from tensorhub.engines import (
     BackgroundCheck,
     CheckAnswer,
     CheckpointCopy,
+    InstallFailed,
     RankVote,
     ShareCheck,
     SharedCopyReader,
@@ -46,8 +47,17 @@ from tensorhub.engines import (
     sparse_install,
     tied_optional,
 )
+from tensorhub.quant import recipe_of, split_quantized
 from tensorhub_plugins.vllm import fp8_install
-from tensorhub_plugins.vllm.commands import Check, Init, Prefetch, Release, parse
+from tensorhub_plugins.vllm.commands import (
+    CanInstall,
+    CanInstallAnswer,
+    Check,
+    Init,
+    Prefetch,
+    Release,
+    parse,
+)
 from tensorhub_plugins.vllm.copies import copy_holders, engine_nodes, one_copy_per_engine
 
 log = logging.getLogger("tensorhub.vllm")
@@ -89,6 +99,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         # its first load shows vLLM's quantization is ours, then True or False.
         self._fp8_direct: bool | None = False
         self._quantized: tuple[int, dict] | None = None  # (version, its fp8 layers)
+        # The trainer's quantized layout this engine follows (`<model>@<recipe>`), and why
+        # it cannot install it (None: it can).
+        self._layout_recipe: str | None = None
+        self._cannot_layout: str | None = None
+        self._layout_checks: dict[str, str | None] = {}  # recipe -> `_why_not_layout`
         # A sparse step written word by word where the live weights keep the checkpoint's
         # layout (`sparse_install`; a GPU's, not vLLM's CPU GEMMs, which repack them).
         self._live = sparse_install.LiveBlocks()
@@ -163,10 +178,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         ranks or on none (a rank that does not answer in time counts as a no)."""
         return ok if self._group() is None else self._rank_votes()(ok)
 
-    def parse_init_info(self, init_dict: dict) -> Init | Prefetch | Release | Check:
+    def parse_init_info(self, init_dict: dict) -> Init | Prefetch | Release | Check | CanInstall:
         return parse(init_dict)
 
-    def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check) -> None:
+    def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check | CanInstall
+                             ) -> None:
         if isinstance(init_info, Init):
             self._vote_timeout = init_info.pull_timeout + settings.VOTE_MARGIN_S
             if self.checkpoint is not None:
@@ -180,18 +196,26 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 init_info.coordinator, init_info.model, self._worker_name(init_info.name),
                 transport=init_info.transport, follow=init_info.follow,
                 pull_timeout=init_info.pull_timeout, share=self._share())
-            self.checkpoint.loadable = self._loadable()
-            if self.parallel_config.world_size == 1 and self.device.type == "cpu" \
+            self._layout_recipe = recipe_of(init_info.model)
+            if self._layout_recipe is not None:
+                self._cannot_layout = self._why_not_layout(self._layout_recipe)
+                if self._cannot_layout is not None:
+                    log.error("TensorHub: %s is a quantized layout this engine cannot "
+                              "install (%s): it refuses every version; name the bf16 model "
+                              "in TENSORHUB_MODEL", init_info.model, self._cannot_layout)
+            elif self.parallel_config.world_size == 1 and self.device.type == "cpu" \
                     and fp8_install.only_per_channel(self.model):
                 self._fp8_direct = None  # (shown, or not, by the first load)
+            self.checkpoint.loadable = self._loadable()
             log.info("TensorHub checkpoint copy %s ready (follow=%s)", self.checkpoint.name,
                      init_info.follow)
         elif isinstance(init_info, Release):
             if self.checkpoint is not None:
                 self.checkpoint.release(init_info.version)
-        elif isinstance(init_info, Check):  # (logged, not raised: see `_answers`)
-            log.error("TensorHub: a Check came through init_weight_transfer_engine; checks "
-                      "are asked through collective_rpc('weight_transfer_engine')")
+        elif isinstance(init_info, Check | CanInstall):  # (logged, not raised: `_answers`)
+            log.error("TensorHub: a %s came through init_weight_transfer_engine; questions "
+                      "are asked through collective_rpc('weight_transfer_engine')",
+                      type(init_info).__name__)
         elif self._shared is None:  # Prefetch (logged, not raised: see `_answers`)
             if self.checkpoint is None:
                 log.error("TensorHub: cannot pull v%s: this rank's copy was not initialised",
@@ -215,6 +239,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         raises (see `_answers`): what goes wrong is a refusal."""
         try:
             ask = parse(question)
+            if isinstance(ask, CanInstall):
+                try:
+                    cannot = self._why_not_layout(ask.recipe)
+                except Exception as exc:
+                    cannot = f"checking it failed ({exc})"
+                return CanInstallAnswer(cannot=cannot).model_dump()
             if not isinstance(ask, Check):
                 return CheckAnswer.refused(f"TensorHub engines answer checks only, not "
                                            f"{ask.op!r}").model_dump()
@@ -237,6 +267,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         weights for a sparse install (`_plan_sparse`: the elements it will write), whether
         it came as patches or whole (on one host no patch pays, so none is built)."""
         self._quantized = None
+        if self._layout_recipe is not None:
+            return self._check_layout(checkpoint, version)
         if not self._fp8_direct and checkpoint.version == version and not self.one_copy \
                 and self._live.error is None:
             return self._plan_sparse(checkpoint, version)
@@ -259,6 +291,71 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             log.info("TensorHub: v%d verified and quantized before the pause in %.0f ms",
                      version, (time.perf_counter() - started) * 1e3)
         return None
+
+    def _check_layout(self, checkpoint: CheckpointCopy, version: int) -> int | None:
+        """The check of a version the trainer quantized (`<model>@<recipe>`): verify it,
+        stack each fused layer's fp8 weights, and find the bytes that differ from the live
+        ones (`fp8_install.plan_sparse`), all before the pause. Returns the elements a
+        sparse install will write (None: whole)."""
+        self._plan = None
+        if self._cannot_layout is not None:
+            raise InstallFailed.of("unloadable", version, (
+                f"v{version} is in the quantized layout {checkpoint.model}, which this engine "
+                f"cannot install ({self._cannot_layout}); name the bf16 model in "
+                f"TENSORHUB_MODEL"))
+        if checkpoint.version != version:  # (a repair: the install pulls it, then stacks)
+            checkpoint.check(version)
+            return None
+        started, key = time.perf_counter(), self._live_key()
+
+        def then(named) -> tuple[dict, sparse_install.Plan | None]:
+            try:
+                layers = fp8_install.from_layout(self.model, named)[0]
+            except KeyError as exc:
+                raise InstallFailed.of("unloadable", version, (
+                    f"v{version} does not fill this engine's fp8 layers: {exc.args[0]}")
+                    ) from None
+            try:
+                plan = fp8_install.plan_sparse(self.model, layers, version, key)
+            except Exception as exc:  # (installed whole: never refused for this)
+                log.warning("TensorHub: planning a sparse install of v%d failed (%s); it is "
+                            "installed whole", version, exc)
+                plan = None
+            return layers, plan if self._live_key() == key else None
+
+        try:
+            layers, plan = checkpoint.prepare(version, then, busy_after=1.0)
+        except TensorHubError as exc:
+            if exc.code not in ("unknown_version", "busy"):
+                raise
+            return None  # (the copy moved on or is pulling: the install checks and stacks)
+        self._quantized, self._plan = (version, layers), plan
+        log.info("TensorHub: v%d verified and stacked before the pause in %.0f ms (%s)",
+                 version, (time.perf_counter() - started) * 1e3,
+                 f"sparse: {plan.changed} of {plan.total} fp8 bytes differ" if plan else "whole")
+        return plan.changed if plan is not None else None
+
+    def _install_layout(self, version: int, named, quantized: tuple | None,
+                        plan: sparse_install.Plan | None) -> None:
+        """Write a version the trainer quantized as it is: the fp8 bytes that differ where
+        the check planned them for these live weights, else every fp8 weight and scale;
+        then the other tensors (their own loaders), reloading only what cannot be placed."""
+        if quantized is not None and quantized[0] == version \
+                and self.checkpoint.prepared(version):
+            layers, named = quantized[1], split_quantized(named)[1]
+        else:  # (the check did not get to it: stacked here)
+            layers, named, plan = *fp8_install.from_layout(self.model, named), None
+        sparse = plan is not None and plan.version == version and plan.key == self._live_key()
+        started = time.perf_counter()
+        with self._writing():
+            if sparse:
+                sparse_install.install(plan)
+            rest = fp8_install.write(self.model, layers, named, fp8_written=sparse)
+        if sparse:
+            log.info("TensorHub: v%d installed sparse: %d of %d fp8 bytes written in %.1f ms",
+                     version, plan.changed, plan.total, (time.perf_counter() - started) * 1e3)
+        if rest:
+            self._load(rest)
 
     def _live_key(self) -> tuple:
         """What the live weights hold: a sparse plan is valid only for these bytes."""
@@ -295,12 +392,57 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         return plan.changed
 
     def _loadable(self):
-        """What this engine's model loads: the checkpoint it started from (None where it
-        started with no weights: the first version it applies then tells)."""
+        """What this engine's model loads: the checkpoint it started from, in the trainer's
+        quantized layout where it follows one (None where it started with no weights: the
+        first version it applies then tells)."""
         if self.vllm_config.load_config.load_format == "dummy":
             return None
         model_config = self.vllm_config.model_config
-        return from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
+        loadable = from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
+        if loadable is None or self._layout_recipe is None:
+            return loadable
+        return loadable.quantized(self._layout_recipe)
+
+    def _why_not_layout(self, recipe: str) -> str | None:
+        """Why this rank cannot install versions of the trainer's layout quantized by
+        `recipe` (None: it can): its own quantization must be that recipe, on one CPU rank
+        (where `tensorhub.quant`'s reference is pinned to vLLM's), of bf16 weights, over
+        exactly the layers the trainer quantizes, and, while its weights are still its own
+        load of its checkpoint, byte for byte the reference's (checked once)."""
+        if recipe not in self._layout_checks:
+            self._layout_checks[recipe] = self._layout_problem(recipe)
+        return self._layout_checks[recipe]
+
+    def _layout_problem(self, recipe: str) -> str | None:
+        model_config = self.vllm_config.model_config
+        if model_config.quantization != recipe:
+            return f"the engine runs --quantization {model_config.quantization}, not {recipe}"
+        if self.parallel_config.world_size != 1:
+            return "it is written into one rank's weights only (TP=1)"
+        if self.device.type != "cpu":
+            return "its bytes are pinned to vLLM's own quantization on CPU only"
+        if model_config.dtype != torch.bfloat16:
+            return f"the trainer quantizes bf16 weights; this engine runs {model_config.dtype}"
+        if not fp8_install.only_per_channel(self.model):
+            return "not every quantized layer is vLLM's per-channel online method"
+        loadable = None if self.vllm_config.load_config.load_format == "dummy" else \
+            from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
+        if loadable is None:
+            return None  # (no checkpoint to compare with: each version's check says)
+        gap = fp8_install.layout_gaps(self.model, loadable.specs)
+        if gap is not None or self.applied is not None:
+            return gap
+        started = time.perf_counter()
+        try:
+            same = fp8_install.matches(self.model, fp8_install.quantize(
+                self.model, checkpoint_tensors(model_config.model)))
+        except Exception as exc:
+            return f"comparing its quantization with the reference failed ({exc})"
+        log.info("TensorHub: vLLM's quantization of the checkpoint %s the reference's "
+                 "(compared in %.0f ms)", "gave the same bytes as" if same else "differs from",
+                 (time.perf_counter() - started) * 1e3)
+        return None if same else "vLLM's own quantization of its checkpoint differs from " \
+            "the reference the trainer quantizes with"
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the whole swap happens in `receive_weights`, after checks."""
@@ -368,6 +510,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         the rest reloaded."""
         quantized, self._quantized = self._quantized, None
         plan, self._plan = self._plan, None
+        if self._layout_recipe is not None:
+            self._install_layout(version, named, quantized, plan)
+            return
         if plan is not None and plan.version == version and plan.key == self._live_key() \
                 and self.checkpoint.prepared(version):
             started = time.perf_counter()

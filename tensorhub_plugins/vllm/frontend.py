@@ -43,13 +43,22 @@ from tensorhub.engines import (
     Update,
     all_ready,
     authorized,
+    followed_model,
     load_settings,
     refusal_in,
     salted,
     versions_to_release,
 )
 from tensorhub_plugins.vllm import versions
-from tensorhub_plugins.vllm.commands import Check, Command, Init, Prefetch, Release
+from tensorhub_plugins.vllm.commands import (
+    CanInstall,
+    CanInstallAnswer,
+    Check,
+    Command,
+    Init,
+    Prefetch,
+    Release,
+)
 from tensorhub_plugins.vllm.copies import copy_holders
 
 log = logging.getLogger("tensorhub.vllm")
@@ -57,6 +66,18 @@ router = APIRouter()
 # The worker attribute `collective_rpc` calls to ask the ranks a question: our engine
 # (`TensorHubEngine.__call__`).
 ANSWERING_CALL = "weight_transfer_engine"
+
+
+async def ask_every_rank(engine_client, question: dict) -> list:
+    """Every rank's answer to `question` (`TensorHubEngine.__call__`), of every engine
+    behind a front end (vLLM's data-parallel client answers a `collective_rpc` with its
+    first engine's ranks only)."""
+    core = getattr(engine_client, "engine_core", None)
+    every = getattr(core, "call_utility_all_async", None)
+    if every is None:
+        return await engine_client.collective_rpc(ANSWERING_CALL, args=(question,))
+    per_engine = await every("collective_rpc", ANSWERING_CALL, None, (question,), None)
+    return [answer for answers in per_engine for answer in answers]
 
 
 class UpdateRequest(BaseModel):
@@ -159,15 +180,7 @@ class Frontend:
         await self._open_update()
 
     async def _ask_every_rank(self, question: dict) -> list:
-        """Every rank's answer to `question` (`TensorHubEngine.__call__`), of every engine
-        behind this front end (vLLM's data-parallel client answers a `collective_rpc` with
-        its first engine's ranks only)."""
-        core = getattr(self.engine, "engine_core", None)
-        every = getattr(core, "call_utility_all_async", None)
-        if every is None:
-            return await self.engine.collective_rpc(ANSWERING_CALL, args=(question,))
-        per_engine = await every("collective_rpc", ANSWERING_CALL, None, (question,), None)
-        return [answer for answers in per_engine for answer in answers]
+        return await ask_every_rank(self.engine, question)
 
     async def _open_update(self) -> None:
         """Open vLLM's weight-update session before the pause: it is a flag on each worker
@@ -340,6 +353,22 @@ def salt_requests(engine_client, epoch: Callable[[], int]) -> None:
     core.add_request_async = add_salted
 
 
+def _cannot_take_layout(config) -> str | None:
+    """Why this engine cannot install the trainer's quantized layout, as its config tells
+    (None: ask its ranks, `_ranks_cannot_take`)."""
+    if config.parallel_config.world_size != 1:
+        return "it is written into one rank's weights only (TP=1)"
+    return None
+
+
+async def _ranks_cannot_take(engine_client, recipe: str) -> str | None:
+    """What the ranks say keeps them from installing the trainer's layout by `recipe`
+    (`TensorHubEngine._why_not_layout`: the first rank's reason; None: every rank can)."""
+    answers = await ask_every_rank(engine_client, CanInstall(recipe=recipe).info())
+    reasons = [CanInstallAnswer.model_validate(a).cannot for a in answers]
+    return next((r for r in reasons if r is not None), None)
+
+
 async def start_frontend(engine_client, args) -> Frontend | None:
     if engine_client is None:
         return None
@@ -354,6 +383,19 @@ async def start_frontend(engine_client, args) -> Frontend | None:
         raise RuntimeError("TensorHub needs --weight-transfer-config '{\"backend\": "
                            "\"tensorhub\"}' (and VLLM_PLUGINS=tensorhub)")
     versions.install()
+    loop = asyncio.get_running_loop()
+
+    def cannot_take_layout() -> str | None:  # (run in `followed_model`'s thread)
+        try:
+            return _cannot_take_layout(config) or asyncio.run_coroutine_threadsafe(
+                _ranks_cannot_take(engine_client, config.model_config.quantization),
+                loop).result(timeout=600)
+        except Exception as exc:
+            return f"its ranks could not be asked ({exc})"
+
+    engine_settings = engine_settings.model_copy(update={"model": await asyncio.to_thread(
+        followed_model, engine_settings, config.model_config.quantization,
+        cannot_take_layout)})
     frontend = Frontend(engine_settings, engine_client, engine_settings.instance_name(
         "vllm", getattr(args, "port", None)), config.parallel_config.world_size,
         copy_holders(config.parallel_config))
