@@ -165,12 +165,13 @@ def test_it_follows_bf16_versions_requantized_in_place(fp8, version):
     assert bf16 <= pulled < 1.01 * bf16  # it pulls the bf16 version, whole
 
 
-def test_its_tokens_and_bytes_equal_a_fresh_fp8_engine_on_the_same_weights(fp8):
+def equals_a_fresh_engine(fp8) -> None:
+    """The engine's live bytes and greedy tokens equal those of a fresh fp8 engine started
+    from the version it serves, saved as a bf16 checkpoint."""
     serving = fp8.engine.tensorhub_status()["serving_version"]
-    state = fp8.states[serving - 1]
     ours_live, _ = read_live(fp8.engine, fp8.root / "ours")
     ours = fp8.engine.greedy(fp8.prompts, TOKENS)
-    on_disk = save_version(fp8.model_dir, state, fp8.root / f"v{serving}")
+    on_disk = save_version(fp8.model_dir, fp8.states[serving - 1], fp8.root / f"v{serving}")
     with VLLMServer(fp8.python, on_disk, dtype="bfloat16", live_weights=True,
                     extra_args=FP8_ARGS, log_path=fp8.root / "fresh.log") as fresh:
         fresh_live, _ = read_live(fresh, fp8.root / "fresh")
@@ -178,26 +179,20 @@ def test_its_tokens_and_bytes_equal_a_fresh_fp8_engine_on_the_same_weights(fp8):
         assert ours == fresh.greedy(fp8.prompts, TOKENS)
 
 
-def test_an_fp8_engine_started_later_joins_the_newest_version_from_peers(fp8):
+def weightless_copy(fp8) -> Path:
+    """The model's folder without its weights (config and tokenizer: `--load-format dummy`)."""
     weightless = fp8.root / "weightless"
     weightless.mkdir(exist_ok=True)
     for f in fp8.model_dir.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors"):
             (weightless / f.name).write_bytes(f.read_bytes())
-    serving = fp8.engine.tensorhub_status()["serving_version"]
-    ours = fp8.engine.greedy(fp8.prompts, TOKENS)
-    late = VLLMServer(fp8.python, weightless, dtype="bfloat16", live_weights=True,
-                      extra_args=[*PLUGIN_ARGS, *FP8_ARGS, "--load-format", "dummy"],
-                      env=plugin_env(fp8.address), log_path=fp8.root / "late.log")
-    with late:
-        assert late.tensorhub_status()["serving_version"] == serving  # before any request
-        live, _ = read_live(late, fp8.root / "late")
-        assert not differing(live, expected_live(fp8.states[serving - 1], live))
-        assert late.greedy(fp8.prompts, TOKENS) == ours
-    assert f"joined at policy v{serving} from peers" in late.log_path.read_text()
+    return weightless
 
 
-def test_a_version_the_fp8_engine_cannot_load_is_refused_and_it_serves_on(fp8):
+def refuses_bad_versions_and_serves_on(fp8) -> None:
+    """Each of `_bad_versions` of the served version is refused, naming its tensor, with
+    the live bytes and tokens untouched; the next good version (`states[4]`) is then
+    served and held as the reference quantization."""
     engine = fp8.engine
     serving = engine.tensorhub_status()["serving_version"]
     before, _ = read_live(engine, fp8.root / "before")
@@ -217,6 +212,28 @@ def test_a_version_the_fp8_engine_cannot_load_is_refused_and_it_serves_on(fp8):
     engine.wait_serving(good)
     check_holds(fp8, fp8.states[4], f"v{good} after the refused ones")
 
+
+def test_its_tokens_and_bytes_equal_a_fresh_fp8_engine_on_the_same_weights(fp8):
+    equals_a_fresh_engine(fp8)
+
+
+def test_an_fp8_engine_started_later_joins_the_newest_version_from_peers(fp8):
+    weightless = weightless_copy(fp8)
+    serving = fp8.engine.tensorhub_status()["serving_version"]
+    ours = fp8.engine.greedy(fp8.prompts, TOKENS)
+    late = VLLMServer(fp8.python, weightless, dtype="bfloat16", live_weights=True,
+                      extra_args=[*PLUGIN_ARGS, *FP8_ARGS, "--load-format", "dummy"],
+                      env=plugin_env(fp8.address), log_path=fp8.root / "late.log")
+    with late:
+        assert late.tensorhub_status()["serving_version"] == serving  # before any request
+        live, _ = read_live(late, fp8.root / "late")
+        assert not differing(live, expected_live(fp8.states[serving - 1], live))
+        assert late.greedy(fp8.prompts, TOKENS) == ours
+    assert f"joined at policy v{serving} from peers" in late.log_path.read_text()
+
+
+def test_a_version_the_fp8_engine_cannot_load_is_refused_and_it_serves_on(fp8):
+    refuses_bad_versions_and_serves_on(fp8)
 
 
 def test_a_tied_fp8_engine_takes_versions_that_carry_the_tied_head(tmp_path_factory,

@@ -16,28 +16,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from integration.test_vllm import PLUGIN_ARGS, _bad_versions, plugin_env, transfers
+from integration.test_vllm import PLUGIN_ARGS, plugin_env, transfers
 from integration.test_vllm_fp8 import (
     FP8,
     FP8_ARGS,
     TOKENS,
     check_holds,
     differing,
+    equals_a_fresh_engine,
     expected_live,
     read_live,
+    refuses_bad_versions_and_serves_on,
+    weightless_copy,
 )
 from integration.tiny_model import (
     build_tiny_model,
     load_state_dict,
     make_prompts,
     perturb_state_dict,
-    save_version,
 )
 from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.quant import quantize_named, quantized_model
 from tensorhub.tools.cli import _change as step
-from tensorhub_testing.waits import wait_for
 
 MODEL = "layout"
 COMPANION = quantized_model(MODEL, "fp8_per_channel")
@@ -114,44 +115,15 @@ def test_a_one_percent_step_is_installed_sparse_and_byte_equal_to_a_whole_quanti
 
 
 def test_its_tokens_and_bytes_equal_a_fresh_fp8_engine_on_the_same_weights(once):
-    serving = once.engine.tensorhub_status()["serving_version"]
-    ours_live, _ = read_live(once.engine, once.root / "ours")
-    ours = once.engine.greedy(once.prompts, TOKENS)
-    on_disk = save_version(once.model_dir, once.states[serving - 1], once.root / "fresh")
-    with VLLMServer(once.python, on_disk, dtype="bfloat16", live_weights=True,
-                    extra_args=FP8_ARGS, log_path=once.root / "fresh.log") as fresh:
-        fresh_live, _ = read_live(fresh, once.root / "fresh-live")
-        assert not differing(ours_live, fresh_live), differing(ours_live, fresh_live)
-        assert ours == fresh.greedy(once.prompts, TOKENS)
+    equals_a_fresh_engine(once)
 
 
 def test_a_version_it_cannot_load_is_refused_in_the_quantized_layout_too(once):
-    engine = once.engine
-    serving = engine.tensorhub_status()["serving_version"]
-    before, _ = read_live(engine, once.root / "before")
-    tokens = engine.greedy(once.prompts, TOKENS)
-    for what, state, tensor in _bad_versions(once.states[serving - 1]):
-        bad = once.pub.publish(state)
-        wait_for(lambda bad=bad: (engine.tensorhub_status()["unloadable"] or {}
-                                  ).get("version") == bad, timeout=60,
-                 what=f"refusing v{bad} ({what})")
-        status = engine.tensorhub_status()
-        assert tensor in status["unloadable"]["reason"], status["unloadable"]
-        assert status["serving_version"] == serving
-    after, _ = read_live(engine, once.root / "after")
-    assert not differing(after, before)
-    assert engine.greedy(once.prompts, TOKENS) == tokens
-    good = once.pub.publish(once.states[4])
-    engine.wait_serving(good)
-    check_holds(once, once.states[4], f"v{good} after the refused ones")
+    refuses_bad_versions_and_serves_on(once)
 
 
 def test_a_late_fp8_engine_joins_from_its_peer_in_the_quantized_layout(once):
-    weightless = once.root / "weightless"
-    weightless.mkdir(exist_ok=True)
-    for f in once.model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
-            (weightless / f.name).write_bytes(f.read_bytes())
+    weightless = weightless_copy(once)
     serving = once.engine.tensorhub_status()["serving_version"]
     ours = once.engine.greedy(once.prompts, TOKENS)
     late = VLLMServer(once.python, weightless, dtype="bfloat16", live_weights=True,

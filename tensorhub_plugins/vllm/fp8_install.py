@@ -28,6 +28,11 @@ import torch
 from tensorhub.engines import sparse_install
 from tensorhub.quant import Fp8Weight, quantizable, split_quantized, vllm_per_channel
 
+# The share of a version's fp8 bytes past which it is written whole: each byte a sparse
+# install writes moves with an 8-byte index (`bench/results/vllm_fp8.md`: a version that
+# changed 18 % of them took longer written sparse than whole).
+MAX_DENSITY = 0.04
+
 # vLLM's fused linear layers and the checkpoint tensors stacked (by rows) into each, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -119,9 +124,9 @@ def plan_sparse(model: torch.nn.Module, quantized: dict[str, Fp8Weight], version
                 key: tuple) -> sparse_install.Plan | None:
     """The fp8 bytes and scales of `quantized` that differ from the live ones, to write
     alone (`sparse_install.install`): an RL step changes few fp8 bytes, fewer than bf16
-    words. None when too much changed for that to pay (told from every 64th row first) or a
-    live weight is not the transposed view of an `[out, in]` block it is on vLLM's CPU
-    build."""
+    words. None when too much changed for that to pay (`MAX_DENSITY`, told from every 64th
+    row first) or a live weight is not the transposed view of an `[out, in]` block it is on
+    vLLM's CPU build."""
     layers = quantized_layers(model)
     rows = sparse_install.SAMPLE_EVERY
     changed = seen = 0
@@ -131,10 +136,10 @@ def plan_sparse(model: torch.nn.Module, quantized: dict[str, Fp8Weight], version
             return None
         changed += int((_u8(live[::rows]).to(new.device) != _u8(new[::rows])).sum())
         seen += new[::rows].numel()
-    if changed > sparse_install.MAX_DENSITY * max(seen, 1):
+    if changed > MAX_DENSITY * max(seen, 1):
         return None
     writes, written, changed, total = [], [], 0, 0
-    budget = sparse_install.MAX_DENSITY * sum(q.weight.numel() for q in quantized.values())
+    budget = MAX_DENSITY * sum(q.weight.numel() for q in quantized.values())
     for name, layer in layers.items():
         q = quantized[name]
         for live, new, what in ((layer.weight.data.t(), q.weight, "weight"),
