@@ -48,7 +48,8 @@ def followed_model(settings: EngineSettings, recipe: str | None,
     if not published:
         log.info("TensorHub: the trainer publishes no %s layout of %s (no version or "
                  "declaration of %s yet; Publisher(quantize=[%r]) makes one): this engine "
-                 "pulls %s and quantizes each version itself", recipe, model, companion,
+                 "pulls %s and quantizes each version itself (decided at start: start the "
+                 "trainer, or its declare(), before the engines)", recipe, model, companion,
                  recipe, model)
         return model
     why = cannot()
