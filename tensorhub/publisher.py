@@ -168,6 +168,7 @@ class Publisher:
         self.last_patch_decision: PatchDecision | None = None
         self._patch_started = 0.0
         self.version: int | None = None
+        self._previous: int | None = None  # the version published before `version`
         self.layout_id: str | None = None
         self.quantized = {
             recipe: Publisher(
@@ -310,6 +311,7 @@ class Publisher:
                               else part_timeout)
         self.version = version
         self.layout_id = layout.layout_id  # the current version's (retention counts its holders)
+        self._previous = self._newest or None
         self._newest = version
         self._buffers_version = version if not self.zero_copy else 0
         # Kept so a restarted coordinator learns of this version again (soft state).
@@ -321,11 +323,15 @@ class Publisher:
                  layout.nbytes / 2**20, layout.layout_id)
         for recipe, publisher in self.quantized.items():
             started = time.perf_counter()
-            quantized = quantize_named(named, recipe)
-            quantized_s = time.perf_counter() - started
-            publisher.publish(quantized, version)
+            try:
+                publisher.publish(quantize_named(named, recipe), version)
+            except TensorHubError as exc:  # (the bf16 version is out: this one skips it)
+                log.error("%s v%d: publishing its %s layout failed (%s); engines that follow "
+                          "%s stay on its v%s until the next version", self.model, version,
+                          recipe, exc, publisher.model, publisher.version)
+                continue
             log.info("published %s v%d (quantized in %.0f ms)", publisher.model, version,
-                     quantized_s * 1e3)
+                     (time.perf_counter() - started) * 1e3)
         return version
 
     def _copy_making_patch(self, layout: BoundLayout, tensors: list[torch.Tensor],
@@ -481,12 +487,13 @@ class Publisher:
         """Unregister, after waiting (up to `retain_timeout`) for `min_replicas` replicas to
         hold the newest version, said at once when they do not yet; `retain=False`: no
         wait (the newest version is gone unless a replica holds it already). With quantized
-        layouts beside it, each model waits only where a replica holds or reads its newest
-        version (its engines may all follow another of them)."""
+        layouts beside it, each model waits only where a replica follows it (holds or reads
+        its newest version or the one before): its engines may all follow another of
+        them."""
         for publisher in [self, *self.quantized.values()]:
             try:
                 if retain and publisher.version is not None \
-                        and (not self.quantized or publisher._read()) \
+                        and (not self.quantized or publisher._followed()) \
                         and not publisher.retained(waiting=("close()", "close(retain=False) "
                                                                        "skips the wait")):
                     log.warning("%s v%d: no replica holds it; it is gone when the trainer "
@@ -496,10 +503,14 @@ class Publisher:
         if self._owns_session:
             self.session.close()
 
-    def _read(self) -> bool:
-        """Whether a replica holds or reads our current version."""
-        r = self.session.client.call(RetentionRequest(model=self.model, version=self.version))
-        return r.replica_holders > 0 or r.active_reads > 0
+    def _followed(self) -> bool:
+        """Whether a replica holds or reads our current version or the one before it (a
+        follower that has not started on the newest yet holds the one before)."""
+        for version in {self.version, self._previous} - {None}:
+            r = self.session.client.call(RetentionRequest(model=self.model, version=version))
+            if r.replica_holders > 0 or r.active_reads > 0:
+                return True
+        return False
 
     def __enter__(self) -> Publisher:
         return self

@@ -4,11 +4,14 @@ reference quantizer's bytes, about half the bf16 version's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from tensorhub import Publisher, Replica
 from tensorhub.core.errors import CoordinatorError
+from tensorhub.engines import EngineSettings, followed_model
 from tensorhub.engines.weights_check import from_tensors
 from tensorhub.quant import vllm_per_channel
 from tensorhub.quant.layouts import (
@@ -156,3 +159,41 @@ def test_only_the_models_trainer_publishes_or_declares_its_companions(coordinato
         assert "only the trainer that declares" in refused(lambda: other.declare(state))
         trainer.publish(state)
         assert "only the trainer that publishes 'policy'" in refused(lambda: other.publish(state))
+
+
+def test_closing_waits_for_the_replicas_that_follow_the_quantized_layout(coordinator):
+    """A reader of the quantized layout alone, one version behind when the trainer closes:
+    the trainer waits for it to hold the newest (else that version is gone with it)."""
+    states = [decoder(seed) for seed in (1, 2)]
+    with Replica(coordinator.address, quantized_model("policy", "fp8_per_channel"),
+                 transport="zmq", name="fp8") as reader:
+        pub = Publisher(coordinator.address, "policy", transport="zmq",
+                        quantize=["fp8_per_channel"])
+        pub.publish(states[0])
+        reader.pull(1)
+        pub.publish(states[1])
+        late = threading.Timer(0.5, reader.pull, args=(2,))
+        late.start()
+        pub.close()
+        late.join()
+        assert reader.version == 2
+
+
+def test_an_engine_follows_the_layout_only_while_it_keeps_up_with_its_model(coordinator):
+    settings = EngineSettings(coordinator=coordinator.address, model="policy")
+    companion = quantized_model("policy", "fp8_per_channel")
+
+    def follows(cannot: str | None = None) -> str:
+        return followed_model(settings, "fp8_per_channel", lambda: cannot)
+
+    assert follows() == "policy"  # nothing published yet
+    with Publisher(coordinator.address, "policy", transport="zmq",
+                   quantize=["fp8_per_channel"]) as pub:
+        pub.declare(decoder())
+        assert follows() == companion
+        pub.publish(decoder(1))
+        assert follows() == companion
+        assert follows("it is TP=2") == "policy"
+        pub.quantized.clear()  # (a trainer that goes on without quantizing)
+        pub.publish(decoder(2))
+        assert follows() == "policy"  # its layout is a version behind: left over

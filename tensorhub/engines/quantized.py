@@ -22,6 +22,20 @@ from tensorhub.quant.layouts import RECIPES, quantized_model, recipe_of
 log = logging.getLogger("tensorhub.engines")
 
 
+def keeps_up(settings: EngineSettings, companion: str) -> bool:
+    """Whether the trainer publishes `companion` with its model: its newest version is the
+    model's (a left-over companion of an earlier run, behind its model, does not count),
+    or, before the model has a version, it is declared or published."""
+    views = [FleetView.connect(settings.coordinator, m, timeout=5.0)
+             for m in (settings.model, companion)]
+    try:
+        base, ours = (view.latest() for view in views)
+        return ours >= base if ours else base == 0 and views[1].published()
+    finally:
+        for view in views:
+            view.close()
+
+
 def followed_model(settings: EngineSettings, recipe: str | None,
                    cannot: Callable[[], str | None]) -> str:
     """The model an engine quantized by `recipe` (None: not quantized) follows. `cannot()`:
@@ -36,18 +50,16 @@ def followed_model(settings: EngineSettings, recipe: str | None,
                  model)
         return model
     companion = quantized_model(model, recipe)
-    fleet = FleetView.connect(settings.coordinator, companion, timeout=5.0)
     try:
-        published = fleet.published()
+        published = keeps_up(settings, companion)
     except TensorHubError as exc:
         log.warning("TensorHub: cannot ask the coordinator for %s (%s): this engine pulls %s "
                     "and quantizes each version itself", companion, exc, model)
         return model
-    finally:
-        fleet.close()
     if not published:
-        log.info("TensorHub: the trainer publishes no %s layout of %s (no version or "
-                 "declaration of %s yet; Publisher(quantize=[%r]) makes one): this engine "
+        log.info("TensorHub: the trainer publishes no %s layout of %s (%s has no version "
+                 "as new as its model's, nor a declaration; Publisher(quantize=[%r]) makes "
+                 "one): this engine "
                  "pulls %s and quantizes each version itself (decided at start: start the "
                  "trainer, or its declare(), before the engines)", recipe, model, companion,
                  recipe, model)

@@ -145,6 +145,8 @@ def plan_sparse(model: torch.nn.Module, quantized: dict[str, Fp8Weight], version
         for live, new, what in ((layer.weight.data.t(), q.weight, "weight"),
                                 (layer.weight_scale.data, q.scale, "weight_scale")):
             flat, bits = _u8(live).reshape(-1), _u8(new.reshape(live.shape)).reshape(-1)
+            if flat.data_ptr() != live.data_ptr():
+                return None  # (not a view of the live bytes: writes would be lost)
             where = (flat.to(bits.device) != bits).nonzero().flatten()
             total += live.numel() if what == "weight" else 0
             if where.numel() == 0:
