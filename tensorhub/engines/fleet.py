@@ -131,10 +131,8 @@ class FleetView:
         """The model's newest version (0: none yet)."""
         return self.holdings([]).latest
 
-    def published(self) -> bool:
-        """Whether the model has a version, or a first version declared (`Declare`)."""
-        if self.latest() > 0:
-            return True
+    def declared(self) -> bool:
+        """Whether the model's first version is declared (`Declare`) and not out yet."""
         try:
             self.caller.call(GetDeclared(model=self.model))
         except CoordinatorError as exc:

@@ -4,8 +4,8 @@ the trainer publishes one the engine can install, else the bf16 model it quantiz
 A trainer with `Publisher(quantize=[recipe])` publishes each version twice: `<model>` in bf16
 and `<model>@<recipe>` quantized once (`tensorhub/quant/layouts.py`). An engine of that
 recipe that follows the companion pulls half the bytes and quantizes nothing. It decides at
-start, from what the coordinator knows then (a version or a declaration of the companion),
-and says which way it went and why in its log; `TENSORHUB_QUANTIZED_LAYOUT=never` keeps it
+start, from what the coordinator knows then (`keeps_up`), and says which way it went and
+why in its log; `TENSORHUB_QUANTIZED_LAYOUT=never` keeps it
 on bf16, and `TENSORHUB_MODEL=<model>@<recipe>` names the companion outright.
 """
 
@@ -30,7 +30,7 @@ def keeps_up(settings: EngineSettings, companion: str) -> bool:
              for m in (settings.model, companion)]
     try:
         base, ours = (view.latest() for view in views)
-        return ours >= base if ours else base == 0 and views[1].published()
+        return ours >= base if ours else base == 0 and views[1].declared()
     finally:
         for view in views:
             view.close()
@@ -59,8 +59,8 @@ def followed_model(settings: EngineSettings, recipe: str | None,
     if not published:
         log.info("TensorHub: the trainer publishes no %s layout of %s (%s has no version "
                  "as new as its model's, nor a declaration; Publisher(quantize=[%r]) makes "
-                 "one): this engine "
-                 "pulls %s and quantizes each version itself (decided at start: start the "
+                 "one): this engine pulls %s and quantizes each version itself (decided at "
+                 "start: start the "
                  "trainer, or its declare(), before the engines)", recipe, model, companion,
                  recipe, model)
         return model

@@ -395,13 +395,17 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         """What this engine's model loads: the checkpoint it started from, in the trainer's
         quantized layout where it follows one (None where it started with no weights: the
         first version it applies then tells)."""
-        if self.vllm_config.load_config.load_format == "dummy":
-            return None
-        model_config = self.vllm_config.model_config
-        loadable = from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
+        loadable = self._checkpoint_loads()
         if loadable is None or self._layout_recipe is None:
             return loadable
         return loadable.quantized(self._layout_recipe)
+
+    def _checkpoint_loads(self):
+        """What the checkpoint the engine started from holds (None: no weights, `dummy`)."""
+        if self.vllm_config.load_config.load_format == "dummy":
+            return None
+        model_config = self.vllm_config.model_config
+        return from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
 
     def _why_not_layout(self, recipe: str) -> str | None:
         """Why this rank cannot install versions of the trainer's layout quantized by
@@ -425,8 +429,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             return f"the trainer quantizes bf16 weights; this engine runs {model_config.dtype}"
         if not fp8_install.only_per_channel(self.model):
             return "not every quantized layer is vLLM's per-channel online method"
-        loadable = None if self.vllm_config.load_config.load_format == "dummy" else \
-            from_checkpoint(model_config.model, tied_optional(model_config.hf_config))
+        loadable = self._checkpoint_loads()
         if loadable is None:
             return None  # (no checkpoint to compare with: each version's check says)
         gap = fp8_install.layout_gaps(self.model, loadable.specs)

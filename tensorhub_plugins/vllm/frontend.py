@@ -353,14 +353,6 @@ def salt_requests(engine_client, epoch: Callable[[], int]) -> None:
     core.add_request_async = add_salted
 
 
-def _cannot_take_layout(config) -> str | None:
-    """Why this engine cannot install the trainer's quantized layout, as its config tells
-    (None: ask its ranks, `_ranks_cannot_take`)."""
-    if config.parallel_config.world_size != 1:
-        return "it is written into one rank's weights only (TP=1)"
-    return None
-
-
 async def _ranks_cannot_take(engine_client, recipe: str) -> str | None:
     """What the ranks say keeps them from installing the trainer's layout by `recipe`
     (`TensorHubEngine._why_not_layout`: the first rank's reason; None: every rank can)."""
@@ -387,7 +379,7 @@ async def start_frontend(engine_client, args) -> Frontend | None:
 
     def cannot_take_layout() -> str | None:  # (run in `followed_model`'s thread)
         try:
-            return _cannot_take_layout(config) or asyncio.run_coroutine_threadsafe(
+            return asyncio.run_coroutine_threadsafe(
                 _ranks_cannot_take(engine_client, config.model_config.quantization),
                 loop).result(timeout=600)
         except Exception as exc:
