@@ -5,6 +5,7 @@ engine imports here. Plugins import from this package (the names below) and from
 from tensorhub.engines import sparse_install
 from tensorhub.engines.auth import REFUSED, authorized
 from tensorhub.engines.background_check import BackgroundCheck, CheckAnswer, all_ready, refusal_in
+from tensorhub.engines.background_priority import yield_to_engine
 from tensorhub.engines.checkpoint_copy import CheckpointCopy, TornLoad, alone, versions_to_release
 from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_labels
 from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
@@ -73,4 +74,5 @@ __all__ = [
     "sparse_install",
     "tied_optional",
     "versions_to_release",
+    "yield_to_engine",
 ]

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.background_priority import yield_to_engine
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome
 
 
@@ -49,7 +50,8 @@ class BackgroundCheck:
     """A worker's checks, one at a time, in a thread of its own."""
 
     def __init__(self) -> None:
-        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-check")
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-check",
+                                          initializer=yield_to_engine)
         self._lock = threading.Lock()
         self._latest: dict[str, tuple[tuple[int, int], Future]] = {}  # asker -> its check
 

@@ -30,6 +30,7 @@ import torch
 
 from tensorhub import settings
 from tensorhub.core.errors import TensorHubError
+from tensorhub.engines.background_priority import yield_to_engine
 from tensorhub.engines.fleet import FleetView
 from tensorhub.engines.outcome import InstallFailed
 from tensorhub.engines.weights_check import LoadableWeights, from_manifests, from_tensors
@@ -132,6 +133,7 @@ class CheckpointCopy:
     def prefetch(self, version: int | str = "latest") -> None:
         """Pull in the background; returns at once (errors land in `last_error`)."""
         def run() -> None:
+            yield_to_engine()
             try:
                 self.pull(version)
             except TensorHubError as exc:
@@ -153,6 +155,7 @@ class CheckpointCopy:
         return held is None or held in (self.applied, self.refused)
 
     def _follow(self) -> None:
+        yield_to_engine()
         backoff = 0.5
         lost, lost_until = None, 0.0  # a version no copy was left of: wait for a newer one
         while not self._stop.is_set():

@@ -25,7 +25,7 @@ import time
 import torch
 
 from tensorhub import CoordinatorError, LayoutError, Replica, TensorHubError
-from tensorhub.engines import FleetView, layout_labels
+from tensorhub.engines import FleetView, layout_labels, yield_to_engine
 
 log = logging.getLogger("tensorhub.sglang")
 
@@ -107,6 +107,7 @@ class NativeHolder:
         writes = self._writes
 
         def run() -> None:
+            yield_to_engine()
             with self._lock:
                 if self._writes != writes:  # written again since: these are not v's bytes
                     return

@@ -60,6 +60,7 @@ from tensorhub.engines import (
     restore_after,
     sparse_install,
     tied_optional,
+    yield_to_engine,
 )
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
@@ -206,6 +207,7 @@ class Scheduler:
 
     def _prepare_loop(self) -> None:
         """Prepare each version the checkpoint copy comes to hold, once."""
+        yield_to_engine()
         while True:
             time.sleep(0.02)
             try:
