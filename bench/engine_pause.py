@@ -15,6 +15,8 @@ Ratios are our figure over the baseline (a swap that adds 2 memcpys reads 2.0).
 
 Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
      [--pause keep|keep_kv] [--checkpoint-layout]
+(`TENSORHUB_BACKGROUND_NICE=0` before it runs the engine's TensorHub threads at its own
+priority; the label says so.)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from integration.sglang_server import SGLangServer
 from integration.stream_client import StreamingClients, percentile
 from integration.tiny_model import build_tiny_model, load_state_dict, make_prompts
 from integration.vllm_server import VLLMServer
-from tensorhub import Publisher
+from tensorhub import Publisher, settings
 from tensorhub.tools.cli import _change as next_version
 from tensorhub_testing.local_fleet import coordinator_process
 from tensorhub_testing.status import coordinator_status
@@ -116,7 +118,9 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     label = f"{args.engine} TP={args.tp}, {nbytes / 2**20:.0f} MiB bf16" + (
         f", pause {args.pause}" if args.pause != "keep" else "") + (
-        ", weights in the checkpoint's layout" if args.checkpoint_layout else "")
+        ", weights in the checkpoint's layout" if args.checkpoint_layout else "") + (
+        f", background nice {settings.BACKGROUND_NICE.get()}"
+        if settings.BACKGROUND_NICE.is_set() else "")
     print(f"{label}: building done", flush=True)
     coordinator, address = coordinator_process()
     servers, publisher = [], None
@@ -128,6 +132,13 @@ def main() -> None:
                               args.checkpoint_layout)
         servers.append(engine)
         engine.wait_serving(version, timeout=600)
+        # Every version is made before the client starts: a trainer's step is computed on
+        # the trainer's own hosts, and here it would take the engine's cores.
+        g = torch.Generator().manual_seed(0)
+        steps = []
+        for kind, density in (("whole", 1.0), ("1 %", 0.01)) * args.updates:
+            next_version(state, density, g)
+            steps.append((kind, {k: t.clone() for k, t in state.items()}))
         client = StreamingClients(engine.url, make_prompts(4, 16, ARCH["vocab"]), TOKENS,
                                   clients=2, model=engine.model).start()
         time.sleep(2.0)  # (warm)
@@ -135,12 +146,10 @@ def main() -> None:
         time.sleep(QUIET_S)
         quiet_to = time.perf_counter()
         quiet = percentile(client.gaps(quiet_from, quiet_to), 0.99)
-        g = torch.Generator().manual_seed(0)
         got: dict[str, dict[str, list[float]]] = {}
-        for kind, density in (("whole", 1.0), ("1 %", 0.01)) * args.updates:
-            next_version(state, density, g)
+        for kind, step in steps:
             published, published_at = time.perf_counter(), time.time()
-            version = publisher.publish(state)
+            version = publisher.publish(step)
             returned = time.perf_counter()
             # (asked seldom: each status request costs the engine a call of its own)
             status = engine.wait_serving(version, timeout=600, interval=0.25)
@@ -157,7 +166,9 @@ def main() -> None:
                   f"{row['stall'][-1] * 1e3:.0f} ms, serving after {row['serving'][-1]:.2f} s "
                   f"(publish {returned - published:.2f} s, the copy's pull "
                   f"{sum(t.seconds for t in pulls):.2f} s of {sum(t.nbytes for t in pulls)} B, "
-                  f"check {last.get('check_ms', 0.0):.0f} ms)", flush=True)
+                  f"check {last.get('check_ms', 0.0):.0f} ms; the stall's steps "
+                  f"{last.get('stall_steps_ms')}, the install's {last.get('steps_ms')} ms)",
+                  flush=True)
         # the engine's own reload of the same weights, from disk
         folder = work / "reload"
         shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -16,9 +16,11 @@ from tensorhub.engines.swap import StepClock, SwapController
 
 class Engine:
     def __init__(self, check: InstallFailed | None = None,
-                 install: BaseException | None = None, check_s: float = 0.0):
+                 install: BaseException | None = None, check_s: float = 0.0,
+                 pause_s: float = 0.0, drains: bool = False):
         self.calls: list[str] = []
         self._check, self._install, self.check_s = check, install, check_s
+        self.pause_s, self.drains = pause_s, drains
         self.serving = None
         self.torn = None
         self.last_error = None
@@ -29,8 +31,11 @@ class Engine:
         if self._check is not None:
             raise self._check
 
-    async def pause(self) -> None:
+    async def pause(self) -> float | None:
         self.calls.append("pause")
+        asked = time.perf_counter()
+        await asyncio.sleep(self.pause_s)  # (the step in flight, or a drain)
+        return asked if self.drains else None
 
     async def install(self, version: int, path: str, fetch: bool) -> dict | None:
         self.calls.append(f"install {version}")
@@ -61,6 +66,20 @@ def test_a_swap_checks_before_it_pauses_and_the_stall_leaves_the_check_out():
     assert ctl.serving == 2 and got["changed"]
     assert ctl.last_update["check_ms"] >= 300
     assert ctl.last_update["stall_ms"] < ctl.last_update["check_ms"]
+
+
+def test_the_stall_starts_once_the_engine_stopped_stepping_not_when_the_pause_was_asked():
+    ctl = controller(Engine(pause_s=0.3))  # (its step in flight sends its tokens first)
+    swap(ctl, 2)
+    assert ctl.last_update["pause_ms"] >= 300
+    assert ctl.last_update["stall_ms"] < 300
+
+
+def test_a_pause_that_drains_counts_as_stall_from_the_call():
+    ctl = controller(Engine(pause_s=0.3, drains=True))  # (new requests wait from the call)
+    swap(ctl, 2)
+    assert ctl.last_update["stall_ms"] >= 300
+    assert ctl.last_update["pause_ms"] < 300
 
 
 def test_a_version_the_model_cannot_load_is_refused_before_the_pause_and_never_again():

@@ -7,7 +7,9 @@ the version served, torn weights (generation stays paused until a whole version 
 loaded), the last version refused as unloadable. Everything that can run before the pause
 (the load check, the copy's verification) runs in `check`, outside the stall and in the
 workers' own threads while the engine generates (`background_check.py`); the stall is what
-a client feels: from the pause to the resume.
+a client feels: from the moment the engine stopped stepping (the step in flight when the
+pause was asked still runs and sends its tokens) to the end of its first step after the
+resume.
 
 A failed install says what became of the weights as an `InstallFailed` carrying a
 `LoadOutcome` (typed: it crossed from the engine's worker processes as one, see
@@ -38,9 +40,11 @@ class SwapSteps(Protocol):
         """Raise `InstallFailed` (kind "unloadable") if the model cannot load `version`;
         verify what will be installed. Generation is not paused yet."""
 
-    async def pause(self) -> None:
+    async def pause(self) -> float | None:
         """Stop generating; requests in flight wait (or finish, or are aborted: the
-        engine's pause mode)."""
+        engine's pause mode). Return once the engine has stopped stepping; return when its
+        clients began to wait (`time.perf_counter()`) where that was earlier: a pause that
+        drains holds new requests from the call on."""
 
     async def install(self, version: int, path: str, fetch: bool) -> dict | None:
         """Put `version` into the live weights by `path` and label them; `fetch`: pull it
@@ -104,15 +108,18 @@ class SwapController:
                 return {"version": version, "stall_ms": 0.0, "changed": False}
             checked = time.perf_counter()
             await self._check(version)
-            started = time.perf_counter()
+            asked = started = time.perf_counter()
             marks: dict[str, float] = {}
             was_torn = self.torn is not None  # (then generation is paused already)
             extra: dict | None = None
             try:
                 if pause and not was_torn:
-                    await self._bounded(self.steps.pause(), "pausing generation")
+                    waited_from = await self._bounded(self.steps.pause(), "pausing generation")
                     self.epoch += 1
-                    marks["pause"] = time.perf_counter()
+                    # (the stall starts where the engine stopped: the step in flight when
+                    # the pause was asked sent its tokens first)
+                    started = time.perf_counter() if waited_from is None \
+                        else max(asked, min(waited_from, time.perf_counter()))
                 try:
                     extra = await self._bounded(self.steps.install(version, path, fetch),
                                                 f"installing v{version}")
@@ -134,8 +141,9 @@ class SwapController:
                     await self._bounded(self.steps.resume(), "resuming generation")
                     marks["resume"] = time.perf_counter()
             stall_ms = (time.perf_counter() - started) * 1e3 if pause or was_torn else 0.0
-            steps, last = [], started
+            steps, last, stall_steps = [], started, {}
             for step, t in marks.items():
+                stall_steps[step] = round((t - last) * 1e3, 2)
                 text = f"{step} {(t - last) * 1e3:.1f}"
                 inner = (extra or {}).get("steps_ms") if step == "install" else None
                 if isinstance(inner, dict):  # the install's own calls
@@ -146,11 +154,15 @@ class SwapController:
             metrics.switched(self.model, version, stall_ms / 1e3)
             self.updates += 1
             self.last_update = {"version": version, "stall_ms": round(stall_ms, 2),
-                                "check_ms": round((started - checked) * 1e3, 2),
+                                "check_ms": round((asked - checked) * 1e3, 2),
+                                # the wait for the engine's step in flight, before the stall
+                                "pause_ms": round((started - asked) * 1e3, 2),
+                                "stall_steps_ms": stall_steps,
                                 "at": time.time(), "path": path, **(extra or {})}
-            log.info("now serving %s v%d (stall %.1f ms: %s ms; checked before in %.1f ms)",
-                     self.model, version, stall_ms, ", ".join(steps) or "none",
-                     (started - checked) * 1e3)
+            log.info("now serving %s v%d (stall %.1f ms: %s ms; checked before in %.1f ms, "
+                     "paused after %.1f ms)", self.model, version, stall_ms,
+                     ", ".join(steps) or "none", (asked - checked) * 1e3,
+                     (started - asked) * 1e3)
             return {"version": version, "stall_ms": stall_ms, "changed": True}
 
     async def _check(self, version: int) -> None:

@@ -254,8 +254,13 @@ class Driver:
             self._drained = (drained, time.perf_counter() - started)
 
     async def pause(self) -> None:
+        """SGLang answers the pause before its scheduler takes it (at the top of its next
+        loop turn, once the step in flight is done); a round trip to the scheduler sent
+        after it returns once the scheduler has taken both, so the stall is timed from
+        the moment generation stopped."""
         self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]},
                    self.settings.swap_timeout)
+        self._get("/server_info", timeout=self.settings.swap_timeout)
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         """begin → update (our loader: the schedulers apply `version`) → end, then what the

@@ -197,14 +197,18 @@ class Frontend:
             self._opening = None  # not opened: the next check tries again
             raise
 
-    async def pause(self) -> None:
+    async def pause(self) -> float | None:
         if self.settings.pause in ("keep", "keep_kv") and hasattr(self.engine, "engine_core"):
             # The scheduler's own pause: requests freeze where they are. (`pause_generation`
-            # would add a fixed sleep meant for requests that finish or abort.)
+            # would add a fixed sleep meant for requests that finish or abort.) It is
+            # answered between two steps: once it returns, the engine has stopped.
             await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-        else:
-            # clear_cache=False: the prefix cache is reset after the install.
-            await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
+            return None
+        # clear_cache=False: the prefix cache is reset after the install. New requests
+        # wait from the call on, while the requests in flight finish or are aborted.
+        asked = time.perf_counter()
+        await self.engine.pause_generation(mode=self.settings.pause, clear_cache=False)
+        return asked
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         clock = StepClock()
