@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tensorhub.core.transport.parallel_copy import CopyPool
 from tensorhub.engines import yield_to_engine
 from tensorhub.engines.background_check import BackgroundCheck
 
@@ -76,3 +77,29 @@ def test_the_check_before_a_pause_runs_lowered(monkeypatch):
     finally:
         checks.close()
     assert seen == [max(_nice_of_this_thread(), 11)]
+
+
+def test_a_setting_that_does_not_parse_leaves_the_thread_running_at_its_priority(monkeypatch):
+    monkeypatch.setenv("TENSORHUB_BACKGROUND_NICE", "lowest")
+    before = _nice_of_this_thread()
+    assert _in_a_thread(lambda: (yield_to_engine(), _nice_of_this_thread())) == (None, before)
+
+
+def test_a_copy_runs_at_the_priority_of_the_thread_that_asked_for_it(monkeypatch):
+    monkeypatch.setenv("TENSORHUB_COPY_THREADS", "2")
+    pool = CopyPool("test-copy")
+    seen: list[int] = []
+    segments = [(0, 0, 1 << 20), (1 << 20, 1 << 20, 1 << 20)]
+
+    def read():
+        pool.run(segments, lambda call: seen.append(_nice_of_this_thread()))
+
+    try:
+        monkeypatch.setenv("TENSORHUB_BACKGROUND_NICE", "12")
+        _in_a_thread(lambda: (yield_to_engine(), read()))  # a pull beside generation
+        lowered, seen[:] = list(seen), []
+        read()  # a repair inside a pause, in the engine's own thread
+        assert lowered == [max(_nice_of_this_thread(), 12)] * 2
+        assert seen == [_nice_of_this_thread()] * 2
+    finally:
+        pool.close()

@@ -10,14 +10,18 @@ so it takes the cycles the engine leaves idle and little else.
 
 Linux keeps a nice value per thread, and a thread (an OpenMP team, a pool's workers) that
 a thread starts inherits it, so this is called once at the top of each such thread. Work
-inside a pause (the install) is never lowered: nothing competes with it then, and the
-engine waits for it.
+inside a pause (the install, a repair's pull) runs in the engine's own threads and is never
+lowered. A lowered thread may still hold a lock a swap takes (the copy's, while it pulls or
+checks; the native holder's, while it packs): a swap starts only once the copy's check is
+done, so this waits only where a version came in during the pack or a repair needs the copy,
+and then on a thread that runs whenever a core is idle: the engine's own are paused.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 from tensorhub import settings
@@ -30,7 +34,13 @@ def yield_to_engine() -> int | None:
     it: a thread already lower stays so). Returns the thread's nice value now, or None
     where it could not be read or set (not Linux, or refused): the work then runs at the
     engine's priority, which costs latency, never correctness."""
-    wanted = settings.BACKGROUND_NICE.get()
+    if not sys.platform.startswith("linux"):  # (elsewhere a thread id is no process id)
+        return None
+    try:
+        wanted = settings.BACKGROUND_NICE.get()
+    except settings.SettingError as exc:  # (never fail the thread it is called in)
+        log.warning("TensorHub: %s; its threads run at the engine's priority", exc)
+        return None
     try:
         thread = threading.get_native_id()
         now = os.getpriority(os.PRIO_PROCESS, thread)

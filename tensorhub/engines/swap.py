@@ -118,8 +118,10 @@ class SwapController:
                     self.epoch += 1
                     # (the stall starts where the engine stopped: the step in flight when
                     # the pause was asked sent its tokens first)
-                    started = time.perf_counter() if waited_from is None \
-                        else max(asked, min(waited_from, time.perf_counter()))
+                    paused = time.perf_counter()
+                    started = paused if waited_from is None \
+                        else max(asked, min(waited_from, paused))
+                    marks["pause"] = paused  # (0 ms in the stall, unless it drained)
                 try:
                     extra = await self._bounded(self.steps.install(version, path, fetch),
                                                 f"installing v{version}")
@@ -143,7 +145,8 @@ class SwapController:
             stall_ms = (time.perf_counter() - started) * 1e3 if pause or was_torn else 0.0
             steps, last, stall_steps = [], started, {}
             for step, t in marks.items():
-                stall_steps[step] = round((t - last) * 1e3, 2)
+                if pause or was_torn:
+                    stall_steps[step] = round((t - last) * 1e3, 2)
                 text = f"{step} {(t - last) * 1e3:.1f}"
                 inner = (extra or {}).get("steps_ms") if step == "install" else None
                 if isinstance(inner, dict):  # the install's own calls

@@ -253,14 +253,19 @@ class Driver:
             drained = self.drain(self.settings.swap_timeout)
             self._drained = (drained, time.perf_counter() - started)
 
-    async def pause(self) -> None:
+    async def pause(self) -> float | None:
         """SGLang answers the pause before its scheduler takes it (at the top of its next
         loop turn, once the step in flight is done); a round trip to the scheduler sent
         after it returns once the scheduler has taken both, so the stall is timed from
-        the moment generation stopped."""
+        the moment generation stopped. `abort` waits for the aborts to end, and new
+        requests wait from the call on."""
+        asked = time.perf_counter()
         self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]},
                    self.settings.swap_timeout)
+        if self.settings.pause == "abort":
+            return asked
         self._get("/server_info", timeout=self.settings.swap_timeout)
+        return None
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         """begin → update (our loader: the schedulers apply `version`) → end, then what the

@@ -10,6 +10,7 @@ calls) and at least one call per thread of `TENSORHUB_COPY_THREADS`, which share
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,14 +39,27 @@ def split_calls(segments: list[Segment], call_bytes: int) -> list[list[Segment]]
     return [c for c in calls if c]
 
 
+def _priority_of_this_thread() -> int:
+    """The calling thread's nice value (0 where it cannot be read)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return 0
+
+
 class CopyPool:
     """Runs the calls of one read on `TENSORHUB_COPY_THREADS` threads and returns when all
-    have ended (so no copy still runs into our memory after a failure is raised)."""
+    have ended (so no copy still runs into our memory after a failure is raised).
+
+    A read runs at the priority of the thread that asked for it: a pull beside an engine's
+    generation runs lowered (`engines/background_priority.py`), a repair inside a pause
+    does not, and a thread inherits its creator's priority and cannot raise it again. So
+    there is a pool per priority, each started by a thread of that priority."""
 
     def __init__(self, name: str):
         self._name = name
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[int, ThreadPoolExecutor] = {}
 
     def run(self, segments: list[Segment], copy: Callable[[list[Segment]], None]) -> None:
         """`copy(call)` for every call of `segments`; raises the first call's error."""
@@ -58,10 +72,12 @@ class CopyPool:
             for call in calls:
                 copy(call)
             return
+        priority = _priority_of_this_thread()
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(threads, thread_name_prefix=self._name)
-            pool = self._pool
+            pool = self._pools.get(priority)
+            if pool is None:
+                pool = self._pools[priority] = ThreadPoolExecutor(
+                    threads, thread_name_prefix=self._name)
         futures = [pool.submit(copy, call) for call in calls]
         for f in futures:  # wait for all first
             f.exception()
@@ -70,6 +86,6 @@ class CopyPool:
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)
