@@ -4,9 +4,12 @@ Inside an engine's processes TensorHub pulls the next version, verifies it and c
 against the live weights while the engine generates. Where the two compete for cores (an
 engine on a CPU host, or a GPU engine's scheduler thread, which launches every kernel),
 whatever delays a step of the engine's is a gap its clients feel. So the threads that do
-that work run at a lower priority (`TENSORHUB_BACKGROUND_NICE`): the kernel's scheduler
+that work may run at a lower priority (`TENSORHUB_BACKGROUND_NICE`): the kernel's scheduler
 shares a busy core by weight, and a thread at nice 10 weighs about a tenth of one at 0,
-so it takes the cycles the engine leaves idle and little else.
+so it takes the cycles the engine leaves idle and little else. It is off by default: an
+engine at full load then checks and serves each version later, by more than it gains in
+its clients' gaps where the engine's prefills, not TensorHub, make the worst ones
+(`bench/results/engine_pause.md`).
 
 Linux keeps a nice value per thread, and a thread (an OpenMP team, a pool's workers) that
 a thread starts inherits it, so this is called once at the top of each such thread. Work

@@ -156,10 +156,10 @@ WORKER_SPIN = _setting(
     "of a swap otherwise keeps every worker spinning a core for vLLM's second, and the "
     "other engines' swaps wait for a core", shown="vLLM's own (1 s)")
 BACKGROUND_NICE = _setting(
-    "TENSORHUB_BACKGROUND_NICE", Annotated[int, Field(ge=0, le=19)], 10,
+    "TENSORHUB_BACKGROUND_NICE", Annotated[int, Field(ge=0, le=19)], 0,
     "engines: the nice value of TensorHub's threads that pull, verify and check a version "
-    "while the engine generates, so the engine's own threads come first on a busy core; "
-    "`0` runs them at the engine's priority")
+    "while the engine generates; e.g. `10` gives a busy core to the engine's own threads "
+    "first, and the next version is served later")
 
 # --- every worker -----------------------------------------------------------------------------
 
