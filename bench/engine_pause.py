@@ -15,8 +15,8 @@ Ratios are our figure over the baseline (a swap that adds 2 memcpys reads 2.0).
 
 Run: python -m bench.engine_pause [--engine vllm|sglang] [--tp 2] [--updates 3]
      [--pause keep|keep_kv] [--checkpoint-layout]
-(`TENSORHUB_BACKGROUND_NICE=0` before it runs the engine's TensorHub threads at its own
-priority; the label says so.)
+(`TENSORHUB_BACKGROUND_NICE=10` before it runs the engine's TensorHub threads below the
+engine's priority; the label says so.)
 """
 
 from __future__ import annotations

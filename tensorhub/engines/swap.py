@@ -145,9 +145,10 @@ class SwapController:
             stall_ms = (time.perf_counter() - started) * 1e3 if pause or was_torn else 0.0
             steps, last, stall_steps = [], started, {}
             for step, t in marks.items():
+                ms = (t - last) * 1e3
                 if pause or was_torn:
-                    stall_steps[step] = round((t - last) * 1e3, 2)
-                text = f"{step} {(t - last) * 1e3:.1f}"
+                    stall_steps[step] = round(ms, 2)
+                text = f"{step} {ms:.1f}"
                 inner = (extra or {}).get("steps_ms") if step == "install" else None
                 if isinstance(inner, dict):  # the install's own calls
                     text += " [" + ", ".join(f"{k} {v}" for k, v in inner.items()) + "]"
