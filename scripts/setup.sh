@@ -46,6 +46,9 @@ fi
 # The project itself, editable, so the console script `tensorhub` and the engine entry points
 # point at this clone. Its own dependencies (pyproject.toml, no torch) are installed too;
 # already satisfied ones cost nothing, so this takes seconds.
-"$venv/bin/pip" install -qq -e "$here" >&2
+# (one at a time: setuptools writes its metadata into the clone, and test.sh builds the
+# engine venvs side by side)
+mkdir -p "$cache"
+flock "$cache/.editable.lock" "$venv/bin/pip" install -qq -e "$here" >&2
 echo "setup.sh: $target venv ready: $venv ($((SECONDS - started)) s)" >&2
 echo "$venv"
