@@ -404,6 +404,8 @@ def test_a_sparse_step_reaches_the_engines_as_a_patch_and_they_match_hf(fleet):
     for e in fleet.engines:
         wait_serving(e, version)
         assert e.greedy(fleet.prompts, TOKENS) == expected, f"{e.url} differs from HF"
+        # (what the ranks did: on CPU vLLM repacks its linear weights, so none writes sparse)
+        assert e.tensorhub_status()["last_update"]["install"] == "whole"
     patched = transfers(fleet.address, version, model=patch_model(MODEL))
     assert {t.reader.split("-")[0] for t in patched} == {"vllm"}, patched
     assert len({t.reader for t in patched}) == len(fleet.engines), patched  # each engine

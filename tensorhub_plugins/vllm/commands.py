@@ -80,10 +80,28 @@ class CanInstallAnswer(BaseModel):
     cannot: str | None = None
 
 
-AnyCommand = Annotated[Init | Prefetch | Release | Check | CanInstall, Field(discriminator="op")]
+class Installed(Command):
+    """How the rank installed the version its live weights hold: asked, through the
+    answering call, with the close of the update session, so `last_update` says what the
+    ranks did, not what they planned before the pause."""
+
+    op: Literal["installed"] = "installed"
+
+
+class InstalledAnswer(BaseModel):
+    """A rank's answer to `Installed`: the version it applied last and how (`sparse`: only
+    the words that changed written; `whole`: every weight loaded)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int | None = None
+    install: Literal["sparse", "whole"] | None = None
+
+
+AnyCommand = Annotated[Init | Prefetch | Release | Check | CanInstall | Installed,
+                       Field(discriminator="op")]
 _COMMANDS: TypeAdapter[AnyCommand] = TypeAdapter(AnyCommand)
 
 
-def parse(info: dict[str, Any]) -> Init | Prefetch | Release | Check | CanInstall:
+def parse(info: dict[str, Any]) -> Init | Prefetch | Release | Check | CanInstall | Installed:
     """The command an `init_info` carries (raises `ValueError`, as vLLM expects, if none)."""
     return _COMMANDS.validate_python(info)

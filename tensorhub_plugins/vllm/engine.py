@@ -54,6 +54,8 @@ from tensorhub_plugins.vllm.commands import (
     CanInstallAnswer,
     Check,
     Init,
+    Installed,
+    InstalledAnswer,
     Prefetch,
     Release,
     parse,
@@ -108,6 +110,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         # layout (`sparse_install`; a GPU's, not vLLM's CPU GEMMs, which repack them).
         self._live = sparse_install.LiveBlocks()
         self._plan: sparse_install.Plan | None = None
+        self._installed_as: str | None = None  # how `applied` was installed (`Installed`)
         self._writes = 0  # loads into the live weights: a plan is valid for one count
 
     def _worker_name(self, base: str) -> str:
@@ -245,6 +248,9 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 except Exception as exc:
                     cannot = f"checking it failed ({exc})"
                 return CanInstallAnswer(cannot=cannot).model_dump()
+            if isinstance(ask, Installed):
+                return InstalledAnswer(version=self.applied,
+                                       install=self._installed_as).model_dump()
             if not isinstance(ask, Check):
                 return CheckAnswer.refused(f"TensorHub engines answer checks only, not "
                                            f"{ask.op!r}").model_dump()
@@ -352,6 +358,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 sparse_install.install(plan)
             rest = fp8_install.write(self.model, layers, named, fp8_written=sparse)
         if sparse:
+            self._installed_as = "sparse"
             log.info("TensorHub: v%d installed sparse: %d of %d fp8 bytes written in %.1f ms",
                      version, plan.changed, plan.total, (time.perf_counter() - started) * 1e3)
         if rest:
@@ -495,6 +502,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                 raise
 
     def _apply_version(self, version: int, fetch: bool = False) -> None:
+        self._installed_as = "whole"  # (until a sparse install says otherwise)
         if self.one_copy:  # each node's copy, mapped by the node's other ranks
             apply_shared(version, lambda named: self._load(named, self._share_tiles()),
                          self._broadcast, self._agree, checkpoint=self.checkpoint,
@@ -522,6 +530,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             with self._writing():
                 sparse_install.install(plan)
                 self._after_writes(plan.params)
+            self._installed_as = "sparse"
             log.info("TensorHub: v%d installed sparse: %d of %d elements written in %.1f ms",
                      version, plan.changed, plan.total, (time.perf_counter() - started) * 1e3)
             return

@@ -56,6 +56,8 @@ from tensorhub_plugins.vllm.commands import (
     Check,
     Command,
     Init,
+    Installed,
+    InstalledAnswer,
     Prefetch,
     Release,
 )
@@ -78,6 +80,23 @@ async def ask_every_rank(engine_client, question: dict) -> list:
         return await engine_client.collective_rpc(ANSWERING_CALL, args=(question,))
     per_engine = await every("collective_rpc", ANSWERING_CALL, None, (question,), None)
     return [answer for answers in per_engine for answer in answers]
+
+
+def installed_as(answers: list | BaseException, version: int) -> str | None:
+    """How the ranks installed `version`, from their answers to `Installed`: `sparse` where
+    every rank wrote only what changed, `whole` where one loaded every weight; None where
+    the question failed or a rank holds another version (never a guess)."""
+    if isinstance(answers, BaseException):
+        log.debug("asking the ranks how they installed v%d: %s", version, answers)
+        return None
+    try:
+        said = [InstalledAnswer.model_validate(a) for a in answers]
+    except ValueError as exc:
+        log.debug("the ranks' answers on how they installed v%d: %s", version, exc)
+        return None
+    if not said or any(a.version != version for a in said):
+        return None
+    return "sparse" if all(a.install == "sparse" for a in said) else "whole"
 
 
 class UpdateRequest(BaseModel):
@@ -108,7 +127,6 @@ class Frontend:
         self._opening: asyncio.Future | None = None  # vLLM's update session (`check`)
         self._asker = uuid.uuid4().hex[:12]  # this front end, to its workers' checks
         self._check_attempts = 0  # each swap's check is an attempt of its own
-        self._install_kind = "whole"  # how the ranks said they will install the version
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
 
@@ -172,9 +190,6 @@ class Frontend:
             if refusal is not None:
                 raise refusal
             if all_ready(answers):
-                # (how the ranks will install it: sparse where every one planned so)
-                self._install_kind = "sparse" if all(a.sparse is not None for a in answers) \
-                    else "whole"
                 break
             await asyncio.sleep(settings.CHECK_POLL)
         await self._open_update()
@@ -237,14 +252,17 @@ class Frontend:
         # session's close (and the version label it sets) and the cache's reset does not
         # matter; the reset goes out with them, not after them. Both are awaited whatever
         # either does, and the first failure is raised.
-        results = await asyncio.gather(
+        # With them goes the question of how each rank installed it (what it did, not what
+        # it planned in the check).
+        *results, installed = await asyncio.gather(
             self.engine.finish_weight_update(weight_version=str(version)),
-            self._reset_cache(), return_exceptions=True)
+            self._reset_cache(), self._ask_every_rank(Installed().info()),
+            return_exceptions=True)
         for failure in results:
             if isinstance(failure, BaseException):
                 raise failure
         clock.mark("finish")
-        return {"pause_mode": self.settings.pause, "install": self._install_kind,
+        return {"pause_mode": self.settings.pause, "install": installed_as(installed, version),
                 "steps_ms": clock.ms}
 
     async def _reset_cache(self) -> None:
