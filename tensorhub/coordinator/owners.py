@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorhub.core.patch import PATCH_SUFFIX, is_patch_model
-from tensorhub.quant.layouts import SEPARATOR, recipe_of
+from tensorhub.quant.layouts import model_of
 
 
 def owner_key(curve_secret: str | None, kept: bytes | None = None) -> tuple[bytes, bool]:
@@ -125,9 +125,7 @@ def companion_of(model: str) -> str | None:
     them as `m`'s); None for a model of its own."""
     if is_patch_model(model):
         return model.removesuffix(PATCH_SUFFIX)
-    if recipe_of(model) is not None:
-        return model.rpartition(SEPARATOR)[0]
-    return None
+    return model_of(model)
 
 
 def part_of(credential: str | None) -> int | None:

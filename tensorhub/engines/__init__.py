@@ -12,7 +12,7 @@ from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
 from tensorhub.engines.kv_salt import salted
 from tensorhub.engines.logs import show_tensorhub_logs
 from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in
-from tensorhub.engines.quantized import followed_model
+from tensorhub.engines.quantized import LayoutLag, followed_model
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
 from tensorhub.engines.share_check import ShareCheck
@@ -43,6 +43,7 @@ __all__ = [
     "Holdings",
     "InstallFailed",
     "LayoutHolders",
+    "LayoutLag",
     "LoadOutcome",
     "PendingPulls",
     "RankVote",

@@ -7,6 +7,11 @@ recipe that follows the companion pulls half the bytes and quantizes nothing. It
 start, from what the coordinator knows then (`keeps_up`), and says which way it went and
 why in its log; `TENSORHUB_QUANTIZED_LAYOUT=never` keeps it
 on bf16, and `TENSORHUB_MODEL=<model>@<recipe>` names the companion outright.
+
+An engine that follows the companion serves nothing newer than it: if the trainer stops
+publishing it (restarted without `quantize`), the engine would stay on an old version
+while its model moves on. `LayoutLag` watches for that and says so, in the log and in
+the engine's status.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from tensorhub.core.errors import TensorHubError
 from tensorhub.engines.fleet import FleetView
 from tensorhub.engines.settings import EngineSettings
-from tensorhub.quant.layouts import RECIPES, quantized_model, recipe_of
+from tensorhub.quant.layouts import RECIPES, model_of, quantized_model, recipe_of
 
 log = logging.getLogger("tensorhub.engines")
 
@@ -72,3 +77,71 @@ def followed_model(settings: EngineSettings, recipe: str | None,
     log.info("TensorHub: following %s, the trainer's %s layout of %s (about half the bytes "
              "of bf16, nothing quantized in the pause)", companion, recipe, model)
     return companion
+
+
+# How long a version of the model may go without its quantized layout before an engine that
+# follows the layout says it is left behind (the trainer quantizes right after publishing
+# bf16: seconds, not minutes).
+LAYOUT_LAG_WARN = 60.0
+# How often such an engine looks at its model's newest version.
+LAYOUT_LAG_EVERY = 5.0
+
+
+class LayoutLag:
+    """Whether the trainer still publishes the quantized layout an engine follows
+    (`companion`). I/O-free: the engine tells it, every `LAYOUT_LAG_EVERY` seconds
+    (`due`), the model's and the layout's newest versions (`observe`), and logs what it
+    returns: a warning once a version of the model has gone `LAYOUT_LAG_WARN` seconds
+    without its layout, and a line when the layout catches up again. `behind` is what the
+    engine's status shows meanwhile."""
+
+    def __init__(self, companion: str, warn_after: float = LAYOUT_LAG_WARN,
+                 every: float = LAYOUT_LAG_EVERY) -> None:
+        model = model_of(companion)
+        if model is None:
+            raise ValueError(f"{companion!r} is no quantized layout of a model")
+        self.companion, self.model = companion, model
+        self.warn_after, self.every = warn_after, every
+        self.behind: dict | None = None  # {model_version, layout_version, for_s} once warned
+        self._waiting: list[tuple[int, float]] = []  # model versions not in the layout yet
+        self._next = 0.0
+
+    @classmethod
+    def following(cls, model: str) -> LayoutLag | None:
+        """The watch for an engine that follows `model` (None: no quantized layout)."""
+        return cls(model) if model_of(model) is not None else None
+
+    def due(self, now: float) -> bool:
+        """Whether to look again (then `observe`)."""
+        if now < self._next:
+            return False
+        self._next = now + self.every
+        return True
+
+    def observe(self, model_latest: int, layout_latest: int, now: float) -> str | None:
+        """What to log now that the model's newest version is `model_latest` and the
+        layout's `layout_latest` (None: nothing)."""
+        if model_latest > (self._waiting[-1][0] if self._waiting else layout_latest):
+            self._waiting.append((model_latest, now))
+        self._waiting = [(v, t) for v, t in self._waiting if v > layout_latest]
+        if not self._waiting:
+            if self.behind is None:
+                return None
+            self.behind = None
+            return (f"TensorHub: {self.companion} is published again (v{layout_latest}): "
+                    f"this engine follows its model once more")
+        oldest, since = self._waiting[0]
+        waited = now - since
+        if waited < self.warn_after:
+            return None
+        first = self.behind is None
+        self.behind = {"model": self.model, "model_version": model_latest,
+                       "layout_version": layout_latest, "for_s": round(waited, 1)}
+        if not first:
+            return None
+        recipe = recipe_of(self.companion)
+        return (f"TensorHub: {self.model} v{oldest} was published {waited:.0f} s ago and its "
+                f"{recipe} layout {self.companion} is still at v{layout_latest}: this engine "
+                f"serves v{layout_latest} until the trainer publishes the layout again "
+                f"(Publisher(..., quantize=[{recipe!r}])); to follow {self.model} in bf16 "
+                f"instead, restart it with TENSORHUB_QUANTIZED_LAYOUT=never")

@@ -55,6 +55,11 @@ def recipe_of(model: str) -> str | None:
     return recipe if sep and recipe in RECIPES else None
 
 
+def model_of(companion: str) -> str | None:
+    """The model whose versions `companion` holds quantized (None: not a companion)."""
+    return companion.rpartition(SEPARATOR)[0] if recipe_of(companion) is not None else None
+
+
 def check_recipe(recipe: str) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"no quantized layout for {recipe!r}: TensorHub makes "

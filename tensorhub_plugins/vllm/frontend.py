@@ -36,6 +36,7 @@ from tensorhub.engines import (
     FleetView,
     FollowLoop,
     InstallFailed,
+    LayoutLag,
     LoadOutcome,
     PendingPulls,
     StepClock,
@@ -129,6 +130,9 @@ class Frontend:
         self._check_attempts = 0  # each swap's check is an attempt of its own
         self._held_by_rank: dict[str, list[int]] = {}  # worker -> versions, at the last poll
         self._worker_pulls = metrics.WorkerPulls(settings.model)  # on vLLM's /metrics
+        # (following the trainer's quantized layout: whether the trainer still publishes it)
+        self.layout_lag = LayoutLag.following(settings.model)
+        self._model_view: FleetView | None = None
 
     # what the controller keeps (follow mode and the status read them here)
     serving = property(lambda self: self.swaps.serving)
@@ -305,9 +309,25 @@ class Frontend:
         latest, held = await self.holdings()
         self.pending = self.pulls.pending(latest, held)  # (the follow loop looks sooner)
         await self._release_stale()
+        if self.layout_lag is not None and self.layout_lag.due(time.monotonic()):
+            await self._watch_layout(latest)
         if held is not None and (self.serving is None or held > self.serving):
             return held, "checkpoint"
         return None
+
+    async def _watch_layout(self, layout_latest: int) -> None:
+        """Compare the quantized layout followed with its model (`LayoutLag`)."""
+        if self._model_view is None:
+            self._model_view = FleetView.connect(self.settings.coordinator,
+                                                 self.layout_lag.model, timeout=5.0)
+        try:
+            model_latest = await asyncio.to_thread(self._model_view.latest)
+        except TensorHubError as exc:
+            log.debug("asking for %s's newest version: %s", self.layout_lag.model, exc)
+            return
+        said = self.layout_lag.observe(model_latest, layout_latest, time.monotonic())
+        if said:
+            (log.warning if self.layout_lag.behind else log.info)("%s", said)
 
     async def swap_to(self, update: Update) -> None:
         await self.swap(update[0])
@@ -355,6 +375,7 @@ class Frontend:
             "held_version": held, "latest_version": latest, "updates": self.updates,
             "last_update": self.last_update, "last_error": self.last_error,
             "unloadable": self.unloadable, "torn": self.torn,
+            "layout_behind": self.layout_lag.behind if self.layout_lag else None,
         }
 
 
