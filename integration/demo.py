@@ -32,6 +32,7 @@ from integration.vllm_server import VLLMServer
 from tensorhub import Publisher
 from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import StatusRequest
+from tensorhub_testing import shared_memory
 from tensorhub_testing.local_fleet import coordinator_process
 
 
@@ -87,6 +88,7 @@ def plot(path: Path, names: list[str], rewards: dict[str, list[float]],
 
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="tensorhub-demo-"))
+    shm_before = shared_memory.names()
     print(f"building a tiny float32 model in {work} ...", flush=True)
     model_dir = build_tiny_model(work / "model")
     learner = Learner(model_dir)
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         coordinator.stop()
+        shared_memory.remove_unused(shm_before)  # (what the stopped engines left in /dev/shm)
 
 
 def main() -> int:

@@ -264,7 +264,10 @@ class Driver:
                    self.settings.swap_timeout)
         if self.settings.pause == "abort":
             return asked
-        self._get("/server_info", timeout=self.settings.swap_timeout)
+        # (both calls within one `swap_timeout`: they block this thread's loop, so the
+        # controller's bound cannot cut them short)
+        left = self.settings.swap_timeout - (time.perf_counter() - asked)
+        self._get("/server_info", timeout=max(left, 0.1))
         return None
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
