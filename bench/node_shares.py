@@ -14,6 +14,13 @@ over the engine's nodes, / the model's bytes. The engine tests across two emulat
 (`integration/test_*_nodes.py`) check the same sums against the bytes the coordinator saw
 pulled.
 
+A pipeline-parallel engine of PP = N stages on N nodes pulls a version in layer blocks
+(`tensorhub.stages.split`, B blocks) as each stage's parts (`tensorhub.stages.stage_share`,
+given the parameter names of the layers vLLM places on that stage:
+`core.layer_blocks.pp_layers`): its layers' blocks (a block a stage edge cuts goes to
+both), the embeddings on the first stage and the head on the last; by default the blocks
+end where the engines' stages do at PP = 2, 4 and 8, beside 8 equal blocks.
+
 Run: python -m bench.node_shares
 """
 
@@ -24,6 +31,9 @@ import argparse
 import torch
 
 from bench.results import Report
+from tensorhub.core.data_types import Manifest
+from tensorhub.core.layer_blocks import pp_layers
+from tensorhub.stages import split, stage_share
 from tensorhub.tiles import node_share, tile
 
 # config.json values: hidden, intermediate, heads, KV heads, head dim, vocab, layers,
@@ -64,6 +74,24 @@ def meta_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, voca
     return named
 
 
+def stage_parameters(named: list[tuple[str, torch.Tensor]], layers: range, first: bool,
+                     last: bool, tied: bool) -> list[str]:
+    """The names of what a stage runs: its layers, the embeddings on the first (and on the
+    last where the head is tied to them), the final norm and LM head on the last."""
+    keep = []
+    for name, _ in named:
+        parts = name.split(".")
+        if parts[1] == "layers":
+            if int(parts[2]) in layers:
+                keep.append(name)
+        elif "embed_tokens" in name:
+            if first or (last and tied):
+                keep.append(name)
+        elif last:
+            keep.append(name)
+    return keep
+
+
 def nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
     return sum(x.numel() * x.element_size() for _, x in named)
 
@@ -85,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_heads = config[3]
             per_node = [sum(parts[k] for k in node_share(
                 range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), tp, kv_heads)(
-                    len(parts), tp))
+                    len(parts), Manifest.model_construct(tensors=[], compact_threshold=0, tiles=tp,
+                                                     blocks=None)))
                 for n in range(nodes)]
             label = f"{model} ({total / 2**30:.0f} GiB bf16), TP={tp} on {nodes} nodes"
             report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,
@@ -93,6 +122,20 @@ def main(argv: list[str] | None = None) -> int:
             report.add(f"{label}: bytes a node pulls / its 1/{nodes} of the model",
                        max(per_node) / (total / nodes), "x", "a copy per rank", tp,
                        higher_is_better=False)
+        for blocks in (None, 8):
+            parts, edges = split(named, blocks)
+            sizes = [nbytes(part) for part in parts]
+            manifest = Manifest(tensors=[], compact_threshold=0, blocks=edges)
+            for stages in (2, 4, 8):
+                per_stage = [sum(sizes[k] for k in stage_share(stage_parameters(
+                    named, pp_layers(edges[-1], s, stages), s == 0, s == stages - 1,
+                    config[8]))(len(parts), manifest)) for s in range(stages)]
+                how = f"{len(edges) - 1} blocks at the stages' edges" if blocks is None \
+                    else f"{blocks} equal blocks"
+                label = f"{model}, PP={stages} on {stages} nodes, {how}"
+                report.add(f"{label}: bytes an engine pulls / the model's",
+                           sum(per_stage) / total, "x", "a whole copy per stage", stages,
+                           higher_is_better=False)
     report.write()
     return 0
 

@@ -4,7 +4,9 @@
 
 For each line (a folder of safetensors files) it publishes the folder's tensors as the next
 version of `policy` and prints `{"version": N}`; a line `FOLDER tiles T` publishes it in T
-tiles (`tensorhub/tiles.py`). It keeps serving what it published until
+tiles (`tensorhub/tiles.py`), `FOLDER blocks` in layer blocks at the engines' stage edges
+(`tensorhub/stages.py`; `FOLDER blocks B`: in B equal ones).
+It keeps serving what it published until
 its stdin closes or it is stopped. Tests whose trainer must run on another host than the
 test (its network is the host's) drive it through `ChildProcess.send_line`.
 """
@@ -19,28 +21,32 @@ import sys
 from safetensors.torch import load_file
 
 from tensorhub import Publisher
+from tensorhub.stages import LayeredPublisher
 from tensorhub.tiles import TiledPublisher
 
 
 def main() -> None:
     pub = Publisher(sys.argv[1], "policy", name="trainer")
-    tiled: TiledPublisher | None = None
+    split: tuple[str, TiledPublisher] | None = None  # ("tiles 2", its publisher), say
     try:
         for line in sys.stdin:
-            folder, _, tiles = line.strip().partition(" tiles ")
+            folder, *how = line.split()
             state = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
                 state.update(load_file(path))
-            if tiles and (tiled is None or tiled.tiles != int(tiles)):
-                if tiled is not None:  # (its parts' bindings lapse as its workers leave)
-                    tiled.close()
-                tiled = TiledPublisher(sys.argv[1], "policy", int(tiles),
-                                       name=f"trainer-t{tiles}", owners=pub.owners)
-            version = tiled.publish(state) if tiles else pub.publish(state)
+            said = " ".join(how)
+            if how and (split is None or split[0] != said):
+                if split is not None:  # (its parts' bindings lapse as its workers leave)
+                    split[1].close()
+                kind, n = how[0], int(how[1]) if len(how) > 1 else None
+                make = TiledPublisher if kind == "tiles" else LayeredPublisher
+                split = (said, make(sys.argv[1], "policy", n, name=f"trainer-{kind[0]}{n or ''}",
+                                    owners=pub.owners))
+            version = split[1].publish(state) if how else pub.publish(state)
             print(json.dumps({"version": version}), flush=True)
     finally:
-        if tiled is not None:
-            tiled.close()
+        if split is not None:
+            split[1].close()
         pub.close()
 
 

@@ -13,10 +13,8 @@ from integration.test_vllm import PLUGIN_ARGS, plugin_env
 from integration.tp_fleet import TOKENS
 from integration.two_hosts import (
     VERSIONS,
+    a_copy_per_node_pulled,
     engine_on_two_hosts,
-    holders,
-    model_bytes,
-    pulled,
     tiles_pulled_as_shares,
     wrong_shape_refused,
 )
@@ -30,8 +28,9 @@ pytestmark = pytest.mark.skipif(available() is not None,
 MASTER_PORT = "19501"
 
 
-def vllm_on_two_hosts(vllm_python: str, root, tp: int):
-    """How `engine_on_two_hosts` starts a vLLM engine of `tp` ranks, half on each host."""
+def vllm_on_two_hosts(vllm_python: str, root, tp: int, pp: int = 1):
+    """How `engine_on_two_hosts` starts a vLLM engine of `tp` * `pp` ranks, half on each
+    host (with `pp` 2, a pipeline stage on each)."""
 
     def launch(model_dir, address, node0, node1):
         engines = []
@@ -39,12 +38,14 @@ def vllm_on_two_hosts(vllm_python: str, root, tp: int):
             env = {**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                    "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
                    "VLLM_HOST_IP": host.address, "MASTER_ADDR": node0.address}
-            args = [*PLUGIN_ARGS, "--tensor-parallel-size", str(tp), "--nnodes", "2",
+            args = [*PLUGIN_ARGS, "--tensor-parallel-size", str(tp),
+                    "--pipeline-parallel-size", str(pp), "--nnodes", "2",
                     "--node-rank", str(rank), "--master-addr", node0.address,
                     "--master-port", MASTER_PORT, "--distributed-executor-backend", "mp",
                     *(["--headless"] if rank else [])]
             engines.append(VLLMServer(vllm_python, model_dir, extra_args=args, env=env,
-                                      log_path=root / f"vllm-node{rank}.log").on(host))
+                                      log_path=root / f"vllm-node{rank}.log",
+                                      eager=pp == 1).on(host))
         for engine in engines:
             engine.launch()
         return engines
@@ -74,17 +75,7 @@ def test_a_vllm_engine_across_two_hosts_joins_late_and_follows_versions(nodes_en
 def test_a_vllm_engine_across_two_hosts_pulls_one_copy_per_node(nodes_engine):
     """One rank per node: each node's rank keeps its own copy, so the engine pulls at most
     two models' bytes per version (its nodes), and holds two copies."""
-    workers = nodes_engine.engine.tensorhub_status()["workers"]
-    assert len(workers) == 2, workers
-    prefix = workers[0].rsplit("-rank", 1)[0]
-    model = model_bytes(nodes_engine.versions.state(VERSIONS))
-    coordinator = nodes_engine.fleet.status()
-    for version in range(2, VERSIONS + 1):
-        nbytes, readers = pulled(coordinator, version, prefix)
-        print(f"vLLM TP=2 on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
-              f"({nbytes / model:.2f} x the model)")
-        assert model <= nbytes <= 2 * model
-    assert holders(coordinator, VERSIONS, workers) == set(workers)
+    a_copy_per_node_pulled(nodes_engine, "vLLM TP=2")
 
 
 def test_a_version_the_model_cannot_load_is_refused_across_the_hosts(nodes_engine):

@@ -70,10 +70,11 @@ def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
             trainer.send_line(str(folder))
             return int(trainer.next_json(120)["version"])
 
-        def publish_tiled(version: int, tiles: int) -> int:
-            """Publish the state of `version` again, in `tiles` tiles, as the next version;
+        def publish_tiled(version: int, tiles: int | None, kind: str = "tiles") -> int:
+            """Publish the state of `version` again, in `tiles` tiles (`kind` "blocks": in
+            layer blocks, `tiles` None: at the engines' stage edges), as the next version;
             its number."""
-            trainer.send_line(f"{folders[version - 1]} tiles {tiles}")
+            trainer.send_line(f"{folders[version - 1]} {kind}" + (f" {tiles}" if tiles else ""))
             return int(trainer.next_json(120)["version"])
 
         try:
@@ -109,6 +110,22 @@ def holders(status: dict, version: int, names: list[str]) -> set[str]:
 
 def model_bytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def a_copy_per_node_pulled(fleet: SimpleNamespace, what: str) -> None:
+    """One rank per node: each keeps a copy of its own, so the engine pulled at most two
+    models' bytes of each version published whole (its nodes), and holds two copies."""
+    workers = fleet.engine.tensorhub_status()["workers"]
+    assert len(workers) == 2, workers
+    prefix = workers[0].rsplit("-rank", 1)[0]
+    model = model_bytes(fleet.versions.state(VERSIONS))
+    coordinator = fleet.fleet.status()
+    for version in range(2, VERSIONS + 1):
+        nbytes, readers = pulled(coordinator, version, prefix)
+        print(f"{what} on 2 hosts: v{version}: {nbytes} B pulled by {sorted(readers)} "
+              f"({nbytes / model:.2f} x the model)")
+        assert model <= nbytes <= 2 * model
+    assert holders(coordinator, VERSIONS, workers) == set(workers)
 
 
 def wrong_shape_refused(fleet: SimpleNamespace) -> dict:

@@ -34,9 +34,12 @@ class VLLMServer(EngineServer):
     def __init__(self, python: str | Path, model: str | Path, *, port: int | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_path: str | Path | None = None, dtype: str = "float32",
-                 max_model_len: int = 512, entry: str = "serve", live_weights: bool = False):
+                 max_model_len: int = 512, entry: str = "serve", live_weights: bool = False,
+                 eager: bool = True):
         """`live_weights`: the model's parameters can be read (`dump_live_weights`,
-        `live_bytes`): a worker extension of ours and vLLM's dev-mode routes."""
+        `live_bytes`): a worker extension of ours and vLLM's dev-mode routes. `eager`:
+        `--enforce-eager` (vLLM's CPU build then skips its warm-up, which a pipeline
+        stage after the first needs: its first request fails without)."""
         self.model = str(model)
         port = port or free_port()
         if entry == "serve":  # positional model: `serve --model` is deprecated
@@ -46,7 +49,8 @@ class VLLMServer(EngineServer):
         else:
             raise ValueError(f"entry must be 'serve' or 'api_server', not {entry!r}")
         args = [str(python), *cmd, "--dtype", dtype, "--max-model-len", str(max_model_len),
-                "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+                *(["--enforce-eager"] if eager else []), "--host", "127.0.0.1",
+                "--port", str(port), *extra_args]
         if live_weights:
             args += ["--worker-extension-cls", LIVE_WEIGHTS]
             inherited = (env or {}).get("PYTHONPATH", os.environ.get("PYTHONPATH"))

@@ -3,8 +3,9 @@
 The coordinator stores no weights, only references to which workers hold which immutable
 version; workers pull a version one-sided from peers that hold it and then serve it on.
 
-`Publisher`, `TiledPublisher`, `Replica` and `PartedReplica` are imported when first used:
-a process that only asks the coordinator (`tensorhub status`) does not load torch.
+`Publisher`, `TiledPublisher`, `LayeredPublisher`, `Replica` and `PartedReplica` are imported
+when first used: a process that only asks the coordinator (`tensorhub status`) does not
+load torch.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ if TYPE_CHECKING:
     from tensorhub.parted import PartedReplica
     from tensorhub.publisher import Publisher
     from tensorhub.replica import Replica
+    from tensorhub.stages import LayeredPublisher
     from tensorhub.tiles import TiledPublisher
 
 _LAZY = {"PartedReplica": "tensorhub.parted", "Publisher": "tensorhub.publisher",
-         "Replica": "tensorhub.replica", "TiledPublisher": "tensorhub.tiles"}
+         "Replica": "tensorhub.replica", "TiledPublisher": "tensorhub.tiles",
+         "LayeredPublisher": "tensorhub.stages"}
 
 
 def __getattr__(name: str):
@@ -46,6 +49,7 @@ __all__ = [
     "CoordinatorError",
     "CoordinatorUnavailable",
     "IntegrityError",
+    "LayeredPublisher",
     "LayoutError",
     "PartedReplica",
     "Publisher",

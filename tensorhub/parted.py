@@ -7,7 +7,8 @@ its own only once every part is pulled and verified: a reader never serves or ex
 mix of two versions' parts. Slices of one tensor, spread over parts, are joined.
 
 A reader given a `share` pulls only some of a version's parts: a node of a
-tensor-parallel engine pulls the tiles its ranks load (`tensorhub/tiles.py`).
+tensor-parallel engine pulls the tiles its ranks load (`tensorhub/tiles.py`), a pipeline
+stage the layer blocks it runs (`tensorhub/stages.py`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorhub import settings
-from tensorhub.core.data_types import GetDeclared, GetManifest, Part, TensorSpec
+from tensorhub.core.data_types import GetDeclared, GetManifest, Manifest, Part, TensorSpec
 from tensorhub.core.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
     LayoutError,
     TransferError,
 )
+from tensorhub.core.layer_blocks import part_of
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.session import default_name
 from tensorhub.replica import Replica
@@ -57,6 +59,7 @@ class PartedReplica:
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
         self._tiles: int | None = None  # the tiles of the version pulled (`Manifest.tiles`)
+        self._blocks: list[int] | None = None  # its layer blocks' edges (`Manifest.blocks`)
         self._joined: tuple[tuple, dict[str, torch.Tensor]] | None = None  # (`tensors`)
         self.version: int | None = None
         self._declared_at = 0.0  # when to look for a declared layout (again)
@@ -76,16 +79,24 @@ class PartedReplica:
         """Whether this reader pulls only some of its version's parts (a `share`)."""
         return len(self._parts) < self._count
 
+    def holds(self, name: str) -> bool:
+        """Whether a tensor of this name is in the parts it pulls of its version in layer
+        blocks (True for any other version: its share, if any, covers every tensor)."""
+        if self._blocks is None or not self.partial:
+            return True
+        return part_of(name, self._blocks) in self._parts
+
     @property
     def share_tiles(self) -> int | None:
         """The tile count of the version it pulls when it pulls a share of it, else None."""
         return self._tiles if self.partial else None
 
-    def wanted(self, parts: int, tiles: int | None = None) -> set[int]:
-        """The parts of a version of `parts` parts (in `tiles` tiles) this reader pulls."""
+    def wanted(self, parts: int, manifest: Manifest) -> set[int]:
+        """The parts of a version of `parts` parts (part 0's `manifest`) this reader
+        pulls."""
         if self.share is None:
             return set(range(parts))
-        wanted = set(self.share(parts, tiles))
+        wanted = set(self.share(parts, manifest))
         if not wanted or not wanted <= set(range(parts)):
             raise ValueError(f"{self.name}: a share of {sorted(wanted)} is not a set of the "
                              f"parts 0..{parts - 1}")
@@ -170,13 +181,13 @@ class PartedReplica:
             return self._pull(version, timeout)
 
     def _pull(self, version: int | str, timeout: float) -> int:
-        target, parts, layout_id, tiles = self._describe(version)
+        target, parts, layout_id, manifest = self._describe(version)
         first = self._parts[0].layout if 0 in self._parts else None
-        wanted = self.wanted(parts, tiles)
+        wanted = self.wanted(parts, manifest)
         if self._count != parts or set(self._parts) != wanted \
                 or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
-        self._tiles = tiles
+        self._tiles, self._blocks = manifest.tiles, manifest.blocks
         for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:
@@ -194,16 +205,16 @@ class PartedReplica:
         self.version = target
         return target
 
-    def _describe(self, version: int | str) -> tuple[int, int, str, int | None]:
+    def _describe(self, version: int | str) -> tuple[int, int, str, Manifest]:
         """`version` (or the latest): its number, its part count, part 0's layout and its
-        tiles. For a version by number, from its announcement when we heard it (a fleet
+        manifest. For a version by number, from its announcement when we heard it (a fleet
         pulling a version then sends the coordinator only what a single replica sends),
         else asked (and "latest" is always asked: what we heard may be older already)."""
         a = self.replicas[0].announcement(version) if isinstance(version, int) else None
         if a is not None and a.manifest is not None:
-            return a.version, a.parts, a.layout_id, a.manifest.tiles
+            return a.version, a.parts, a.layout_id, a.manifest
         reply = self.session.call(GetManifest(model=self.model, version=version))
-        return reply.version, reply.parts, reply.layout_id, reply.manifest.tiles
+        return reply.version, reply.parts, reply.layout_id, reply.manifest
 
     def _rebuild(self, parts: int, wanted: set[int]) -> None:
         # The new workers register before the old ones leave: a trainer deciding whether

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorhub.core.data_types import Manifest
+from tensorhub.core.layer_blocks import DECODER, MODEL
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, manifest_of
 from tensorhub.publisher import Publisher
 
@@ -37,17 +38,16 @@ from tensorhub.publisher import Publisher
 # ranks than K/V heads, a group of ranks loads one head's K/V rows (`node_share` pulls the
 # whole group's tiles). Experts (expert parallelism places them otherwise) and vision
 # towers (engines may run them data-parallel) stay whole: their names do not match.
-_MODEL = r"^(model\.|model\.language_model\.|language_model\.model\.)"
-_DECODER = _MODEL + r"layers\.\d+\."
-VOCAB = re.compile(_MODEL + r"embed_tokens\.weight$|^(language_model\.)?lm_head\.weight$")
-TILED = {0: re.compile(_DECODER + r"(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)"
+VOCAB = re.compile(MODEL + r"embed_tokens\.weight$|^(language_model\.)?lm_head\.weight$")
+TILED = {0: re.compile(DECODER + r"(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)"
                        r"\.weight$|" + VOCAB.pattern),
-         1: re.compile(_DECODER + r"(self_attn\.o_proj|mlp\.down_proj)\.weight$")}
+         1: re.compile(DECODER + r"(self_attn\.o_proj|mlp\.down_proj)\.weight$")}
 # vLLM and SGLang pad the vocabulary to a multiple of this before they split it over TP
 # ranks: only then are a rank's rows of a vocabulary that divides into the tiles its tiles.
 VOCAB_PADDING = 64
 
-Share = Callable[[int, "int | None"], set[int]]
+# What a reader pulls of a version: its part count and part 0's manifest -> the parts.
+Share = Callable[[int, Manifest], set[int]]
 
 
 def split_dim(name: str) -> int | None:
@@ -135,7 +135,8 @@ def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Sh
         ranks = sorted({q for r in ranks for q in range(r // group * group,
                                                         (r // group + 1) * group)})
 
-    def share(parts: int, tiles: int | None) -> set[int]:
+    def share(parts: int, manifest: Manifest) -> set[int]:
+        tiles = manifest.tiles
         if tiles is None or tiles % tp:
             return set(range(parts))
         return node_parts(ranks, tp, tiles)
@@ -151,28 +152,37 @@ class TiledPublisher:
                  name: str = "trainer", split: Callable[[str], int | None] = split_dim,
                  **publisher_kw):
         self.tiles, self.split = tiles, split
+        self._open(coordinator, model, f"{name}.tile", tiles + 1, publisher_kw)
+
+    def _open(self, coordinator: str, model: str, prefix: str, parts: int,
+              publisher_kw: dict) -> None:
+        """One `Publisher` per part, named `<prefix><k>`."""
         self.parts: list[Publisher] = []
         try:
-            for k in range(tiles + 1):
-                self.parts.append(Publisher(coordinator, model, name=f"{name}.tile{k}",
-                                            part=k, parts=tiles + 1, **publisher_kw))
+            for k in range(parts):
+                self.parts.append(Publisher(coordinator, model, name=f"{prefix}{k}",
+                                            part=k, parts=parts, **publisher_kw))
         except BaseException:
             self.close()
             raise
         self.version: int | None = None
+
+    def _pieces(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[list, dict]]:
+        """Each part's tensors and what its publish says of them."""
+        return [(piece.tensors, {"rows": piece.rows, "cols": piece.cols, "tiles": self.tiles})
+                for piece in tile(items, self.tiles, self.split)]
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
                 version: int | None = None) -> int:
         """Publish `named` as `version` (default: the next) in tiles; returns once every
         part is in. Raises what the first part that failed raised."""
         items = list(named.items()) if isinstance(named, dict) else list(named)
+        pieces = self._pieces(items)
         if version is None:
             version = max(self.parts[0].latest(), self.version or 0) + 1
-        pieces = tile(items, self.tiles, self.split)
         with ThreadPoolExecutor(len(self.parts)) as pool:
-            futures = [pool.submit(p.publish, piece.tensors, version, rows=piece.rows,
-                                   cols=piece.cols, tiles=self.tiles)
-                       for p, piece in zip(self.parts, pieces, strict=True)]
+            futures = [pool.submit(p.publish, tensors, version, **said)
+                       for p, (tensors, said) in zip(self.parts, pieces, strict=True)]
             for f in futures:
                 f.result()
         self.version = version

@@ -44,6 +44,19 @@ def llama_state(seed: int, layers: int = 2, hidden: int = HIDDEN, ffn: int = FFN
     return state
 
 
+def held_by(coordinator: str, model: str, names: list[str]) -> dict[str, list[int]]:
+    """The versions of `model` the coordinator counts each reader in `names` as holding
+    (a reader of a share: its share)."""
+    from tensorhub.core.client import CoordinatorClient
+    from tensorhub.core.data_types import HoldingsRequest
+
+    client = CoordinatorClient(coordinator)
+    try:
+        return client.call(HoldingsRequest(model=model, names=names)).holdings
+    finally:
+        client.close()
+
+
 def share_of(state: dict[str, torch.Tensor], ranks: list[int], tp: int
              ) -> dict[str, torch.Tensor]:
     """What TP ranks `ranks` (contiguous) load of each tensor of a version in tiles: their

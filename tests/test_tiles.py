@@ -13,11 +13,11 @@ from tensorhub.coordinator import dispatch
 from tensorhub.coordinator.parts import check_parts_fit
 from tensorhub.coordinator.server import CoordinatorConfig
 from tensorhub.coordinator.state import CoordinatorState
-from tensorhub.core.client import CoordinatorClient
 from tensorhub.core.data_types import (
     Endpoint,
     Hold,
     HoldingsRequest,
+    Manifest,
     MemoryDesc,
     Publish,
     Register,
@@ -28,7 +28,7 @@ from tensorhub.core.transport import grants
 from tensorhub.engines.share_check import ShareCheck
 from tensorhub.parted import whole_tensors
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
-from tensorhub_testing.tiled_nodes import FFN, HIDDEN, llama_state
+from tensorhub_testing.tiled_nodes import FFN, HIDDEN, held_by, llama_state
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -157,14 +157,19 @@ def test_a_reader_holds_a_sharded_version_only_with_every_part():
     assert h.held("sharded", "both")
 
 
+def tiled(tiles: int | None) -> Manifest:
+    """Part 0's manifest of a version in `tiles` tiles, as a share is asked with it."""
+    return Manifest(tensors=[], compact_threshold=0, tiles=tiles)
+
+
 def test_a_node_loads_its_ranks_tiles_and_the_shared_part():
     assert node_parts([0], tp=2, tiles=8) == {0, 1, 2, 3, 8}
     assert node_parts([2, 3], tp=4, tiles=8) == {4, 5, 6, 7, 8}
     with pytest.raises(ValueError, match="do not split over TP=3"):
         node_parts([0], tp=3, tiles=8)
     share = node_share([1], tp=2)
-    assert share(9, 8) == {4, 5, 6, 7, 8}
-    assert share(3, None) == {0, 1, 2}  # (a version not in tiles: every part)
+    assert share(9, tiled(8)) == {4, 5, 6, 7, 8}
+    assert share(3, tiled(None)) == {0, 1, 2}  # (a version not in tiles: every part)
 
 
 def test_weights_are_tiled_on_the_dim_tensor_parallelism_splits():
@@ -198,9 +203,9 @@ def test_a_vocabulary_engines_would_pad_stays_whole():
 def test_a_node_whose_ranks_split_a_kv_head_group_pulls_the_whole_groups_tiles():
     """TP=8 over 4 nodes of 2 ranks and 2 K/V heads: ranks 0-3 load head 0's K/V rows, so
     the node of ranks 2 and 3 pulls ranks 0-3's tiles; at 4 K/V heads it pulls its own."""
-    assert node_share([2, 3], 8, kv_heads=2)(9, 8) == {0, 1, 2, 3, 8}
-    assert node_share([2, 3], 8, kv_heads=4)(9, 8) == {2, 3, 8}
-    assert node_share([2, 3], 8, kv_heads=16)(9, 8) == {2, 3, 8}
+    assert node_share([2, 3], 8, kv_heads=2)(9, tiled(8)) == {0, 1, 2, 3, 8}
+    assert node_share([2, 3], 8, kv_heads=4)(9, tiled(8)) == {2, 3, 8}
+    assert node_share([2, 3], 8, kv_heads=16)(9, tiled(8)) == {2, 3, 8}
 
 
 @pytest.mark.slow
@@ -240,12 +245,7 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
                     assert torch.equal(tensors[name].narrow(dim, rank * half, half),
                                        t.narrow(dim, rank * half, half)), name
             # the coordinator counts each node as holding the version: its share
-            client = CoordinatorClient(coordinator.address)
-            try:
-                held = client.call(HoldingsRequest(model="policy",
-                                                   names=["node0", "node1"])).holdings
-            finally:
-                client.close()
+            held = held_by(coordinator.address, "policy", ["node0", "node1"])
             assert all(version in held[n] for n in ("node0", "node1")), held
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
+from tensorhub.core.layer_blocks import part_of
 
 
 @dataclass
@@ -69,6 +70,15 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
     if manifests[0].tiles is not None and len(manifests) != manifests[0].tiles + 1:
         raise ValueError(f"{manifests[0].tiles} tiles make {manifests[0].tiles + 1} parts, "
                          f"not {len(manifests)}")
+    if any(m.blocks != manifests[0].blocks for m in manifests):
+        raise ValueError(f"the parts disagree on the layer blocks: "
+                         f"{[m.blocks for m in manifests]}")
+    if manifests[0].blocks is not None:
+        for r, manifest in enumerate(manifests):
+            for spec in manifest.tensors:
+                if (home := part_of(spec.name, manifests[0].blocks)) != r:
+                    raise ValueError(f"tensor {spec.name!r} is in part {r} of a version in "
+                                     f"layer blocks, not in part {home}")
     for r, manifest in enumerate(manifests):
         if manifest.compact_threshold != manifests[0].compact_threshold:
             raise ValueError(f"part {r} compacts below {manifest.compact_threshold} bytes, "

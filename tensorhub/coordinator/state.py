@@ -397,14 +397,19 @@ class CoordinatorState:
         it runs for that part (`Part.worker_name`): every live worker of that name (a name
         is its worker's choice, see `holdings.holdings`). Of a version in tiles
         (`tensorhub/tiles.py`) it holds its share: the part every rank loads whole, and
-        each tile a live worker of its name runs for (one at least)."""
+        each tile a live worker of its name runs for (one at least); of a version in layer
+        blocks (`tensorhub/stages.py`), each part a live worker of its name runs for (a
+        pipeline stage's)."""
         layouts = vrec.part_layouts()
-        tiles = next((lr.manifest.tiles for lr in layouts if lr is not None), None)
+        first = next((lr.manifest for lr in layouts if lr is not None), None)
+        tiles = first.tiles if first is not None else None
+        blocks = first.blocks if first is not None else None
         held = 0
         for r, layout in enumerate(layouts):
             part_name = Part.worker_name(name, r)
-            if tiles is not None and r != tiles and not self.table.named[part_name]:
-                continue  # (a tile outside its share)
+            if ((tiles is not None and r != tiles) or blocks is not None) \
+                    and not self.table.named[part_name]:
+                continue  # (a part outside its share)
             workers = self.table.workers
             holding = sum(1 for h in layout.holders.values() if not h.withdrawn
                           and (w := workers.get(h.worker_id)) is not None
@@ -412,7 +417,7 @@ class CoordinatorState:
             if not holding or holding != self.table.named[part_name]:
                 return False
             held += 1
-        return tiles is None or held >= 2
+        return held >= 2 if tiles is not None else held >= 1
 
     def abort(self, key: tuple[str, int], reason: str) -> None:
         if self.pending.abort(key, reason) is not None:

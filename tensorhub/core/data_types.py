@@ -148,6 +148,13 @@ class Publish(Part):
         if self.manifest.tiles is not None and self.parts != self.manifest.tiles + 1:
             raise ValueError(f"a version in {self.manifest.tiles} tiles is published in "
                              f"{self.manifest.tiles + 1} parts, not {self.parts}")
+        if self.manifest.blocks is not None:
+            if self.manifest.tiles is not None:
+                raise ValueError("a version is in tiles or in layer blocks, not both")
+            if self.parts != len(self.manifest.blocks) + 1:
+                raise ValueError(f"a version in {len(self.manifest.blocks) - 1} layer blocks "
+                                 f"is published in {len(self.manifest.blocks) + 1} parts, "
+                                 f"not {self.parts}")
         return self
 
 

@@ -4,9 +4,10 @@ Its hash is the layout id (`layout.py`)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tensorhub.core.schema import MAX_DIMS, MAX_PARTS, MAX_TENSORS, DType, Name, Strict
 
@@ -72,3 +73,16 @@ class Manifest(Strict):
     # A part of a version published in tiles (`tensorhub/tiles.py`): parts 0..tiles-1 are
     # the tiles, part `tiles` what every rank loads whole.
     tiles: Annotated[int, Field(ge=1, lt=MAX_PARTS)] | None = None
+    # A part of a version in layer blocks (`core/layer_blocks.py`): the blocks' edges,
+    # [0, ..., the decoder's layers]; part 0 what lies outside the layers and the head,
+    # part 1 + b block b's layers, the last part the head.
+    blocks: list[Annotated[int, Field(ge=0, lt=2**20)]] | None = Field(
+        default=None, min_length=2, max_length=MAX_PARTS - 1)
+
+    @field_validator("blocks")
+    @classmethod
+    def _edges_rise_from_zero(cls, edges: list[int] | None) -> list[int] | None:
+        if edges is not None and (edges[0] != 0 or any(
+                b <= a for a, b in itertools.pairwise(edges))):
+            raise ValueError(f"layer block edges rise from 0, one block at least: {edges}")
+        return edges

@@ -30,6 +30,7 @@ from tensorhub.engines.weights_check import (
     from_checkpoint,
     tied_optional,
 )
+from tensorhub.stages import stage_share
 from tensorhub.tiles import node_share
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "salted",
     "show_tensorhub_logs",
     "sparse_install",
+    "stage_share",
     "tied_optional",
     "versions_to_release",
     "yield_to_engine",

@@ -229,7 +229,8 @@ class CheckpointCopy:
                 raise TornLoad(version, failure) from failure
             self.applied = version
             self.loadable = from_tensors(named, f"v{version}, the last version it applied",
-                                         self.loadable.optional if self.loadable else None)
+                                         self.loadable.optional if self.loadable else None,
+                                         keep=self.loadable if self.replica.partial else None)
         finally:
             if locked:
                 self._lock.release()
@@ -329,7 +330,8 @@ class CheckpointCopy:
         """A refusal when the copy's tensors are unlike what the engine loads."""
         if self.loadable is None:
             return None
-        reason = self.loadable.refusal(version, self.replica.named_tensors())
+        reason = self.loadable.only(self.replica.holds).refusal(
+            version, self.replica.named_tensors())
         if reason is None:
             return None
         if (self.unloadable or {}).get("version") != version:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +68,12 @@ class LoadableWeights:
         found += [f"tensor {name!r} is missing" for name in missing]
         return found
 
+    def only(self, held: Callable[[str], bool]) -> LoadableWeights:
+        """What the engine loads of the tensors `held` says a share of a version holds
+        (a pipeline stage's layers, `tensorhub/stages.py`)."""
+        return LoadableWeights({n: s for n, s in self.specs.items() if held(n)}, self.source,
+                               self.optional)
+
     def quantized(self, recipe: str) -> LoadableWeights:
         """What this model loads from a version in the trainer's quantized layout by
         `recipe` (`tensorhub/quant/layouts.py`)."""
@@ -85,9 +91,12 @@ class LoadableWeights:
 
 
 def from_tensors(named: Iterable[tuple[str, torch.Tensor]], source: str,
-                 optional: set[str] | None = None) -> LoadableWeights:
-    return LoadableWeights({name: spec_of(t) for name, t in named}, source,
-                           set(optional or ()))
+                 optional: set[str] | None = None, keep: LoadableWeights | None = None
+                 ) -> LoadableWeights:
+    """What `named` is; `keep`: what is known of the tensors `named` leaves out (a share
+    of a version: the others' tensors are still the engine's)."""
+    specs = {**(keep.specs if keep else {}), **{name: spec_of(t) for name, t in named}}
+    return LoadableWeights(specs, source, set(optional or ()))
 
 
 def from_manifests(manifests: Iterable, source: str, optional: set[str] | None = None

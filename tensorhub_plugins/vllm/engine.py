@@ -45,6 +45,7 @@ from tensorhub.engines import (
     outcome_in,
     restore_after,
     sparse_install,
+    stage_share,
     tied_optional,
 )
 from tensorhub.quant import recipe_of, split_quantized
@@ -134,11 +135,15 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def _share(self):
         """What this rank's copy pulls of a version in tiles: the tiles of the TP ranks
-        that load from it (its node's, with one copy per node; else its own). None: every
-        part (one rank, pipeline stages, expert parallelism)."""
+        that load from it (its node's, with one copy per node; else its own); of a version
+        in layer blocks, a pipeline stage's parts (`stages.stage_share`, by the names of the
+        parameters this rank's stage runs). None: every part (one rank, expert
+        parallelism)."""
         pc = self.parallel_config
-        if pc.world_size == 1 or pc.pipeline_parallel_size != 1 or self._whole_versions:
+        if pc.world_size == 1 or self._whole_versions:
             return None
+        if pc.pipeline_parallel_size != 1:
+            return stage_share(name for name, _ in self.model.named_parameters())
         if getattr(pc, "enable_expert_parallel", False):
             log.info("TensorHub: expert parallelism places layers otherwise than by TP "
                      "rank: this copy pulls every part of a version in tiles")
