@@ -18,11 +18,12 @@ logs=${TENSORHUB_VENV_CACHE:-$HOME/.cache/tensorhub/venvs}; mkdir -p "$logs"
 builds=()
 if [ "${TENSORHUB_TEST_ENGINES:-1}" != 0 ]; then
   for engine in vllm sglang verl; do
-    bash "$here/scripts/setup.sh" "$engine" >/dev/null 2>"$logs/$engine.log" &
+    # (a session of its own: on exit, the kill below reaches its pip processes too)
+    setsid bash "$here/scripts/setup.sh" "$engine" >/dev/null 2>"$logs/$engine.log" &
     builds+=("$engine:$!")
   done
 fi
-trap 'for b in "${builds[@]}"; do kill "${b#*:}" 2>/dev/null || true; done' EXIT
+trap 'for b in "${builds[@]}"; do kill -- "-${b#*:}" 2>/dev/null || true; done' EXIT
 engines() {  # wait for the builds; a failed one stops the run with its log
   for b in "${builds[@]}"; do
     if ! wait "${b#*:}"; then

@@ -48,7 +48,8 @@ class PartedReplica:
                  share: Share | None = None):
         """Pulls any version of `model`, sharded (K parts) or not (one part). Each part
         has a worker of its own, named `<name>.part<r>`. `share`: given a version's part
-        count and its tiles (`Manifest.tiles`), the parts to pull (None: all). Until its
+        count and part 0's manifest (its tiles or layer blocks), the parts to pull (None:
+        all). Until its
         first pull it runs part 0's worker; then one per part it pulls (the first of them
         hears the model's announcements)."""
         self.coordinator, self.model = coordinator, model

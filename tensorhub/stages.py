@@ -70,7 +70,9 @@ def stage_share(parameters: Iterable[str]) -> Share:
         edges = manifest.blocks
         wanted = {part_of(f"model.layers.{layer}.", edges) for layer in layers
                   if layer < edges[-1]}
-        if outside or not wanted:
+        # (a stage running layers the version has not: part 0 places their names, so its
+        # check finds them missing and refuses the version, as it would a whole one)
+        if outside or not wanted or any(layer >= edges[-1] for layer in layers):
             wanted.add(0)
         if head:
             wanted.add(len(edges))
@@ -94,10 +96,15 @@ class LayeredPublisher(TiledPublisher):
             self._open_for(layers)
 
     def _open_for(self, layers: int) -> None:
-        self.edges = stage_edges(layers) if self.blocks is None \
-            else even_edges(layers, self.blocks)
+        """Open the parts (again, after a first open that failed) for `layers` layers."""
+        edges = stage_edges(layers) if self.blocks is None else even_edges(layers, self.blocks)
         coordinator, model, prefix, publisher_kw = self._opening
-        self._open(coordinator, model, prefix, len(self.edges) + 1, publisher_kw)
+        try:
+            self._open(coordinator, model, prefix, len(edges) + 1, publisher_kw)
+        except BaseException:
+            self.parts = []
+            raise
+        self.edges = edges
 
     def _pieces(self, items: Named) -> list[tuple[list, dict]]:
         parts, edges = split(items, self.blocks)

@@ -93,6 +93,27 @@ def test_a_last_stage_whose_head_is_tied_pulls_the_embeddings_too():
     assert tied(6, in_blocks(4)) == {0, 4, 5}
 
 
+def test_a_stage_that_runs_layers_a_version_lacks_refuses_it():
+    """A 2-layer version to a stage that runs layers 2-3 of 4: it pulls part 0 too, where
+    the names of its missing layers fall, so its check finds them missing."""
+    edges = even_edges(2, 2)
+    share = stage_share(["model.layers.2.mlp.up_proj.weight",
+                         "model.layers.3.mlp.up_proj.weight", "model.norm.weight"])
+    assert share(4, Manifest(tensors=[], compact_threshold=0, blocks=edges)) == {0, 3}
+    held = from_tensors(llama_state(0, layers=4).items(), "the checkpoint").only(
+        lambda n: part_of(n, edges) in (0, 3))
+    version = {n: t for n, t in llama_state(1, layers=2).items() if part_of(n, edges) in (0, 3)}
+    refusal = held.refusal(6, version.items())
+    assert "tensor 'model.layers.2.input_layernorm.weight' is missing" in refusal
+
+
+def test_the_coordinator_refuses_a_layer_past_the_versions_blocks():
+    parts, edges = split(llama_state(0, layers=4).items(), 2)
+    parts[0].append(("model.layers.7.mlp.up_proj.weight", torch.zeros(2)))
+    with pytest.raises(ValueError, match="is of layer 7, past the 4 layers"):
+        check_parts_fit([manifest_of(p, blocks=edges) for p in parts])
+
+
 def test_the_coordinator_refuses_a_part_that_holds_another_blocks_tensor():
     parts, edges = split(llama_state(0, layers=4).items(), 2)
     check_parts_fit([manifest_of(p, blocks=edges) for p in parts])

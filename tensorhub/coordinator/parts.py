@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
-from tensorhub.core.layer_blocks import part_of
+from tensorhub.core.layer_blocks import layer_of, part_of
 
 
 @dataclass
@@ -74,9 +74,13 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
         raise ValueError(f"the parts disagree on the layer blocks: "
                          f"{[m.blocks for m in manifests]}")
     if manifests[0].blocks is not None:
+        edges = manifests[0].blocks
         for r, manifest in enumerate(manifests):
             for spec in manifest.tensors:
-                if (home := part_of(spec.name, manifests[0].blocks)) != r:
+                if (layer := layer_of(spec.name)) is not None and layer >= edges[-1]:
+                    raise ValueError(f"tensor {spec.name!r} is of layer {layer}, past the "
+                                     f"{edges[-1]} layers of the version's blocks")
+                if (home := part_of(spec.name, edges)) != r:
                     raise ValueError(f"tensor {spec.name!r} is in part {r} of a version in "
                                      f"layer blocks, not in part {home}")
     for r, manifest in enumerate(manifests):

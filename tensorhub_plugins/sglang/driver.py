@@ -267,7 +267,9 @@ class Driver:
         # (both calls within one `swap_timeout`: they block this thread's loop, so the
         # controller's bound cannot cut them short)
         left = self.settings.swap_timeout - (time.perf_counter() - asked)
-        self._get("/server_info", timeout=max(left, 0.1))
+        if left <= 0:
+            raise TimeoutError("the pause took the whole swap timeout")
+        self._get("/server_info", timeout=left)
         return None
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:

@@ -54,10 +54,10 @@ from tensorhub_plugins.vllm.commands import (
     CanInstall,
     CanInstallAnswer,
     Check,
+    Command,
     Init,
     Installed,
     InstalledAnswer,
-    Prefetch,
     Release,
     parse,
 )
@@ -186,11 +186,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         ranks or on none (a rank that does not answer in time counts as a no)."""
         return ok if self._group() is None else self._rank_votes()(ok)
 
-    def parse_init_info(self, init_dict: dict) -> Init | Prefetch | Release | Check | CanInstall:
+    def parse_init_info(self, init_dict: dict) -> Command:
         return parse(init_dict)
 
-    def init_transfer_engine(self, init_info: Init | Prefetch | Release | Check | CanInstall
-                             ) -> None:
+    def init_transfer_engine(self, init_info: Command) -> None:
         if isinstance(init_info, Init):
             self._vote_timeout = init_info.pull_timeout + settings.VOTE_MARGIN_S
             if self.checkpoint is not None:
@@ -220,7 +219,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         elif isinstance(init_info, Release):
             if self.checkpoint is not None:
                 self.checkpoint.release(init_info.version)
-        elif isinstance(init_info, Check | CanInstall):  # (logged, not raised: `_answers`)
+        elif isinstance(init_info, Check | CanInstall | Installed):  # (logged: `_answers`)
             log.error("TensorHub: a %s came through init_weight_transfer_engine; questions "
                       "are asked through collective_rpc('weight_transfer_engine')",
                       type(init_info).__name__)
@@ -492,9 +491,10 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         try:
             self._apply_version(update_info.version, update_info.fetch)
         except TornLoad as torn:
-            # (the ranks learn only that one failed, not why: any torn load from a share
-            # ends shares, which costs bytes, never answers)
-            if self.checkpoint is not None and self.checkpoint.replica.partial:
+            # (the ranks learn only that one failed, not why: any torn load from a share of
+            # a version in tiles ends tile shares, which costs bytes, never answers; a
+            # stage's layers are its own parameters' names, no rule that could mislead)
+            if self.checkpoint is not None and self.checkpoint.replica.share_tiles is not None:
                 self._whole_versions = True
                 self.checkpoint.pull_whole_versions(f"loading v{update_info.version} from "
                                                     f"this node's share failed ({torn})")

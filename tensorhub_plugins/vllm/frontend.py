@@ -309,20 +309,22 @@ class Frontend:
         latest, held = await self.holdings()
         self.pending = self.pulls.pending(latest, held)  # (the follow loop looks sooner)
         await self._release_stale()
-        if self.layout_lag is not None and self.layout_lag.due(time.monotonic()):
+        update = (held, "checkpoint") if held is not None and (
+            self.serving is None or held > self.serving) else None
+        if update is None and self.layout_lag is not None \
+                and self.layout_lag.due(time.monotonic()):
             await self._watch_layout(latest)
-        if held is not None and (self.serving is None or held > self.serving):
-            return held, "checkpoint"
-        return None
+        return update
 
     async def _watch_layout(self, layout_latest: int) -> None:
-        """Compare the quantized layout followed with its model (`LayoutLag`)."""
-        if self._model_view is None:
-            self._model_view = FleetView.connect(self.settings.coordinator,
-                                                 self.layout_lag.model, timeout=5.0)
+        """Compare the quantized layout followed with its model (`LayoutLag`), between two
+        swaps; what goes wrong asking is logged, never raised into follow mode."""
         try:
+            if self._model_view is None:
+                self._model_view = FleetView.connect(self.settings.coordinator,
+                                                     self.layout_lag.model, timeout=5.0)
             model_latest = await asyncio.to_thread(self._model_view.latest)
-        except TensorHubError as exc:
+        except Exception as exc:
             log.debug("asking for %s's newest version: %s", self.layout_lag.model, exc)
             return
         said = self.layout_lag.observe(model_latest, layout_latest, time.monotonic())
