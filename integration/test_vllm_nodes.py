@@ -37,7 +37,9 @@ def vllm_on_two_hosts(vllm_python: str, root, tp: int, pp: int = 1):
         for rank, host in enumerate((node0, node1)):
             env = {**plugin_env(address), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                    "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
-                   "VLLM_HOST_IP": host.address, "MASTER_ADDR": node0.address}
+                   "VLLM_HOST_IP": host.address, "MASTER_ADDR": node0.address,
+                   # (stages compile: their cache goes with the test's folder)
+                   **({"VLLM_CACHE_ROOT": str(root / f"vllm-cache{rank}")} if pp > 1 else {})}
             args = [*PLUGIN_ARGS, "--tensor-parallel-size", str(tp),
                     "--pipeline-parallel-size", str(pp), "--nnodes", "2",
                     "--node-rank", str(rank), "--master-addr", node0.address,

@@ -126,8 +126,8 @@ def skew(module) -> None:
     replica = module.PartedReplica
     wanted = replica.wanted
 
-    def skewed(self, parts, tiles=None):
-        mine = wanted(self, parts, tiles)
+    def skewed(self, parts, manifest):
+        mine, tiles = wanted(self, parts, manifest), manifest.tiles
         if self.share is None or tiles is None or not os.path.exists(SKEW_FILE) \
                 or len(mine) == parts:
             return mine
