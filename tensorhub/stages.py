@@ -21,7 +21,14 @@ from collections.abc import Iterable
 import torch
 
 from tensorhub.core.data_types import Manifest
-from tensorhub.core.layer_blocks import HEAD, even_edges, layer_of, part_of, stage_edges
+from tensorhub.core.layer_blocks import (
+    HEAD,
+    even_edges,
+    layer_of,
+    layer_part,
+    part_of,
+    stage_edges,
+)
 from tensorhub.tiles import Share, TiledPublisher
 
 Named = list[tuple[str, torch.Tensor]]
@@ -68,8 +75,7 @@ def stage_share(parameters: Iterable[str]) -> Share:
         if manifest.blocks is None:
             return set(range(parts))
         edges = manifest.blocks
-        wanted = {part_of(f"model.layers.{layer}.", edges) for layer in layers
-                  if layer < edges[-1]}
+        wanted = {layer_part(layer, edges) for layer in layers if layer < edges[-1]}
         # (a stage running layers the version has not: part 0 places their names, so its
         # check finds them missing and refuses the version, as it would a whole one)
         if outside or not wanted or any(layer >= edges[-1] for layer in layers):

@@ -57,9 +57,14 @@ def even_edges(layers: int, blocks: int) -> list[int]:
     return [b * layers // blocks for b in range(blocks)] + [layers]
 
 
+def layer_part(layer: int, edges: list[int]) -> int:
+    """The part that holds decoder layer `layer` (< edges[-1]): its block's."""
+    return bisect.bisect_right(edges, layer)
+
+
 def part_of(name: str, edges: list[int]) -> int:
     """The part of a version in the layer blocks `edges` that holds `name`."""
     layer = layer_of(name)
     if layer is not None and layer < edges[-1]:
-        return bisect.bisect_right(edges, layer)
+        return layer_part(layer, edges)
     return len(edges) if HEAD.search(name) else 0
