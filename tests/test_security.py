@@ -117,7 +117,8 @@ def test_handshakes_cut_short_for_a_while_are_waited_out_not_taken_as_a_refusal(
                 pass
         listener.close()
         coordinator.append(Coordinator(CoordinatorConfig(
-            bind=f"tcp://127.0.0.1:{port}", token=token)).start())
+            bind=f"tcp://127.0.0.1:{port}", announce="tcp://127.0.0.1:0",
+            token=token)).start())
 
     thread = threading.Thread(target=drop_connections_then_start_the_coordinator)
     thread.start()
