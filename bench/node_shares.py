@@ -21,6 +21,11 @@ given the parameter names of the layers vLLM places on that stage:
 both), the embeddings on the first stage and the head on the last; by default the blocks
 end where the engines' stages do at PP = 2, 4 and 8, beside 8 equal blocks.
 
+An expert-parallel engine of a mixture of experts (TP = EP = 8N on N nodes) pulls a version
+in tiles with its experts placed (`TiledPublisher(experts="placed")`) as its ranks'
+attention tiles and the tiles of their experts (vLLM's linear placement), against every
+part when the experts are split for tensor-parallel engines.
+
 Run: python -m bench.node_shares
 """
 
@@ -34,7 +39,7 @@ from bench.results import Report
 from tensorhub.core.data_types import Manifest
 from tensorhub.core.layer_blocks import pp_layers
 from tensorhub.stages import split, stage_share
-from tensorhub.tiles import node_share, tile
+from tensorhub.tiles import NodeExperts, node_share, tile
 
 # config.json values: hidden, intermediate, heads, KV heads, head dim, vocab, layers,
 # q/k/v biases, tied embeddings.
@@ -43,6 +48,12 @@ MODELS = {
     "Llama-3.1-70B": (8192, 28672, 64, 8, 128, 128256, 80, False, False),
     "Qwen2-72B": (8192, 29568, 64, 8, 128, 152064, 80, True, False),
     "Llama-3.1-405B": (16384, 53248, 128, 8, 128, 128256, 126, False, False),
+}
+# Mixtures of experts (config.json): hidden, expert intermediate, heads, KV heads, head
+# dim, vocab, layers, routed experts.
+MOE_MODELS = {
+    "Qwen3-30B-A3B": (2048, 768, 32, 4, 128, 151936, 48, 128),
+    "Qwen3-235B-A22B": (4096, 1536, 64, 4, 128, 151936, 94, 128),
 }
 RANKS_PER_NODE = 8
 
@@ -72,6 +83,60 @@ def meta_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, voca
     if not tied:
         named.append(("lm_head.weight", t(vocab, hidden)))
     return named
+
+
+def meta_moe_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int,
+                   layers: int, experts: int) -> list[tuple[str, torch.Tensor]]:
+    """A Qwen3-MoE state dict's names and shapes (bf16, on the meta device)."""
+    def t(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    named = [("model.embed_tokens.weight", t(vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        named += [(f"{p}.self_attn.q_proj.weight", t(heads * head_dim, hidden)),
+                  (f"{p}.self_attn.k_proj.weight", t(kv * head_dim, hidden)),
+                  (f"{p}.self_attn.v_proj.weight", t(kv * head_dim, hidden)),
+                  (f"{p}.self_attn.o_proj.weight", t(hidden, heads * head_dim)),
+                  (f"{p}.self_attn.q_norm.weight", t(head_dim)),
+                  (f"{p}.self_attn.k_norm.weight", t(head_dim)),
+                  (f"{p}.mlp.gate.weight", t(experts, hidden)),
+                  (f"{p}.input_layernorm.weight", t(hidden)),
+                  (f"{p}.post_attention_layernorm.weight", t(hidden))]
+        for e in range(experts):
+            named += [(f"{p}.mlp.experts.{e}.gate_proj.weight", t(inter, hidden)),
+                      (f"{p}.mlp.experts.{e}.up_proj.weight", t(inter, hidden)),
+                      (f"{p}.mlp.experts.{e}.down_proj.weight", t(hidden, inter))]
+    named += [("model.norm.weight", t(hidden)), ("lm_head.weight", t(vocab, hidden))]
+    return named
+
+
+def expert_parallel_rows(report: Report, nodes_list: list[int]) -> None:
+    """An expert-parallel engine (TP = EP = 8N ranks on N nodes, vLLM's linear placement:
+    rank r runs experts [rE/TP, (r+1)E/TP)) pulling a version in TP tiles with its experts
+    placed, against the same engine pulling one with its experts split (every part)."""
+    for model, config in MOE_MODELS.items():
+        named = meta_moe_state(*config)
+        total, experts = nbytes(named), config[7]
+        for nodes in nodes_list:
+            tp = RANKS_PER_NODE * nodes
+            if config[2] % tp or experts % tp:
+                continue
+            parts = [nbytes(part.tensors) for part in tile(named, tp, experts="placed")]
+            manifest = Manifest.model_construct(tensors=[], compact_threshold=0, tiles=tp,
+                                                blocks=None, experts="placed")
+            per_node = []
+            for n in range(nodes):
+                ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
+                ids = frozenset(e for r in ranks
+                                for e in range(r * experts // tp, (r + 1) * experts // tp))
+                share = node_share(ranks, tp, config[3], NodeExperts(ids, experts))
+                per_node.append(sum(parts[k] for k in share(len(parts), manifest)))
+            label = (f"{model} ({total / 2**30:.0f} GiB bf16), TP=EP={tp} on {nodes} nodes, "
+                     f"experts placed")
+            report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,
+                       "x", "experts split (each node pulls every part)", nodes,
+                       higher_is_better=False)
 
 
 def stage_parameters(named: list[tuple[str, torch.Tensor]], layers: range, first: bool,
@@ -136,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.add(f"{label}: bytes an engine pulls / the model's",
                            sum(per_stage) / total, "x", "a whole copy per stage", stages,
                            higher_is_better=False)
+    expert_parallel_rows(report, [int(n) for n in args.nodes.split(",")])
     report.write()
     return 0
 

@@ -4,7 +4,8 @@
 
 For each line (a folder of safetensors files) it publishes the folder's tensors as the next
 version of `policy` and prints `{"version": N}`; a line `FOLDER tiles T` publishes it in T
-tiles (`tensorhub/tiles.py`), `FOLDER blocks` in layer blocks at the engines' stage edges
+tiles (`tensorhub/tiles.py`; `FOLDER tiles T placed`: a mixture of experts' experts placed
+for expert-parallel engines), `FOLDER blocks` in layer blocks at the engines' stage edges
 (`tensorhub/stages.py`; `FOLDER blocks B`: in B equal ones).
 It keeps serving what it published until
 its stdin closes or it is stopped. Tests whose trainer must run on another host than the
@@ -40,8 +41,10 @@ def main() -> None:
                     split[1].close()
                 kind, n = how[0], int(how[1]) if len(how) > 1 else None
                 make = TiledPublisher if kind == "tiles" else LayeredPublisher
-                split = (said, make(sys.argv[1], "policy", n, name=f"trainer-{kind[0]}{n or ''}",
-                                    owners=pub.owners))
+                experts = {"experts": how[2]} if len(how) > 2 else {}
+                split = (said, make(sys.argv[1], "policy", n,
+                                    name=f"trainer-{kind[0]}{n or ''}{''.join(how[2:])}",
+                                    owners=pub.owners, **experts))
             version = split[1].publish(state) if how else pub.publish(state)
             print(json.dumps({"version": version}), flush=True)
     finally:

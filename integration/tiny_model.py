@@ -108,8 +108,10 @@ def build_tiny_model(
     intermediate: int | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    experts: int = 4,
 ) -> Path:
-    """Build a random ``arch`` ("qwen2" or "llama") model + tokenizer in ``out_dir``.
+    """Build a random ``arch`` ("qwen2", "llama", or "qwen3_moe": ``experts`` routed experts
+    of ``intermediate`` each, two per token) model + tokenizer in ``out_dir``.
 
     Defaults give head_dim 32 and grouped-query attention (kv_heads < heads), so engines'
     fused qkv / gate_up layouts are exercised. ``vocab`` is the BPE target; the config's
@@ -117,7 +119,7 @@ def build_tiny_model(
     emit decodes. Weights are saved as safetensors in ``dtype`` (keep float32 for oracle
     tests). Returns ``out_dir`` as a Path.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,8 +144,12 @@ def build_tiny_model(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(**common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, moe_intermediate_size=common["intermediate_size"],
+                                num_experts=experts, num_experts_per_tok=2,
+                                decoder_sparse_step=1, norm_topk_prob=True)
     else:
-        raise ValueError(f"arch must be 'qwen2' or 'llama', not {arch!r}")
+        raise ValueError(f"arch must be 'qwen2', 'llama' or 'qwen3_moe', not {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Qwen2 has q/k/v biases that HF initialises to zero; randomise them too, so a
@@ -222,6 +228,23 @@ def make_prompts(n: int = 8, length: int = 12, vocab: int = 1024, seed: int = 0)
 
 
 @torch.no_grad()
+def _loaded_as_a_checkpoint(config, state_dict: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """An HF model of `config` loaded from `state_dict` as from a checkpoint on disk: for
+    checkpoint names the model converts as it loads (transformers fuses a mixture of
+    experts' per-expert weights)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        save_file({k: v.float().contiguous() for k, v in state_dict.items()},
+                  f"{folder}/model.safetensors")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.float().eval()
+
+
 def hf_greedy(
     model: str | Path | torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -244,7 +267,9 @@ def hf_greedy(
     if isinstance(model, (str, Path)):
         model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     model = model.float().eval()
-    if state_dict is not None:
+    if state_dict is not None and set(state_dict) - set(model.state_dict()):
+        model = _loaded_as_a_checkpoint(model.config, state_dict)
+    elif state_dict is not None:
         sd = {k: v.float() for k, v in state_dict.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False)
         tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()

@@ -39,7 +39,7 @@ def private_shm(host: Host) -> None:
 
 @contextmanager
 def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
-                        shape: dict[str, int] = TP_SHAPE) -> Iterator[SimpleNamespace]:
+                        shape: dict[str, int | str] = TP_SHAPE) -> Iterator[SimpleNamespace]:
     """Versions 1-3 of a tiny float32 model (of `shape`: by default its heads split over
     two ranks), a trainer (on its own host) that published v1, and the engine `launch`
     starts, healthy: its node 0 first in the list. Everything is stopped, and the hosts
@@ -70,11 +70,13 @@ def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
             trainer.send_line(str(folder))
             return int(trainer.next_json(120)["version"])
 
-        def publish_tiled(version: int, tiles: int | None, kind: str = "tiles") -> int:
-            """Publish the state of `version` again, in `tiles` tiles (`kind` "blocks": in
-            layer blocks, `tiles` None: at the engines' stage edges), as the next version;
-            its number."""
-            trainer.send_line(f"{folders[version - 1]} {kind}" + (f" {tiles}" if tiles else ""))
+        def publish_tiled(version: int, tiles: int | None, kind: str = "tiles",
+                          experts: str = "") -> int:
+            """Publish the state of `version` again, in `tiles` tiles (`experts`: how a
+            mixture of experts' are laid out; `kind` "blocks": in layer blocks, `tiles`
+            None: at the engines' stage edges), as the next version; its number."""
+            trainer.send_line(f"{folders[version - 1]} {kind}" + (f" {tiles}" if tiles else "")
+                              + (f" {experts}" if experts else ""))
             return int(trainer.next_json(120)["version"])
 
         try:

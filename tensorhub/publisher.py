@@ -238,7 +238,7 @@ class Publisher:
                 rows: Mapping[str, tuple[int, int]] | None = None,
                 cols: Mapping[str, tuple[int, int]] | None = None,
                 tiles: int | None = None, blocks: list[int] | None = None,
-                part_timeout: float | None = None) -> int:
+                experts: str | None = None, part_timeout: float | None = None) -> int:
         """Register the tensors (checkpoint layout) as `version` (default: latest + 1) and
         announce it. Returns the version. Raises `CoordinatorError` ("stale_version") for a
         version that is not newer than the model's latest, before touching anything.
@@ -248,8 +248,8 @@ class Publisher:
         A rank of a sharded version (`parts` > 1) names the version (every rank the same)
         and may give `rows`: name -> (first row, total rows) for tensors it holds a row
         slice of, and `cols` likewise for 2-D tensors it holds a column slice of (`tiles`:
-        the parts are a version in tiles, `tensorhub/tiles.py`; `blocks`: in layer
-        blocks, `tensorhub/stages.py`). It
+        the parts are a version in tiles, `tensorhub/tiles.py`, `experts` how they hold a
+        mixture of experts'; `blocks`: in layer blocks, `tensorhub/stages.py`). It
         returns once all parts are in (waiting up to `part_timeout`, default
         `coordinator_wait`), and raises `TensorHubError` ("aborted") if the version was
         given up meanwhile (a rank died, or parts did not fit together)."""
@@ -268,7 +268,8 @@ class Publisher:
             raise CoordinatorError(
                 f"model {self.model!r} is at version {latest}; cannot publish {version}",
                 code="stale_version")
-        manifest = manifest_of(named, self.compact_threshold, rows, cols, tiles, blocks)
+        manifest = manifest_of(named, self.compact_threshold, rows, cols, tiles, blocks,
+                               experts)
         if self.part.parts > 1:
             self._let_replicas_keep_current()
         self._drop_current()  # buffers are about to change: end reads of the old version first

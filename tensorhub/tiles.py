@@ -14,7 +14,14 @@ checksums, holders, relay forest and failover: a node pulls the parts of its til
 (`PartedReplica(share=node_share(...))`) from whoever holds them, and serves them on to
 the next node with the same share. A reader that pulls every part gets the whole tensors
 back (`PartedReplica.tensors` joins the slices). With `tiles` a power of two, any TP size
-up to it that divides it splits on tile edges. Design: docs/design/sharded-versions.md.
+up to it that divides it splits on tile edges.
+
+A mixture of experts' experts are either split as a dense MLP is (`experts="split"`: what a
+tensor-parallel engine's ranks load, a slice of every expert) or placed whole, tile t
+holding experts [tE/T, (t+1)E/T) of each layer of E (`experts="placed"`: what an
+expert-parallel engine's ranks load, their own experts, as the engines place them by
+default). A node whose ranks load the other way pulls every tile. Design:
+docs/design/sharded-versions.md.
 """
 
 from __future__ import annotations
@@ -28,20 +35,24 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorhub.core.data_types import Manifest
+from tensorhub.core.experts import expert_counts, expert_of, expert_part, expert_tile
 from tensorhub.core.layer_blocks import DECODER, MODEL
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, manifest_of
 from tensorhub.publisher import Publisher
 
 # The weights tiled, by the dim tensor parallelism splits them on: a language model's
-# decoder layers (Llama, Qwen, Mistral names), column-parallel by output rows, row-parallel
-# by input columns, and its embeddings and LM head by vocabulary rows. Under GQA with more
-# ranks than K/V heads, a group of ranks loads one head's K/V rows (`node_share` pulls the
-# whole group's tiles). Experts (expert parallelism places them otherwise) and vision
-# towers (engines may run them data-parallel) stay whole: their names do not match.
+# decoder layers (Llama, Qwen, Mistral names; a mixture of experts' shared experts and,
+# split, its experts: Qwen-MoE, DeepSeek and Mixtral names), column-parallel by output
+# rows, row-parallel by input columns, and its embeddings and LM head by vocabulary rows.
+# Under GQA with more ranks than K/V heads, a group of ranks loads one head's K/V rows
+# (`node_share` pulls the whole group's tiles). Vision towers (engines may run them
+# data-parallel) stay whole: their names do not match.
 VOCAB = re.compile(MODEL + r"embed_tokens\.weight$|^(language_model\.)?lm_head\.weight$")
-TILED = {0: re.compile(DECODER + r"(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)"
+_MLP = r"(mlp\.(shared_experts?\.|experts\.\d+\.)?|block_sparse_moe\.experts\.\d+\.)"
+TILED = {0: re.compile(DECODER + r"(self_attn\.[qkv]_proj|" + _MLP + r"(gate_proj|up_proj|w1|w3))"
                        r"\.weight$|" + VOCAB.pattern),
-         1: re.compile(DECODER + r"(self_attn\.o_proj|mlp\.down_proj)\.weight$")}
+         1: re.compile(DECODER + r"(self_attn\.o_proj|" + _MLP + r"(down_proj|w2))\.weight$")}
+EXPERTS = ("split", "placed")
 # vLLM and SGLang pad the vocabulary to a multiple of this before they split it over TP
 # ranks: only then are a rank's rows of a vocabulary that divides into the tiles its tiles.
 VOCAB_PADDING = 64
@@ -68,15 +79,24 @@ class Tile:
 
 
 def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
-         split: Callable[[str], int | None] = split_dim) -> list[Tile]:
+         split: Callable[[str], int | None] = split_dim,
+         experts: str = "split") -> list[Tile]:
     """`tiles` + 1 parts of a state dict: parts 0..tiles-1 the tiles (column slices made
     contiguous: a copy of the row-parallel weights), part `tiles` every tensor kept whole
     (`split` says None, not 2-D, or not divisible into `tiles`; a vocabulary not a multiple
-    of `VOCAB_PADDING` too)."""
+    of `VOCAB_PADDING` too). `experts="placed"`: each routed expert whole in its tile
+    (`expert_tile`) instead of split."""
     if tiles < 1:
         raise ValueError(f"tiles: at least 1, not {tiles}")
+    if experts not in EXPERTS:
+        raise ValueError(f"experts: one of {EXPERTS}, not {experts!r}")
+    named = list(named)
+    counts = expert_counts(n for n, _ in named) if experts == "placed" else {}
     parts = [Tile() for _ in range(tiles + 1)]
     for name, t in named:
+        if counts and (home := expert_part(name, counts, tiles)) is not None:
+            parts[home].tensors.append((name, t))
+            continue
         dim = split(name)
         multiple = math.lcm(tiles, VOCAB_PADDING) if VOCAB.search(name) else tiles
         if dim is None or t.dim() != 2 or t.shape[dim] % multiple:
@@ -88,8 +108,8 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
             parts[k].tensors.append((name, piece.contiguous()))
             (parts[k].cols if dim else parts[k].rows)[name] = (k * step, t.shape[dim])
     if not parts[0].tensors:
-        raise ValueError(f"nothing to tile: no decoder projection, embedding or LM head "
-                         f"(`TILED`) splits into {tiles} tiles")
+        raise ValueError(f"nothing to tile: no decoder projection, embedding, LM head "
+                         f"(`TILED`) or expert splits into {tiles} tiles")
     if not parts[tiles].tensors:
         raise ValueError("every tensor was tiled, none is left for the part every rank "
                          "loads whole (a model has norms): publish it untiled")
@@ -98,12 +118,21 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
 
 def manifests(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
               split: Callable[[str], int | None] = split_dim,
-              compact_threshold: int = DEFAULT_COMPACT_THRESHOLD) -> list[Manifest]:
+              compact_threshold: int = DEFAULT_COMPACT_THRESHOLD,
+              experts: str = "split") -> list[Manifest]:
     """The manifests of `named` published in `tiles` tiles, part by part, as
     `TiledPublisher` publishes them (tensors on the meta device will do: only their
     shapes count). The simulator pulls versions of these."""
-    return [manifest_of(part.tensors, compact_threshold, part.rows, part.cols, tiles)
-            for part in tile(named, tiles, split)]
+    named = list(named)
+    said = experts_said(named, experts)
+    return [manifest_of(part.tensors, compact_threshold, part.rows, part.cols, tiles,
+                        experts=said) for part in tile(named, tiles, split, experts)]
+
+
+def experts_said(named: list[tuple[str, torch.Tensor]], experts: str) -> str | None:
+    """What a version's manifests say of its experts (`Manifest.experts`): how they are
+    laid out, if it has any."""
+    return experts if any(expert_of(n) is not None for n, _ in named) else None
 
 
 def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
@@ -120,7 +149,17 @@ def node_parts(ranks: Iterable[int], tp: int, tiles: int) -> set[int]:
     return wanted
 
 
-def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Share:
+@dataclass(frozen=True)
+class NodeExperts:
+    """The routed experts a node's expert-parallel ranks run (their numbers, the same in
+    every layer) of each layer's `total`."""
+
+    ids: frozenset[int]
+    total: int
+
+
+def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None,
+               experts: NodeExperts | None = None) -> Share:
     """What a node's copy pulls of each version (`PartedReplica(share=)`): its ranks'
     tiles of a version in tiles that split over `tp`; every part of any other.
 
@@ -128,7 +167,12 @@ def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Sh
     tp / kv_heads ranks loads one head's K/V rows, the tiles of the whole group: a node
     whose ranks take part of a group pulls the group's tiles. Engines place ranks on nodes
     in blocks, so a node splits no group while tp / kv_heads divides its rank count; past
-    that, a group of G nodes' ranks has each of them pull G nodes' tiles."""
+    that, a group of G nodes' ranks has each of them pull G nodes' tiles.
+
+    `experts`: the node's ranks are expert-parallel and run these experts; they pull the
+    tiles those experts are placed in. A version whose experts are laid out for the other
+    kind of engine (split for tensor-parallel ranks, placed for expert-parallel ones) is
+    pulled whole."""
     ranks = sorted(ranks)
     if kv_heads and tp > kv_heads and tp % kv_heads == 0:
         group = tp // kv_heads
@@ -139,19 +183,31 @@ def node_share(ranks: Iterable[int], tp: int, kv_heads: int | None = None) -> Sh
         tiles = manifest.tiles
         if tiles is None or tiles % tp:
             return set(range(parts))
-        return node_parts(ranks, tp, tiles)
+        wanted = node_parts(ranks, tp, tiles)
+        if manifest.experts is None:
+            return wanted
+        if (experts is None) != (manifest.experts == "split"):
+            return set(range(parts))
+        if experts is not None:
+            homes = {expert_tile(e, experts.total, tiles) for e in experts.ids}
+            wanted |= {home for home in homes if home is not None}
+        return wanted
 
     return share
 
 
 class TiledPublisher:
     """A trainer that publishes each version in `tiles` tiles (`tile`): one `Publisher`
-    per part, named `<name>.tile<k>`, publishing together."""
+    per part, named `<name>.tile<k>`, publishing together. `experts`: how a mixture of
+    experts' experts are laid out, for the engines that follow it (`"split"` for
+    tensor-parallel ones, `"placed"` for expert-parallel ones)."""
 
     def __init__(self, coordinator: str, model: str, tiles: int = 8, *,
                  name: str = "trainer", split: Callable[[str], int | None] = split_dim,
-                 **publisher_kw):
-        self.tiles, self.split = tiles, split
+                 experts: str = "split", **publisher_kw):
+        if experts not in EXPERTS:
+            raise ValueError(f"experts: one of {EXPERTS}, not {experts!r}")
+        self.tiles, self.split, self.experts = tiles, split, experts
         self._open(coordinator, model, f"{name}.tile", tiles + 1, publisher_kw)
 
     def _open(self, coordinator: str, model: str, prefix: str, parts: int,
@@ -169,8 +225,9 @@ class TiledPublisher:
 
     def _pieces(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[list, dict]]:
         """Each part's tensors and what its publish says of them."""
-        return [(piece.tensors, {"rows": piece.rows, "cols": piece.cols, "tiles": self.tiles})
-                for piece in tile(items, self.tiles, self.split)]
+        said = {"tiles": self.tiles, "experts": experts_said(items, self.experts)}
+        return [(piece.tensors, {"rows": piece.rows, "cols": piece.cols, **said})
+                for piece in tile(items, self.tiles, self.split, self.experts)]
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
                 version: int | None = None) -> int:

@@ -44,6 +44,29 @@ def llama_state(seed: int, layers: int = 2, hidden: int = HIDDEN, ffn: int = FFN
     return state
 
 
+def moe_state(seed: int, layers: int = 2, experts: int = 4, hidden: int = 64,
+              ffn: int = 128) -> dict[str, torch.Tensor]:
+    """A small Qwen-MoE-shaped state dict (fp32): attention, a router, `experts` routed
+    experts and a shared one per layer; the same for the same arguments."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"model.embed_tokens.weight": torch.randn(VOCAB, hidden, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
+                  "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
+                  "mlp.gate": (experts, hidden)}
+        for expert in [*(f"experts.{e}" for e in range(experts)), "shared_expert"]:
+            shapes |= {f"mlp.{expert}.gate_proj": (ffn, hidden),
+                       f"mlp.{expert}.up_proj": (ffn, hidden),
+                       f"mlp.{expert}.down_proj": (hidden, ffn)}
+        for name, shape in shapes.items():
+            state[f"{p}.{name}.weight"] = torch.randn(*shape, generator=g)
+        state[f"{p}.input_layernorm.weight"] = torch.randn(hidden, generator=g)
+    state["model.norm.weight"] = torch.randn(hidden, generator=g)
+    state["lm_head.weight"] = torch.randn(VOCAB, hidden, generator=g)
+    return state
+
+
 def held_by(coordinator: str, model: str, names: list[str]) -> dict[str, list[int]]:
     """The versions of `model` the coordinator counts each reader in `names` as holding
     (a reader of a share: its share)."""

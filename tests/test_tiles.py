@@ -176,13 +176,19 @@ def test_weights_are_tiled_on_the_dim_tensor_parallelism_splits():
     for rows in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight",
                  "model.layers.3.self_attn.k_proj.weight",
                  "model.layers.3.self_attn.v_proj.weight", "model.embed_tokens.weight",
-                 "lm_head.weight", "model.language_model.embed_tokens.weight"):
+                 "lm_head.weight", "model.language_model.embed_tokens.weight",
+                 "model.layers.3.mlp.experts.7.up_proj.weight",
+                 "model.layers.3.mlp.shared_experts.gate_proj.weight",
+                 "model.layers.3.block_sparse_moe.experts.0.w3.weight"):
         assert split_dim(rows) == 0, rows
-    assert split_dim("model.layers.3.self_attn.o_proj.weight") == 1
-    assert split_dim("model.layers.3.mlp.down_proj.weight") == 1
+    for cols in ("model.layers.3.self_attn.o_proj.weight", "model.layers.3.mlp.down_proj.weight",
+                 "model.layers.3.mlp.experts.7.down_proj.weight",
+                 "model.layers.3.mlp.shared_expert.down_proj.weight",
+                 "model.layers.3.block_sparse_moe.experts.0.w2.weight"):
+        assert split_dim(cols) == 1, cols
     for whole in ("model.layers.3.self_attn.o_proj.bias", "model.layers.3.self_attn.k_proj.bias",
-                  "model.layers.3.input_layernorm.weight",
-                  "model.layers.3.mlp.experts.0.up_proj.weight"):
+                  "model.layers.3.input_layernorm.weight", "model.layers.3.mlp.gate.weight",
+                  "visual.blocks.0.attn.qkv.weight"):
         assert split_dim(whole) is None, whole
 
 

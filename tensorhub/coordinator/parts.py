@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
+from tensorhub.core.experts import expert_counts, expert_part
 from tensorhub.core.layer_blocks import layer_of, part_of
 
 
@@ -70,6 +71,11 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
     if manifests[0].tiles is not None and len(manifests) != manifests[0].tiles + 1:
         raise ValueError(f"{manifests[0].tiles} tiles make {manifests[0].tiles + 1} parts, "
                          f"not {len(manifests)}")
+    if len({m.experts for m in manifests}) > 1:
+        raise ValueError(f"the parts disagree on how the experts are laid out: "
+                         f"{[m.experts for m in manifests]}")
+    if manifests[0].tiles is not None:
+        _check_tile_homes(manifests)
     if any(m.blocks != manifests[0].blocks for m in manifests):
         raise ValueError(f"the parts disagree on the layer blocks: "
                          f"{[m.blocks for m in manifests]}")
@@ -124,3 +130,23 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
             cursor = stop
         if cursor != slices[0][2]:
             raise ValueError(f"tensor {name!r}: {what} {cursor}..{slices[0][2]} are in no part")
+
+
+def _check_tile_homes(manifests: list[Manifest]) -> None:
+    """In a version in tiles a node pulls only its ranks' tiles, so a whole tensor in a
+    tile would be missed by the other nodes: only a placed expert lies whole in a tile, in
+    its own (`core/experts.py`); the others lie in the last part."""
+    tiles = manifests[0].tiles
+    counts = expert_counts(s.name for m in manifests for s in m.tensors) \
+        if manifests[0].experts == "placed" else {}
+    for r, manifest in enumerate(manifests):
+        for spec in manifest.tensors:
+            home = expert_part(spec.name, counts, tiles) if counts else None
+            if home is not None and (spec.piece is not None or r != home):
+                what = "a slice" if spec.piece is not None else "whole"
+                raise ValueError(f"expert tensor {spec.name!r} is {what} in part {r}; with "
+                                 f"the experts placed it lies whole in part {home}")
+            if home is None and spec.piece is None and r != tiles:
+                raise ValueError(f"tensor {spec.name!r} is whole in tile {r}: a tensor not "
+                                 f"split over the tiles lies in part {tiles}, which every "
+                                 f"node pulls")

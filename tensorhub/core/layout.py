@@ -47,12 +47,13 @@ def manifest_of(
     cols: Mapping[str, tuple[int, int]] | None = None,
     tiles: int | None = None,
     blocks: list[int] | None = None,
+    experts: str | None = None,
 ) -> Manifest:
     """`rows`: name -> (first row, total rows) for a tensor that is a row slice of a larger
     one (a part of a sharded version, `Publisher(parts=...)`); `cols`: the same for a 2-D
     tensor that is a column slice; `tiles`: the part is one of a version in tiles
-    (`tensorhub/tiles.py`); `blocks`: one of a version in layer blocks
-    (`tensorhub/stages.py`)."""
+    (`tensorhub/tiles.py`), `experts` how it holds a mixture of experts' (`Manifest`);
+    `blocks`: one of a version in layer blocks (`tensorhub/stages.py`)."""
     specs = []
     seen: set[str] = set()
     named_tensors = list(named_tensors)
@@ -77,7 +78,7 @@ def manifest_of(
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
     return Manifest(tensors=specs, compact_threshold=compact_threshold, tiles=tiles,
-                    blocks=blocks)
+                    blocks=blocks, experts=experts)
 
 
 def layout_id(manifest: Manifest) -> str:

@@ -5,7 +5,7 @@ Its hash is the layout id (`layout.py`)."""
 from __future__ import annotations
 
 import itertools
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -78,6 +78,11 @@ class Manifest(Strict):
     # part 1 + b block b's layers, the last part the head.
     blocks: list[Annotated[int, Field(ge=0, lt=2**20)]] | None = Field(
         default=None, min_length=2, max_length=MAX_PARTS - 1)
+    # How a version in tiles holds a mixture of experts' expert weights: "split", each
+    # expert split over the tiles as a dense MLP is (what tensor-parallel ranks load);
+    # "placed", each expert whole in one tile, tile t the experts [tE/T, (t+1)E/T) of each
+    # layer of E (what expert-parallel ranks load). None: no experts in tiles.
+    experts: Literal["split", "placed"] | None = None
 
     @field_validator("blocks")
     @classmethod
@@ -86,3 +91,10 @@ class Manifest(Strict):
                 b <= a for a, b in itertools.pairwise(edges))):
             raise ValueError(f"layer block edges rise from 0, one block at least: {edges}")
         return edges
+
+    @model_validator(mode="after")
+    def _experts_in_tiles(self) -> Manifest:
+        if self.experts is not None and self.tiles is None:
+            raise ValueError("experts are split or placed over tiles: only in a version in "
+                             "tiles")
+        return self

@@ -31,7 +31,7 @@ from tensorhub.engines.weights_check import (
     tied_optional,
 )
 from tensorhub.stages import stage_share
-from tensorhub.tiles import node_share
+from tensorhub.tiles import NodeExperts, node_share
 
 __all__ = [
     "REFUSED",
@@ -46,6 +46,7 @@ __all__ = [
     "LayoutHolders",
     "LayoutLag",
     "LoadOutcome",
+    "NodeExperts",
     "PendingPulls",
     "RankVote",
     "ShareCheck",

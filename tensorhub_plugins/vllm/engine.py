@@ -62,6 +62,7 @@ from tensorhub_plugins.vllm.commands import (
     parse,
 )
 from tensorhub_plugins.vllm.copies import copy_holders, engine_nodes, one_copy_per_engine
+from tensorhub_plugins.vllm.experts import keep_cpu_experts_packed, node_experts
 
 log = logging.getLogger("tensorhub.vllm")
 
@@ -113,6 +114,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._plan: sparse_install.Plan | None = None
         self._installed_as: str | None = None  # how `applied` was installed (`Installed`)
         self._writes = 0  # loads into the live weights: a plan is valid for one count
+        if self.device.type == "cpu":
+            keep_cpu_experts_packed(self.model)
 
     def _worker_name(self, base: str) -> str:
         world = self.parallel_config.world_size
@@ -137,17 +140,14 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         """What this rank's copy pulls of a version in tiles: the tiles of the TP ranks
         that load from it (its node's, with one copy per node; else its own); of a version
         in layer blocks, a pipeline stage's parts (`stages.stage_share`, by the names of the
-        parameters this rank's stage runs). None: every part (one rank, expert
-        parallelism)."""
+        parameters this rank's stage runs). Under expert parallelism, also the tiles of the
+        experts those ranks run (`experts.node_experts`). None: every part (one rank, or
+        experts placed otherwise than vLLM's rule says)."""
         pc = self.parallel_config
         if pc.world_size == 1 or self._whole_versions:
             return None
         if pc.pipeline_parallel_size != 1:
             return stage_share(name for name, _ in self.model.named_parameters())
-        if getattr(pc, "enable_expert_parallel", False):
-            log.info("TensorHub: expert parallelism places layers otherwise than by TP "
-                     "rank: this copy pulls every part of a version in tiles")
-            return None
         group = self._group()
         tp = len(group.ranks)
         ranks = node_of(group.rank_in_group, tp, engine_nodes(pc)) if self.one_copy \
@@ -156,7 +156,16 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             kv_heads = self.vllm_config.model_config.get_total_num_kv_heads()
         except Exception:  # (a model whose config does not say: K/V as if one per rank)
             kv_heads = None
-        return node_share(ranks, tp, kv_heads)
+        if not getattr(pc, "enable_expert_parallel", False):
+            return node_share(ranks, tp, kv_heads)
+        experts = node_experts(self.model, ranks, group.rank_in_group, tp)
+        if experts is None:
+            log.info("TensorHub: this engine's experts are not placed by vLLM's rule for "
+                     "each rank (or move): its copy pulls every part of a version in tiles")
+            return None
+        log.info("TensorHub: this copy pulls its ranks' tiles and those of their %d of %d "
+                 "experts", len(experts.ids), experts.total)
+        return node_share(ranks, tp, kv_heads, experts)
 
     def _rank_votes(self) -> RankVote:
         if self._votes is None:
