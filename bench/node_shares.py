@@ -58,56 +58,60 @@ MOE_MODELS = {
 RANKS_PER_NODE = 8
 
 
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+
+def _attention(p: str, hidden: int, heads: int, kv: int,
+               head_dim: int) -> list[tuple[str, torch.Tensor]]:
+    """One decoder layer's attention projections."""
+    return [(f"{p}.self_attn.q_proj.weight", _meta(heads * head_dim, hidden)),
+            (f"{p}.self_attn.k_proj.weight", _meta(kv * head_dim, hidden)),
+            (f"{p}.self_attn.v_proj.weight", _meta(kv * head_dim, hidden)),
+            (f"{p}.self_attn.o_proj.weight", _meta(hidden, heads * head_dim))]
+
+
+def _norms(p: str, hidden: int) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{p}.input_layernorm.weight", _meta(hidden)),
+            (f"{p}.post_attention_layernorm.weight", _meta(hidden))]
+
+
 def meta_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int,
                layers: int, bias: bool, tied: bool) -> list[tuple[str, torch.Tensor]]:
     """A Llama/Qwen2 state dict's names and shapes (bf16, on the meta device)."""
-    def t(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-
-    named = [("model.embed_tokens.weight", t(vocab, hidden))]
+    named = [("model.embed_tokens.weight", _meta(vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}"
-        named += [(f"{p}.self_attn.q_proj.weight", t(heads * head_dim, hidden)),
-                  (f"{p}.self_attn.k_proj.weight", t(kv * head_dim, hidden)),
-                  (f"{p}.self_attn.v_proj.weight", t(kv * head_dim, hidden)),
-                  (f"{p}.self_attn.o_proj.weight", t(hidden, heads * head_dim)),
-                  (f"{p}.mlp.gate_proj.weight", t(inter, hidden)),
-                  (f"{p}.mlp.up_proj.weight", t(inter, hidden)),
-                  (f"{p}.mlp.down_proj.weight", t(hidden, inter)),
-                  (f"{p}.input_layernorm.weight", t(hidden)),
-                  (f"{p}.post_attention_layernorm.weight", t(hidden))]
+        named += _attention(p, hidden, heads, kv, head_dim)
+        named += [(f"{p}.mlp.gate_proj.weight", _meta(inter, hidden)),
+                  (f"{p}.mlp.up_proj.weight", _meta(inter, hidden)),
+                  (f"{p}.mlp.down_proj.weight", _meta(hidden, inter))]
+        named += _norms(p, hidden)
         if bias:
-            named += [(f"{p}.self_attn.{x}_proj.bias", t(n)) for x, n in
+            named += [(f"{p}.self_attn.{x}_proj.bias", _meta(n)) for x, n in
                       (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim))]
-    named.append(("model.norm.weight", t(hidden)))
+    named.append(("model.norm.weight", _meta(hidden)))
     if not tied:
-        named.append(("lm_head.weight", t(vocab, hidden)))
+        named.append(("lm_head.weight", _meta(vocab, hidden)))
     return named
 
 
 def meta_moe_state(hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int,
                    layers: int, experts: int) -> list[tuple[str, torch.Tensor]]:
     """A Qwen3-MoE state dict's names and shapes (bf16, on the meta device)."""
-    def t(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-
-    named = [("model.embed_tokens.weight", t(vocab, hidden))]
+    named = [("model.embed_tokens.weight", _meta(vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}"
-        named += [(f"{p}.self_attn.q_proj.weight", t(heads * head_dim, hidden)),
-                  (f"{p}.self_attn.k_proj.weight", t(kv * head_dim, hidden)),
-                  (f"{p}.self_attn.v_proj.weight", t(kv * head_dim, hidden)),
-                  (f"{p}.self_attn.o_proj.weight", t(hidden, heads * head_dim)),
-                  (f"{p}.self_attn.q_norm.weight", t(head_dim)),
-                  (f"{p}.self_attn.k_norm.weight", t(head_dim)),
-                  (f"{p}.mlp.gate.weight", t(experts, hidden)),
-                  (f"{p}.input_layernorm.weight", t(hidden)),
-                  (f"{p}.post_attention_layernorm.weight", t(hidden))]
+        named += _attention(p, hidden, heads, kv, head_dim)
+        named += [(f"{p}.self_attn.q_norm.weight", _meta(head_dim)),
+                  (f"{p}.self_attn.k_norm.weight", _meta(head_dim)),
+                  (f"{p}.mlp.gate.weight", _meta(experts, hidden))]
+        named += _norms(p, hidden)
         for e in range(experts):
-            named += [(f"{p}.mlp.experts.{e}.gate_proj.weight", t(inter, hidden)),
-                      (f"{p}.mlp.experts.{e}.up_proj.weight", t(inter, hidden)),
-                      (f"{p}.mlp.experts.{e}.down_proj.weight", t(hidden, inter))]
-    named += [("model.norm.weight", t(hidden)), ("lm_head.weight", t(vocab, hidden))]
+            named += [(f"{p}.mlp.experts.{e}.gate_proj.weight", _meta(inter, hidden)),
+                      (f"{p}.mlp.experts.{e}.up_proj.weight", _meta(inter, hidden)),
+                      (f"{p}.mlp.experts.{e}.down_proj.weight", _meta(hidden, inter))]
+    named += [("model.norm.weight", _meta(hidden)), ("lm_head.weight", _meta(vocab, hidden))]
     return named
 
 
