@@ -5,7 +5,8 @@
 For each line (a folder of safetensors files) it publishes the folder's tensors as the next
 version of `policy` and prints `{"version": N}`; a line `FOLDER tiles T` publishes it in T
 tiles (`tensorhub/tiles.py`; `FOLDER tiles T placed`: a mixture of experts' experts placed
-for expert-parallel engines), `FOLDER blocks` in layer blocks at the engines' stage edges
+for expert-parallel engines; `FOLDER tiles T kv=H`: the K/V projections by H heads in parts
+of their own), `FOLDER blocks` in layer blocks at the engines' stage edges
 (`tensorhub/stages.py`; `FOLDER blocks B`: in B equal ones).
 It keeps serving what it published until
 its stdin closes or it is stopped. Tests whose trainer must run on another host than the
@@ -41,10 +42,16 @@ def main() -> None:
                     split[1].close()
                 kind, n = how[0], int(how[1]) if len(how) > 1 else None
                 make = TiledPublisher if kind == "tiles" else LayeredPublisher
-                experts = {"experts": how[2]} if len(how) > 2 else {}
+                extra = {}
+                for word in how[2:]:  # (`split`/`placed`, `kv=N`)
+                    if word.startswith("kv="):
+                        extra["kv_heads"] = int(word.removeprefix("kv="))
+                    else:
+                        extra["experts"] = word
                 split = (said, make(sys.argv[1], "policy", n,
-                                    name=f"trainer-{kind[0]}{n or ''}{''.join(how[2:])}",
-                                    owners=pub.owners, **experts))
+                                    name=f"trainer-{kind[0]}{n or ''}"
+                                         f"{''.join(how[2:]).replace('=', '')}",
+                                    owners=pub.owners, **extra))
             version = split[1].publish(state) if how else pub.publish(state)
             print(json.dumps({"version": version}), flush=True)
     finally:

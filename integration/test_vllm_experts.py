@@ -38,8 +38,18 @@ def test_round_robin_placement_is_followed(said):
 
 
 def test_where_the_experts_move_or_the_maps_disagree_every_part_is_pulled(said):
-    for case in ("EPLB", "expert group wider than TP", "another rank's map"):
+    for case in ("EPLB", "expert group wider than TP", "another rank's map",
+                 "shared experts fused in"):
         assert said[case] is None, case
+
+
+def test_a_tensor_parallel_rank_pulls_its_tiles_of_experts_split_over_its_tp_ranks_only(said):
+    """Under data parallelism vLLM splits the experts over DP x TP ranks, not as the
+    attention: the copy then pulls every part (`_share` returns None)."""
+    assert said["split as attention: TP=2 layer, TP=2 engine"] is True
+    assert said["split as attention: dense"] is True
+    assert said["split as attention: over DP=2 x TP=2, TP=2 engine"] is False
+    assert said["split as attention: expert parallel"] is False
 
 
 def test_a_rank_pulls_its_tile_and_its_experts_tiles(said):

@@ -71,12 +71,14 @@ def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
             return int(trainer.next_json(120)["version"])
 
         def publish_tiled(version: int, tiles: int | None, kind: str = "tiles",
-                          experts: str = "") -> int:
+                          experts: str = "", kv_heads: int | None = None) -> int:
             """Publish the state of `version` again, in `tiles` tiles (`experts`: how a
-            mixture of experts' are laid out; `kind` "blocks": in layer blocks, `tiles`
-            None: at the engines' stage edges), as the next version; its number."""
+            mixture of experts' are laid out; `kv_heads`: its K/V split by these heads;
+            `kind` "blocks": in layer blocks, `tiles` None: at the engines' stage edges),
+            as the next version; its number."""
             trainer.send_line(f"{folders[version - 1]} {kind}" + (f" {tiles}" if tiles else "")
-                              + (f" {experts}" if experts else ""))
+                              + (f" {experts}" if experts else "")
+                              + (f" kv={kv_heads}" if kv_heads else ""))
             return int(trainer.next_json(120)["version"])
 
         try:

@@ -59,7 +59,7 @@ class PartedReplica:
                     "labels": labels, "whole_items": whole_items}
         self._parts: dict[int, Replica] = {0: self._replica(0)}  # by part number
         self._count = 1  # the part count they were made for
-        self._tiles: int | None = None  # the tiles of the version pulled (`Manifest.tiles`)
+        self._tiling: str | None = None  # of the version pulled (`Manifest.tiling`)
         self._blocks: list[int] | None = None  # its layer blocks' edges (`Manifest.blocks`)
         self._joined: tuple[tuple, dict[str, torch.Tensor]] | None = None  # (`tensors`)
         self.version: int | None = None
@@ -88,9 +88,9 @@ class PartedReplica:
         return part_of(name, self._blocks) in self._parts
 
     @property
-    def share_tiles(self) -> int | None:
-        """The tile count of the version it pulls when it pulls a share of it, else None."""
-        return self._tiles if self.partial else None
+    def share_layout(self) -> str | None:
+        """How the version it pulls a share of is tiled (`Manifest.tiling`), else None."""
+        return self._tiling if self.partial else None
 
     def wanted(self, parts: int, manifest: Manifest) -> set[int]:
         """The parts of a version of `parts` parts (part 0's `manifest`) this reader
@@ -188,7 +188,7 @@ class PartedReplica:
         if self._count != parts or set(self._parts) != wanted \
                 or (first is not None and first.layout_id != layout_id):
             self._rebuild(parts, wanted)
-        self._tiles, self._blocks = manifest.tiles, manifest.blocks
+        self._tiling, self._blocks = manifest.tiling, manifest.blocks
         for r, replica in self._parts.items():  # (what their `Hold`s tell a restart)
             replica.part = Part(part=r, parts=parts)
         if self.version == target:

@@ -32,6 +32,7 @@ from tensorhub.core.data_types import (
     RetentionRequest,
 )
 from tensorhub.core.errors import CoordinatorError, TensorHubError
+from tensorhub.core.experts import ExpertLayout
 from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, BoundLayout, manifest_of
 from tensorhub.core.memory import as_bytes
@@ -238,7 +239,8 @@ class Publisher:
                 rows: Mapping[str, tuple[int, int]] | None = None,
                 cols: Mapping[str, tuple[int, int]] | None = None,
                 tiles: int | None = None, blocks: list[int] | None = None,
-                experts: str | None = None, part_timeout: float | None = None) -> int:
+                experts: ExpertLayout | None = None, kv_heads: int | None = None,
+                part_timeout: float | None = None) -> int:
         """Register the tensors (checkpoint layout) as `version` (default: latest + 1) and
         announce it. Returns the version. Raises `CoordinatorError` ("stale_version") for a
         version that is not newer than the model's latest, before touching anything.
@@ -249,10 +251,11 @@ class Publisher:
         and may give `rows`: name -> (first row, total rows) for tensors it holds a row
         slice of, and `cols` likewise for 2-D tensors it holds a column slice of (`tiles`:
         the parts are a version in tiles, `tensorhub/tiles.py`, `experts` how they hold a
-        mixture of experts'; `blocks`: in layer blocks, `tensorhub/stages.py`). It
-        returns once all parts are in (waiting up to `part_timeout`, default
-        `coordinator_wait`), and raises `TensorHubError` ("aborted") if the version was
-        given up meanwhile (a rank died, or parts did not fit together)."""
+        mixture of experts', `kv_heads` the heads their K/V is split by; `blocks`: in
+        layer blocks, `tensorhub/stages.py`). It returns once all parts are in (waiting
+        up to `part_timeout`, default `coordinator_wait`), and raises `TensorHubError`
+        ("aborted") if the version was given up meanwhile (a rank died, or parts did not
+        fit together)."""
         if self.part.parts > 1 and version is None:
             raise ValueError("a sharded publish needs an explicit version, the same on every "
                              "rank (the training step, say)")
@@ -269,7 +272,7 @@ class Publisher:
                 f"model {self.model!r} is at version {latest}; cannot publish {version}",
                 code="stale_version")
         manifest = manifest_of(named, self.compact_threshold, rows, cols, tiles, blocks,
-                               experts)
+                               experts, kv_heads)
         if self.part.parts > 1:
             self._let_replicas_keep_current()
         self._drop_current()  # buffers are about to change: end reads of the old version first

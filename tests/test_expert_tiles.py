@@ -10,8 +10,9 @@ import torch
 
 from tensorhub import PartedReplica
 from tensorhub.coordinator.parts import check_parts_fit
+from tensorhub.core.experts import expert_of
 from tensorhub.core.layout import manifest_of
-from tensorhub.tiles import NodeExperts, TiledPublisher, manifests, node_share, tile
+from tensorhub.tiles import NodeExperts, TiledPublisher, manifests, node_share, split_dim, tile
 from tensorhub_testing.tiled_nodes import moe_state
 
 UP = "model.layers.1.mlp.experts.{}.up_proj.weight"
@@ -59,7 +60,27 @@ def test_experts_that_do_not_divide_into_the_tiles_lie_in_the_last_part():
 def test_a_dense_model_says_nothing_of_experts():
     dense = {"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 8),
              "model.norm.weight": torch.zeros(8)}
-    assert {m.experts for m in manifests(dense.items(), 2, experts="placed")} == {None}
+    said = manifests(dense.items(), 2, experts="placed")
+    assert {m.experts for m in said} == {None}
+    check_parts_fit(said)
+
+
+def test_routers_and_their_biases_are_not_experts_and_lie_whole():
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                 "model.layers.0.mlp.gate.e_score_correction_bias",
+                 "model.layers.0.block_sparse_moe.gate.weight"):
+        assert expert_of(name) is None and split_dim(name) is None, name
+    assert expert_of("model.layers.3.mlp.experts.7.down_proj.weight_scale_inv") == (
+        "model.layers.3.mlp.experts.", 7)
+
+
+def test_a_version_in_tiles_that_does_not_say_how_its_experts_lie_is_refused():
+    """An expert-parallel node could not tell which tiles its experts are in."""
+    unsaid = [manifest_of(p.tensors, rows=p.rows, cols=p.cols, tiles=2)
+              for p in tile(moe_state(0, experts=4).items(), 2)]
+    with pytest.raises(ValueError, match=r"is a routed expert's: a version in tiles with "
+                                         r"experts says how they are laid out"):
+        check_parts_fit(unsaid)
 
 
 def test_an_expert_out_of_its_tile_is_refused():
@@ -83,7 +104,7 @@ def test_a_whole_tensor_in_a_tile_is_refused():
              manifest_of([("model.layers.0.mlp.up_proj.weight", w[4:])], tiles=2,
                          rows={"model.layers.0.mlp.up_proj.weight": (4, 8)}),
              manifest_of([("model.layers.0.input_layernorm.weight", norm)], tiles=2)]
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is whole in tile 0"):
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is whole in part 0"):
         check_parts_fit(parts)
 
 
@@ -104,6 +125,17 @@ def test_an_expert_parallel_node_pulls_its_ranks_tiles_and_their_experts_tiles()
     assert node_share([2, 3], 4, experts=linear)(9, part0) == {4, 5, 6, 7, 8}
     robin = NodeExperts(ids=frozenset(e for e in range(16) if e % 4 in (2, 3)), total=16)
     assert node_share([2, 3], 4, experts=robin)(9, part0) == {1, 3, 4, 5, 6, 7, 8}
+
+
+def test_an_engine_that_counts_other_experts_than_the_trainer_pulls_every_part():
+    """The trainer placed 4 experts a layer in 2 tiles (part 0 holds experts 0-1); an
+    engine that counts 8 would look for experts 4-7 in tile 1."""
+    part0 = placed(moe_state(0, experts=4), 2)[0]
+    assert node_share([1], 2, experts=NodeExperts(frozenset(range(2, 4)), 4))(3, part0) \
+        == {1, 2}
+    assert node_share([1], 2, experts=NodeExperts(frozenset(range(4, 8)), 8))(3, part0) \
+        == {0, 1, 2}
+    assert node_share([1], 2, experts=NodeExperts(frozenset({1}), 3))(3, part0) == {0, 1, 2}
 
 
 def test_a_node_pulls_every_tile_of_experts_laid_out_for_the_other_kind_of_engine():

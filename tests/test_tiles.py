@@ -286,15 +286,35 @@ def test_a_node_follows_versions_in_tiles_and_whole_ones_in_turn(coordinator):
 def test_the_first_load_from_a_share_fails_if_a_rank_read_outside_it():
     check, o_proj = ShareCheck(), "model.layers.0.self_attn.o_proj.weight"
     nan = torch.full((2,), float("nan"))
-    check.after_load([(o_proj, nan)], share_tiles=None)  # (not from a share)
+    check.after_load([(o_proj, nan)], share_layout=None)  # (not from a share)
     with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN") as err:
         check.after_load([("model.norm.weight", torch.ones(2)),
-                          (o_proj, torch.tensor([1.0, float("nan")]))], share_tiles=2)
+                          (o_proj, torch.tensor([1.0, float("nan")]))],
+                         share_layout="2 tiles")
     assert err.value.code == "outside_share"
-    check.after_load([(o_proj, torch.ones(2)), ("model.norm.weight", nan)], share_tiles=2)
-    check.after_load([(o_proj, nan)], share_tiles=2)  # (each tile count checked once)
+    check.after_load([(o_proj, torch.ones(2)), ("model.norm.weight", nan)],
+                     share_layout="2 tiles")
+    check.after_load([(o_proj, nan)], share_layout="2 tiles")  # (each tiling checked once)
     with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN"):
-        check.after_load([(o_proj, nan)], share_tiles=4)
+        check.after_load([(o_proj, nan)], share_layout="4 tiles")
+    with pytest.raises(TensorHubError, match=r"o_proj\.weight holds NaN"):
+        check.after_load([(o_proj, nan)], share_layout="2 tiles, K/V by 1 heads")
+
+
+def test_a_mixture_of_experts_fused_weights_are_scanned_too():
+    """vLLM and SGLang load every expert of a layer into one 3-D parameter."""
+    w13 = torch.ones(4, 8, 2)
+    w13[3, 0, 0] = float("nan")
+    with pytest.raises(TensorHubError, match=r"experts\.w13_weight holds NaN"):
+        ShareCheck().after_load([("model.layers.0.mlp.experts.w13_weight", w13)],
+                                share_layout="2 tiles, experts split")
+
+
+def test_a_tiling_names_its_tiles_kv_heads_and_experts():
+    assert Manifest(tensors=[], compact_threshold=0).tiling is None
+    assert tiled(4).tiling == "4 tiles"
+    assert Manifest(tensors=[], compact_threshold=0, tiles=8, kv_heads=2,
+                    experts="placed").tiling == "8 tiles, K/V by 2 heads, experts placed"
 
 
 def test_a_share_is_joined_once_per_version_pulled():

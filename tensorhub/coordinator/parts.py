@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
-from tensorhub.core.experts import expert_counts, expert_part
+from tensorhub.core.experts import expert_counts, expert_of, expert_part
 from tensorhub.core.layer_blocks import layer_of, part_of
 
 
@@ -66,11 +66,12 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
     it exactly (one dim, same dtype and other dims; [0, total) with no gap or overlap)."""
     whole: dict[str, int] = {}
     sliced: dict[str, list[tuple[int, int, int, int, int, str, tuple[int, ...]]]] = {}
-    if len({m.tiles for m in manifests}) > 1:
-        raise ValueError(f"the parts disagree on the tiles: {[m.tiles for m in manifests]}")
-    if manifests[0].tiles is not None and len(manifests) != manifests[0].tiles + 1:
-        raise ValueError(f"{manifests[0].tiles} tiles make {manifests[0].tiles + 1} parts, "
-                         f"not {len(manifests)}")
+    if len({(m.tiles, m.kv_heads) for m in manifests}) > 1:
+        raise ValueError(f"the parts disagree on the tiles or the K/V heads: "
+                         f"{[(m.tiles, m.kv_heads) for m in manifests]}")
+    if (count := manifests[0].tile_parts) is not None and len(manifests) != count:
+        raise ValueError(f"{manifests[0].tiles} tiles make {count} parts, not "
+                         f"{len(manifests)}")
     if len({m.experts for m in manifests}) > 1:
         raise ValueError(f"the parts disagree on how the experts are laid out: "
                          f"{[m.experts for m in manifests]}")
@@ -111,12 +112,8 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
     tiles = manifests[0].tiles
     for name, slices in sliced.items():
         slices.sort()
-        if tiles is not None:  # (a node pulls tile k from part k: `tiles.node_parts`)
-            for start, stop, total, r, *_ in slices:
-                if r == tiles or (start, stop) != (r * total // tiles,
-                                                   (r + 1) * total // tiles):
-                    raise ValueError(f"tensor {name!r}: part {r} holds {start}..{stop} of "
-                                     f"{total}, not tile {r} of {tiles}")
+        if tiles is not None:
+            _check_tile_slices(name, slices, tiles, manifests[0].kv_heads)
         kinds = {(s[2], s[4], s[5], s[6]) for s in slices}
         if len(kinds) > 1:
             raise ValueError(f"tensor {name!r}: its slices disagree on the dim sliced, its "
@@ -132,11 +129,38 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
             raise ValueError(f"tensor {name!r}: {what} {cursor}..{slices[0][2]} are in no part")
 
 
+def _check_tile_slices(name: str, slices: list[tuple], tiles: int,
+                       kv_heads: int | None) -> None:
+    """A node pulls tile k from part k and K/V head h from part tiles + 1 + h
+    (`tiles.node_share`), so each slice must be what its part's place says, and a tensor's
+    slices all tiles or all heads."""
+    kinds = set()
+    for start, stop, total, r, *_ in slices:
+        if r < tiles:
+            kind, k, count = "tile", r, tiles
+        elif r > tiles and kv_heads is not None:
+            kind, k, count = "K/V head", r - tiles - 1, kv_heads
+        else:
+            raise ValueError(f"tensor {name!r}: a slice in part {r}, which holds what every "
+                             f"rank loads whole")
+        kinds.add(kind)
+        if (start, stop) != (k * total // count, (k + 1) * total // count):
+            raise ValueError(f"tensor {name!r}: part {r} holds {start}..{stop} of {total}, "
+                             f"not {kind} {k} of {count}")
+    if len(kinds) > 1:
+        raise ValueError(f"tensor {name!r}: split over tiles and over K/V heads at once")
+
+
 def _check_tile_homes(manifests: list[Manifest]) -> None:
     """In a version in tiles a node pulls only its ranks' tiles, so a whole tensor in a
     tile would be missed by the other nodes: only a placed expert lies whole in a tile, in
-    its own (`core/experts.py`); the others lie in the last part."""
+    its own (`core/experts.py`); the others lie in part `tiles`."""
     tiles = manifests[0].tiles
+    if manifests[0].experts is None and (name := next(
+            (s.name for m in manifests for s in m.tensors if expert_of(s.name)), None)):
+        raise ValueError(f"tensor {name!r} is a routed expert's: a version in tiles with "
+                         f"experts says how they are laid out (experts='split' or "
+                         f"'placed', as TiledPublisher does)")
     counts = expert_counts(s.name for m in manifests for s in m.tensors) \
         if manifests[0].experts == "placed" else {}
     for r, manifest in enumerate(manifests):
@@ -147,6 +171,6 @@ def _check_tile_homes(manifests: list[Manifest]) -> None:
                 raise ValueError(f"expert tensor {spec.name!r} is {what} in part {r}; with "
                                  f"the experts placed it lies whole in part {home}")
             if home is None and spec.piece is None and r != tiles:
-                raise ValueError(f"tensor {spec.name!r} is whole in tile {r}: a tensor not "
+                raise ValueError(f"tensor {spec.name!r} is whole in part {r}: a tensor not "
                                  f"split over the tiles lies in part {tiles}, which every "
                                  f"node pulls")

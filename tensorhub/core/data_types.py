@@ -145,9 +145,10 @@ class Publish(Part):
 
     @model_validator(mode="after")
     def _tiles_are_parts(self) -> Publish:
-        if self.manifest.tiles is not None and self.parts != self.manifest.tiles + 1:
-            raise ValueError(f"a version in {self.manifest.tiles} tiles is published in "
-                             f"{self.manifest.tiles + 1} parts, not {self.parts}")
+        if (count := self.manifest.tile_parts) is not None and self.parts != count:
+            raise ValueError(f"a version in {self.manifest.tiles} tiles"
+                             f"{' with its K/V by head' if self.manifest.kv_heads else ''} "
+                             f"is published in {count} parts, not {self.parts}")
         if self.manifest.blocks is not None:
             if self.manifest.tiles is not None:
                 raise ValueError("a version is in tiles or in layer blocks, not both")

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Literal
 
 from tensorhub.core.layer_blocks import DECODER
 
+# How a version in tiles lays out its experts: split as a dense MLP, or placed whole.
+ExpertLayout = Literal["split", "placed"]
 # A routed expert's tensor (Qwen-MoE, DeepSeek, Mixtral names): its layer's experts'
 # prefix, and its number. Shared experts are not routed: every rank loads them.
 EXPERT = re.compile(r"^(?P<layer>" + DECODER[1:] + r"(mlp|block_sparse_moe)\.experts\.)"

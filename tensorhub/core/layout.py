@@ -21,6 +21,7 @@ from tensorhub import settings
 from tensorhub.core.checksum import checksum
 from tensorhub.core.data_types import Manifest, MemoryDesc, TensorSpec
 from tensorhub.core.errors import LayoutError
+from tensorhub.core.experts import ExpertLayout
 from tensorhub.core.memory import as_bytes, describe, dtype_name, torch_dtype
 from tensorhub.core.schema import Strict
 from tensorhub.core.shared_memory import shared_empty
@@ -47,12 +48,14 @@ def manifest_of(
     cols: Mapping[str, tuple[int, int]] | None = None,
     tiles: int | None = None,
     blocks: list[int] | None = None,
-    experts: str | None = None,
+    experts: ExpertLayout | None = None,
+    kv_heads: int | None = None,
 ) -> Manifest:
     """`rows`: name -> (first row, total rows) for a tensor that is a row slice of a larger
     one (a part of a sharded version, `Publisher(parts=...)`); `cols`: the same for a 2-D
     tensor that is a column slice; `tiles`: the part is one of a version in tiles
-    (`tensorhub/tiles.py`), `experts` how it holds a mixture of experts' (`Manifest`);
+    (`tensorhub/tiles.py`), `experts` how it holds a mixture of experts' and `kv_heads`
+    whether its K/V projections are split by head (`Manifest`);
     `blocks`: one of a version in layer blocks (`tensorhub/stages.py`)."""
     specs = []
     seen: set[str] = set()
@@ -78,7 +81,7 @@ def manifest_of(
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
     return Manifest(tensors=specs, compact_threshold=compact_threshold, tiles=tiles,
-                    blocks=blocks, experts=experts)
+                    blocks=blocks, experts=experts, kv_heads=kv_heads)
 
 
 def layout_id(manifest: Manifest) -> str:

@@ -5,10 +5,11 @@ Its hash is the layout id (`layout.py`)."""
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
+from tensorhub.core.experts import ExpertLayout
 from tensorhub.core.schema import MAX_DIMS, MAX_PARTS, MAX_TENSORS, DType, Name, Strict
 
 
@@ -82,7 +83,11 @@ class Manifest(Strict):
     # expert split over the tiles as a dense MLP is (what tensor-parallel ranks load);
     # "placed", each expert whole in one tile, tile t the experts [tE/T, (t+1)E/T) of each
     # layer of E (what expert-parallel ranks load). None: no experts in tiles.
-    experts: Literal["split", "placed"] | None = None
+    experts: ExpertLayout | None = None
+    # A version in tiles whose K/V projections are split by K/V head instead, in parts of
+    # their own: part tiles + 1 + h holds head h's rows (a node whose ranks share a head
+    # with another node's then pulls that head's K/V rows, not the other node's tiles).
+    kv_heads: Annotated[int, Field(ge=1, lt=MAX_PARTS)] | None = None
 
     @field_validator("blocks")
     @classmethod
@@ -97,4 +102,24 @@ class Manifest(Strict):
         if self.experts is not None and self.tiles is None:
             raise ValueError("experts are split or placed over tiles: only in a version in "
                              "tiles")
+        if self.kv_heads is not None and self.tiles is None:
+            raise ValueError("K/V heads in parts of their own: only in a version in tiles")
         return self
+
+    @property
+    def tiling(self) -> str | None:
+        """How a version in tiles is cut, in words: what the rows a node's share holds
+        depend on (None: not in tiles)."""
+        if self.tiles is None:
+            return None
+        return f"{self.tiles} tiles" + (f", K/V by {self.kv_heads} heads" if self.kv_heads
+                                        else "") + (f", experts {self.experts}"
+                                                    if self.experts else "")
+
+    @property
+    def tile_parts(self) -> int | None:
+        """The parts of a version in tiles: the tiles, the part every rank loads whole, and
+        one per K/V head if its K/V projections are split by head. None: not in tiles."""
+        if self.tiles is None:
+            return None
+        return self.tiles + 1 + (self.kv_heads or 0)

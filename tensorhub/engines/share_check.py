@@ -6,8 +6,9 @@ the engine whole-shaped tensors whose other rows and columns are NaN
 names, the plugins' `_share`), not learnt from the engine, so the first load from a share
 is followed by a scan of the rank's live parameters of tiled weights: a NaN there means a loader
 read outside the share. The load then fails (the engine restores the version before), and
-the engine pulls versions whole from then on. A rank's share depends on the tile count
-only, so each tile count is checked once. Parameters an engine packs away after loading
+the engine pulls versions whole from then on. A rank's share depends on how the version
+is tiled only (`Manifest.tiling`: its tiles, K/V heads, experts), so each tiling is checked
+once. Parameters an engine packs away after loading
 (vLLM's CPU build keeps its linear weights out of its parameters) cannot be scanned; the
 log says so.
 """
@@ -23,9 +24,10 @@ from tensorhub.core.errors import TensorHubError
 
 log = logging.getLogger("tensorhub.engines")
 
-# The live parameters tiled checkpoint tensors are loaded into (fused or not).
+# The live parameters tiled checkpoint tensors are loaded into (fused or not; a mixture of
+# experts' fused `experts.w13_weight` and `experts.w2_weight` too).
 TILED_PARAMS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj",
-                "gate_up_proj", "o_proj", "down_proj", "embed_tokens", "lm_head")
+                "gate_up_proj", "o_proj", "down_proj", "embed_tokens", "lm_head", "experts")
 _CHUNK = 1 << 24  # elements scanned at a time (a bounded scratch mask on a full device)
 
 
@@ -39,14 +41,14 @@ class ShareCheck:
     from a share of a version in each tile count."""
 
     def __init__(self) -> None:
-        self.passed: set[int] = set()  # tile counts whose first load passed
+        self.passed: set[str] = set()  # tilings whose first load passed
 
     def after_load(self, params: Iterable[tuple[str, torch.Tensor]],
-                   share_tiles: int | None) -> None:
+                   share_layout: str | None) -> None:
         """Raise `TensorHubError` ("outside_share") if a parameter a tiled weight loads
-        into holds NaN after the first load from a share of a version in `share_tiles`
-        tiles (None: not a share)."""
-        if share_tiles is None or share_tiles in self.passed:
+        into holds NaN after the first load from a share of a version tiled as
+        `share_layout` (`Manifest.tiling`; None: not a share)."""
+        if share_layout is None or share_layout in self.passed:
             return
         scanned, packed = 0, 0
         for name, param in params:
@@ -68,11 +70,11 @@ class ShareCheck:
                     f"given. It pulls every part of each version from now on",
                     code="outside_share")
             scanned += 1
-        self.passed.add(share_tiles)
+        self.passed.add(share_layout)
         if scanned:
-            log.info("TensorHub: this rank loads only its node's share of versions in %d "
-                     "tiles (%d tiled weights checked, once)", share_tiles, scanned)
+            log.info("TensorHub: this rank loads only its node's share of versions in %s "
+                     "(%d tiled weights checked, once)", share_layout, scanned)
         if packed:
             log.info("TensorHub: %d of this rank's tiled weights are not parameters after "
                      "loading (packed by the engine): its loads of them from a share of "
-                     "versions in %d tiles cannot be checked", packed, share_tiles)
+                     "versions in %s cannot be checked", packed, share_layout)

@@ -56,8 +56,8 @@ class SharedCopy(Strict):
     pid: int = Field(ge=1)
     version: Version
     parts: list[SharedPart] = Field(max_length=MAX_PARTS)
-    # Only the node's share of a version in this many tiles (`tensorhub/tiles.py`).
-    share_tiles: int | None = Field(default=None, ge=1, le=MAX_PARTS)
+    # Only the node's share of a version tiled so (`Manifest.tiling`).
+    share_layout: str | None = Field(default=None, max_length=128)
 
 
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
@@ -157,7 +157,7 @@ def describe(replica: PartedReplica) -> bytes:
         parts.append(SharedPart(manifest=r.layout.manifest, region=region,
                                 offset=first.data_ptr() - region.addr))
     return encode(SharedCopy(pid=os.getpid(), version=replica.version, parts=parts,
-                             share_tiles=replica.share_tiles))
+                             share_layout=replica.share_layout))
 
 
 class SharedCopyReader:
@@ -165,7 +165,7 @@ class SharedCopyReader:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.share_tiles: int | None = None  # the last copy named, a node's share (tiles)
+        self.share_layout: str | None = None  # the last copy named, a node's share
 
     def named_tensors(self, payload: bytes, version: int) -> list[tuple[str, torch.Tensor]]:
         copy = SharedCopy.model_validate(msgpack.unpackb(payload, raw=False))
@@ -181,8 +181,8 @@ class SharedCopyReader:
             arena = view[part.offset:part.offset + arena_bytes(part.manifest)]
             layouts.append(BoundLayout.over(part.manifest, arena))
         self._maps = wanted  # buffers the holder no longer uses are unmapped
-        self.share_tiles = copy.share_tiles
-        return list(whole_tensors(layouts, partial=copy.share_tiles is not None).items())
+        self.share_layout = copy.share_layout
+        return list(whole_tensors(layouts, partial=copy.share_layout is not None).items())
 
     def forget(self) -> None:
         """Unmap the node's copy (it may free it: the memory goes back once no rank maps it)."""

@@ -176,7 +176,7 @@ class Scheduler:
                 return None
             # (a version pulled whole may be a sparse step too: on one host no patch pays,
             # so none is built; a dense change ends the comparison at `MAX_DENSITY`)
-            if checkpoint.replica.share_tiles not in (None, *self._share_check.passed):
+            if checkpoint.replica.share_layout not in (None, *self._share_check.passed):
                 return None  # (a first load from a share: whole, and checked)
             if not self._learn_blocks(named):
                 return None
@@ -304,9 +304,9 @@ class Scheduler:
             else:
                 model.load_weights(named)
                 self._install = {"install": "whole", "changed": None}
-                share_tiles = self.reader.share_tiles if shared and not self.holds_copy \
-                    else checkpoint.replica.share_tiles if checkpoint is not None else None
-                self._share_check.after_load(model.named_parameters(), share_tiles)
+                share_layout = self.reader.share_layout if shared and not self.holds_copy \
+                    else checkpoint.replica.share_layout if checkpoint is not None else None
+                self._share_check.after_load(model.named_parameters(), share_layout)
             self.torn = False
             self._mark("load_weights")
 

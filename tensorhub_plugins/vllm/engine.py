@@ -62,7 +62,11 @@ from tensorhub_plugins.vllm.commands import (
     parse,
 )
 from tensorhub_plugins.vllm.copies import copy_holders, engine_nodes, one_copy_per_engine
-from tensorhub_plugins.vllm.experts import keep_cpu_experts_packed, node_experts
+from tensorhub_plugins.vllm.experts import (
+    experts_split_as_attention,
+    keep_cpu_experts_packed,
+    node_experts,
+)
 
 log = logging.getLogger("tensorhub.vllm")
 
@@ -157,6 +161,11 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         except Exception:  # (a model whose config does not say: K/V as if one per rank)
             kv_heads = None
         if not getattr(pc, "enable_expert_parallel", False):
+            if not experts_split_as_attention(self.model, tp):
+                log.info("TensorHub: this engine's MoE layers split their experts over more "
+                         "ranks than its attention (data parallelism): its copy pulls every "
+                         "part of a version in tiles")
+                return None
             return node_share(ranks, tp, kv_heads)
         experts = node_experts(self.model, ranks, group.rank_in_group, tp)
         if experts is None:
@@ -390,7 +399,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._plan = None
 
         def then(named) -> sparse_install.Plan | None:
-            share = checkpoint.replica.share_tiles
+            share = checkpoint.replica.share_layout
             if self._live_key() != key or share not in (None, *self._share_check.passed) \
                     or not self._live.learn(self.model, named, _default_loader):
                 return None  # (a first load from a share: whole, and checked)
@@ -503,7 +512,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             # (the ranks learn only that one failed, not why: any torn load from a share of
             # a version in tiles ends tile shares, which costs bytes, never answers; a
             # stage's layers are its own parameters' names, no rule that could mislead)
-            if self.checkpoint is not None and self.checkpoint.replica.share_tiles is not None:
+            if self.checkpoint is not None and self.checkpoint.replica.share_layout is not None:
                 self._whole_versions = True
                 self.checkpoint.pull_whole_versions(f"loading v{update_info.version} from "
                                                     f"this node's share failed ({torn})")
@@ -518,7 +527,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _apply_version(self, version: int, fetch: bool = False) -> None:
         self._installed_as = "whole"  # (until a sparse install says otherwise)
         if self.one_copy:  # each node's copy, mapped by the node's other ranks
-            apply_shared(version, lambda named: self._load(named, self._share_tiles()),
+            apply_shared(version, lambda named: self._load(named, self._share_layout()),
                          self._broadcast, self._agree, checkpoint=self.checkpoint,
                          reader=self._shared, fetch=fetch)
         elif self.checkpoint is None:  # (init failed here): the other ranks must still hear it
@@ -561,7 +570,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                               "vLLM's reload quantizes each version", version)
                 raise
             return
-        self._load(named, self._share_tiles())
+        self._load(named, self._share_layout())
         if self._fp8_direct is None:
             self._fp8_direct = self._quantizes_as_vllm(named)
 
@@ -595,18 +604,18 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def _broadcast(self, payload: bytes | None) -> bytes:
         return self._node_broadcast().broadcast(payload)
 
-    def _share_tiles(self) -> int | None:
-        """The tile count of the version this rank loads, when it loads its node's share."""
+    def _share_layout(self) -> str | None:
+        """How the version this rank loads is tiled, when it loads its node's share."""
         if self.checkpoint is not None:
-            return self.checkpoint.replica.share_tiles
-        return self._shared.share_tiles if self._shared is not None else None
+            return self.checkpoint.replica.share_layout
+        return self._shared.share_layout if self._shared is not None else None
 
-    def _load(self, named, share_tiles: int | None = None) -> None:
+    def _load(self, named, share_layout: str | None = None) -> None:
         """vLLM's layerwise reload of `named`; after the first load from a share of a
-        version in `share_tiles` tiles, the live parameters scanned for rows it read
+        version tiled as `share_layout`, the live parameters scanned for rows it read
         outside the share (`ShareCheck`)."""
         self._reload(named)
-        self._share_check.after_load(self.model.named_parameters(), share_tiles)
+        self._share_check.after_load(self.model.named_parameters(), share_layout)
 
     @contextmanager
     def _writing(self):

@@ -1,5 +1,6 @@
 """The routed experts a node's expert-parallel vLLM ranks run, from vLLM's own expert maps,
-so that its copy pulls the tiles they are placed in (`tensorhub.tiles.node_share`)."""
+so that its copy pulls the tiles they are placed in (`tensorhub.tiles.node_share`), and
+whether a tensor-parallel engine's MoE layers split their experts as its attention."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ def node_experts(model, positions: list[int], mine: int, tp: int) -> NodeExperts
     rank at `mine`; without data parallelism, a rank's expert-parallel rank is its TP
     rank), by vLLM's placement (`determine_expert_map`, as its MoE layers were built);
     None where it cannot say for sure: no expert-parallel MoE layer, experts that move
-    (EPLB), an expert group wider than the TP group (data parallelism), or a computed
-    placement that differs from this rank's own map. The copy then pulls every part."""
+    (EPLB), an expert group wider than the TP group (data parallelism), shared experts
+    fused into the routed ones (each rank then holds them whole), or a computed placement
+    that differs from this rank's own map. The copy then pulls every part."""
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     managers = [m.expert_map_manager for m in model.modules()
@@ -27,7 +29,8 @@ def node_experts(model, positions: list[int], mine: int, tp: int) -> NodeExperts
     if any(m.global_num_experts != first.global_num_experts
            or m.placement_strategy != first.placement_strategy for m in managers):
         return None  # (layers placed alike, or no one rule)
-    if first.moe_parallel_config.enable_eplb or first.ep_size != tp or first.ep_rank != mine:
+    if first.moe_parallel_config.enable_eplb or first.ep_size != tp or first.ep_rank != mine \
+            or any(m.num_fused_shared_experts for m in managers):
         return None
 
     def placed(rank: int) -> set[int]:
@@ -43,13 +46,25 @@ def node_experts(model, positions: list[int], mine: int, tp: int) -> NodeExperts
                        total=first.global_num_experts)
 
 
+def experts_split_as_attention(model, tp: int) -> bool:
+    """Whether every MoE layer of a tensor-parallel engine splits its experts over the same
+    `tp` ranks as its attention, so that a rank loads its tiles of them (not, as vLLM does
+    under data or context parallelism, over dp * pcp * tp ranks, nor with shared experts
+    fused in). True for a model with no MoE layer."""
+    managers = [m.expert_map_manager for m in model.modules()
+                if getattr(m, "expert_map_manager", None) is not None]
+    return all(m.moe_parallel_config.tp_size == tp and not m.moe_parallel_config.use_ep
+               and not m.num_fused_shared_experts for m in managers)
+
+
 def keep_cpu_experts_packed(model) -> int:
     """Make each reload of an unquantized MoE layer on vLLM's CPU build pack its experts
     again; returns the layers so hooked. vLLM (0.32) packs the experts' weights into its CPU
     grouped-GEMM layout only at the first load: on a weight update its `_setup_kernel`
     skips the experts' `process_weights_after_loading`, so a reloaded MoE serves garbage
     (its own `reload_weights` too). The hook runs where vLLM processes a reloaded layer,
-    so a layer the reload did not reach keeps its packed weights as they are."""
+    so a layer the reload did not reach keeps its packed weights as they are. A layer
+    hooked already (a second engine on the same model) is left as it is."""
     hooked = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -57,12 +72,15 @@ def keep_cpu_experts_packed(model) -> int:
         if experts is None or not any(c.__name__ == "CPUUnquantizedExperts"
                                       for c in type(experts).__mro__):
             continue
+        if getattr(method.process_weights_after_loading, "packs_experts", False):
+            continue
 
         def process(layer, _process=method.process_weights_after_loading,
                     _experts=experts) -> None:
             _process(layer)
             _experts.process_weights_after_loading(layer)
 
+        process.packs_experts = True
         method.process_weights_after_loading = process
         hooked += 1
     if hooked:
