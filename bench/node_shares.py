@@ -39,7 +39,7 @@ from bench.results import Report
 from tensorhub.core.data_types import Manifest
 from tensorhub.core.layer_blocks import pp_layers
 from tensorhub.stages import split, stage_share
-from tensorhub.tiles import NodeExperts, node_share, tile
+from tensorhub.tiles import NodeExperts, kv_split, node_share, tile
 
 # config.json values: hidden, intermediate, heads, KV heads, head dim, vocab, layers,
 # q/k/v biases, tied embeddings.
@@ -126,21 +126,18 @@ def expert_parallel_rows(report: Report, nodes_list: list[int]) -> None:
             tp = RANKS_PER_NODE * nodes
             if config[2] % tp or experts % tp:
                 continue
-            parts = [nbytes(part.tensors) for part in tile(named, tp, experts="placed")]
-            manifest = Manifest.model_construct(tensors=[], compact_threshold=0, tiles=tp,
-                                                blocks=None, experts="placed")
-            per_node = []
-            for n in range(nodes):
-                ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
-                ids = frozenset(e for r in ranks
-                                for e in range(r * experts // tp, (r + 1) * experts // tp))
-                share = node_share(ranks, tp, config[3], NodeExperts(ids, experts))
-                per_node.append(sum(parts[k] for k in share(len(parts), manifest)))
+            per_node = node_bytes(named, tp, nodes, config[3], experts=experts)
             label = (f"{model} ({total / 2**30:.0f} GiB bf16), TP=EP={tp} on {nodes} nodes, "
                      f"experts placed")
             report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,
                        "x", "experts split (each node pulls every part)", nodes,
                        higher_is_better=False)
+            if tp > config[3] * RANKS_PER_NODE:
+                by_head = node_bytes(named, tp, nodes, config[3], by_head=True,
+                                     experts=experts)
+                report.add(f"{label}, its K/V by head: bytes an engine pulls / the model's",
+                           sum(by_head) / total, "x", "K/V in the tiles",
+                           sum(per_node) / total, higher_is_better=False)
 
 
 def stage_parameters(named: list[tuple[str, torch.Tensor]], layers: range, first: bool,
@@ -161,6 +158,29 @@ def stage_parameters(named: list[tuple[str, torch.Tensor]], layers: range, first
     return keep
 
 
+def node_bytes(named: list[tuple[str, torch.Tensor]], tp: int, nodes: int, kv_heads: int,
+               by_head: bool = False, experts: int | None = None) -> list[int]:
+    """The bytes each node of a TP=`tp` engine pulls of a version of `named` in TP tiles
+    (`by_head`: its K/V split by head in parts of their own; `experts`: a mixture of
+    experts' count, placed, each rank running its 1/tp of them)."""
+    heads = kv_heads if by_head else None
+    parts = [nbytes(part.tensors) for part in tile(named, tp, experts=(
+        "placed" if experts else "split"), kv_heads=heads)]
+    manifest = Manifest.model_construct(tensors=[], compact_threshold=0, tiles=tp,
+                                        blocks=None, experts="placed" if experts else None,
+                                        kv_heads=kv_split(tp, heads))
+    per_node = []
+    for n in range(nodes):
+        ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
+        runs = None
+        if experts:
+            runs = NodeExperts(frozenset(e for r in ranks for e in range(
+                r * experts // tp, (r + 1) * experts // tp)), experts)
+        share = node_share(ranks, tp, kv_heads, runs)
+        per_node.append(sum(parts[k] for k in share(len(parts), manifest)))
+    return per_node
+
+
 def nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
     return sum(x.numel() * x.element_size() for _, x in named)
 
@@ -178,19 +198,19 @@ def main(argv: list[str] | None = None) -> int:
             tp = RANKS_PER_NODE * nodes
             if config[2] % tp:  # (engines refuse a TP size that does not divide the heads)
                 continue
-            parts = [nbytes(part.tensors) for part in tile(named, tp)]
             kv_heads = config[3]
-            per_node = [sum(parts[k] for k in node_share(
-                range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), tp, kv_heads)(
-                    len(parts), Manifest.model_construct(tensors=[], compact_threshold=0, tiles=tp,
-                                                     blocks=None)))
-                for n in range(nodes)]
+            per_node = node_bytes(named, tp, nodes, kv_heads)
             label = f"{model} ({total / 2**30:.0f} GiB bf16), TP={tp} on {nodes} nodes"
             report.add(f"{label}: bytes an engine pulls / the model's", sum(per_node) / total,
                        "x", "one copy per node", nodes, higher_is_better=False)
             report.add(f"{label}: bytes a node pulls / its 1/{nodes} of the model",
                        max(per_node) / (total / nodes), "x", "a copy per rank", tp,
                        higher_is_better=False)
+            if tp > kv_heads * RANKS_PER_NODE:  # (a K/V group spans nodes)
+                by_head = node_bytes(named, tp, nodes, kv_heads, by_head=True)
+                report.add(f"{label}, its K/V by head: bytes an engine pulls / the model's",
+                           sum(by_head) / total, "x", "K/V in the tiles",
+                           sum(per_node) / total, higher_is_better=False)
         for blocks in (None, 8):
             parts, edges = split(named, blocks)
             sizes = [nbytes(part) for part in parts]
