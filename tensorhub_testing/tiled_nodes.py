@@ -19,6 +19,8 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -65,6 +67,24 @@ def moe_state(seed: int, layers: int = 2, experts: int = 4, hidden: int = 64,
     state["model.norm.weight"] = torch.randn(hidden, generator=g)
     state["lm_head.weight"] = torch.randn(VOCAB, hidden, generator=g)
     return state
+
+
+@contextmanager
+def two_nodes_and_a_whole_reader(coordinator: str, shares: list, **trainer_kw
+                                 ) -> Iterator[tuple]:
+    """In this process: a `TiledPublisher` of "policy" (`trainer_kw`: its tiles, experts,
+    K/V heads), a reader per share named node0, node1, and one of every part named whole;
+    all closed at the end."""
+    from tensorhub import PartedReplica
+    from tensorhub.tiles import TiledPublisher
+
+    with TiledPublisher(coordinator, "policy", transport="auto", **trainer_kw) as trainer, \
+            PartedReplica(coordinator, "policy", name="node0", transport="auto",
+                          share=shares[0]) as node0, \
+            PartedReplica(coordinator, "policy", name="node1", transport="auto",
+                          share=shares[1]) as node1, \
+            PartedReplica(coordinator, "policy", name="whole", transport="auto") as whole:
+        yield trainer, node0, node1, whole
 
 
 def held_by(coordinator: str, model: str, names: list[str]) -> dict[str, list[int]]:

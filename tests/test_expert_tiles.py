@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub import PartedReplica
 from tensorhub.coordinator.parts import check_parts_fit
 from tensorhub.core.experts import expert_of
 from tensorhub.core.layout import manifest_of
-from tensorhub.tiles import NodeExperts, TiledPublisher, manifests, node_share, split_dim, tile
-from tensorhub_testing.tiled_nodes import moe_state
+from tensorhub.tiles import NodeExperts, manifests, node_share, split_dim, tile
+from tensorhub_testing.tiled_nodes import moe_state, two_nodes_and_a_whole_reader
 
 UP = "model.layers.1.mlp.experts.{}.up_proj.weight"
 
@@ -153,17 +152,10 @@ def test_expert_parallel_nodes_pull_their_experts_and_hold_the_trainers_bytes(co
     """TP=EP=2 over two nodes, 2 tiles, 4 experts placed: each node pulls its rank's half
     of the attention and its two experts whole, half the model's tiled bytes, and holds
     the trainer's bytes there; a whole reader gets every tensor back."""
-    nodes = {rank: node_share([rank], 2, experts=NodeExperts(frozenset({2 * rank,
-                                                                         2 * rank + 1}), 4))
-             for rank in (0, 1)}
-    with TiledPublisher(coordinator.address, "policy", tiles=2, experts="placed",
-                        transport="auto") as trainer, \
-            PartedReplica(coordinator.address, "policy", name="node0", transport="auto",
-                          share=nodes[0]) as node0, \
-            PartedReplica(coordinator.address, "policy", name="node1", transport="auto",
-                          share=nodes[1]) as node1, \
-            PartedReplica(coordinator.address, "policy", name="whole",
-                          transport="auto") as whole:
+    shares = [node_share([rank], 2, experts=NodeExperts(frozenset({2 * rank, 2 * rank + 1}),
+                                                        4)) for rank in (0, 1)]
+    with two_nodes_and_a_whole_reader(coordinator.address, shares, tiles=2,
+                                      experts="placed") as (trainer, node0, node1, whole):
         state = moe_state(1, experts=4)
         version = trainer.publish(state)
         for reader in (whole, node0, node1):

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub import PartedReplica
 from tensorhub.coordinator.parts import check_parts_fit
 from tensorhub.core.data_types import Manifest, Publish
 from tensorhub.core.layout import manifest_of
-from tensorhub.tiles import KV, TiledPublisher, heads_of, manifests, node_share, tile
-from tensorhub_testing.tiled_nodes import HIDDEN, held_by, llama_state
+from tensorhub.tiles import KV, heads_of, manifests, node_share, tile
+from tensorhub_testing.tiled_nodes import HIDDEN, held_by, llama_state, two_nodes_and_a_whole_reader
 
 K = "model.layers.0.self_attn.k_proj.weight"
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -117,15 +116,9 @@ def test_nodes_sharing_a_head_pull_their_tiles_and_its_kv(coordinator):
     """TP=2 over two nodes of one rank and one K/V head, 4 tiles: each node pulls its two
     tiles, the norms and the K/V, and holds the trainer's bytes there; a reader of every
     part gets every tensor back whole."""
-    share = {rank: node_share([rank], 2, kv_heads=1) for rank in (0, 1)}
-    with TiledPublisher(coordinator.address, "policy", tiles=4, kv_heads=1,
-                        transport="auto") as trainer, \
-            PartedReplica(coordinator.address, "policy", name="node0", transport="auto",
-                          share=share[0]) as node0, \
-            PartedReplica(coordinator.address, "policy", name="node1", transport="auto",
-                          share=share[1]) as node1, \
-            PartedReplica(coordinator.address, "policy", name="whole",
-                          transport="auto") as whole:
+    shares = [node_share([rank], 2, kv_heads=1) for rank in (0, 1)]
+    with two_nodes_and_a_whole_reader(coordinator.address, shares, tiles=4,
+                                      kv_heads=1) as (trainer, node0, node1, whole):
         state = llama_state(1)
         assert trainer.publish(state) == 1
         for reader in (whole, node0, node1):

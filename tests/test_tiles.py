@@ -28,7 +28,13 @@ from tensorhub.core.transport import grants
 from tensorhub.engines.share_check import ShareCheck
 from tensorhub.parted import whole_tensors
 from tensorhub.tiles import TiledPublisher, node_parts, node_share, split_dim, tile
-from tensorhub_testing.tiled_nodes import FFN, HIDDEN, held_by, llama_state
+from tensorhub_testing.tiled_nodes import (
+    FFN,
+    HIDDEN,
+    held_by,
+    llama_state,
+    two_nodes_and_a_whole_reader,
+)
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -219,14 +225,9 @@ def test_nodes_pull_their_shares_and_a_whole_reader_gets_the_trainers_tensors(co
     """TP=2 over two nodes, 4 tiles: each node pulls its rank's two tiles and the norms,
     about half the model, and holds the trainer's bytes in its rank's rows and columns; a
     reader of every part gets every tensor back whole; all of them follow a second version."""
-    share = {rank: node_share([rank], 2) for rank in (0, 1)}
-    with TiledPublisher(coordinator.address, "policy", tiles=4, transport="auto") as trainer, \
-            PartedReplica(coordinator.address, "policy", name="node0", transport="auto",
-                          share=share[0]) as node0, \
-            PartedReplica(coordinator.address, "policy", name="node1", transport="auto",
-                          share=share[1]) as node1, \
-            PartedReplica(coordinator.address, "policy", name="whole",
-                          transport="auto") as whole:
+    shares = [node_share([rank], 2) for rank in (0, 1)]
+    with two_nodes_and_a_whole_reader(coordinator.address, shares, tiles=4) as (
+            trainer, node0, node1, whole):
         for version in (1, 2):
             state = llama_state(version)
             assert trainer.publish(state) == version
