@@ -6,6 +6,14 @@ Measured in one run, for one engine (vLLM or SGLang, TP=1 or TP=2):
   per swap:  the worst gap across the swap (publish -> serving + 0.5 s), and what the swap
              added to it (worst gap - quiet p99); failed or aborted requests; the stall the
              engine reports; publish -> serving;
+  split:     the same for gaps inside one answer (what a request in flight felt: the pause
+             and the install) and for the waits for an answer's first token (what a new
+             request felt: its prefill, which no swap makes shorter). Every request's prompt
+             is a fresh one, so no prefix is cached in the quiet stretch that a swap (which
+             drops the prefix cache with the weights) would then prefill again;
+  the stall: the gap of a request in flight that spans the stall the engine reports,
+             against a quiet step (the median gap): what the pause itself cost, apart from
+             the window's other gaps;
   baselines: a memcpy of the model's bytes (this process, torch), and the engine's own
              reload of the same weights from disk while the client streams (vLLM:
              `reload_weights` between `/pause` (keep) and `/resume`, dev-mode routes;
@@ -47,6 +55,8 @@ ARCH = dict(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, voca
 QUIET_S = 20.0
 AFTER_S = 0.5  # a swap's window ends this long after the engine serves the version
 TOKENS = 48
+PROMPTS = 4096  # more than a run asks for: no request's prompt is cached from an earlier one
+PARTS = {"gap": None, "in flight": True, "first token": False}  # (`StreamingClients.gaps`)
 
 
 def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
@@ -139,13 +149,14 @@ def main() -> None:
         for kind, density in (("whole", 1.0), ("1 %", 0.01)) * args.updates:
             next_version(state, density, g)
             steps.append((kind, {k: t.clone() for k, t in state.items()}))
-        client = StreamingClients(engine.url, make_prompts(4, 16, ARCH["vocab"]), TOKENS,
-                                  clients=2, model=engine.model).start()
+        client = StreamingClients(engine.url, make_prompts(PROMPTS, 16, ARCH["vocab"], seed=7),
+                                  TOKENS, clients=2, model=engine.model).start()
         time.sleep(2.0)  # (warm)
         quiet_from = time.perf_counter()
         time.sleep(QUIET_S)
         quiet_to = time.perf_counter()
-        quiet = percentile(client.gaps(quiet_from, quiet_to), 0.99)
+        quiet = {part: percentile(client.gaps(quiet_from, quiet_to, within), 0.99)
+                 for part, within in PARTS.items()}
         got: dict[str, dict[str, list[float]]] = {}
         for kind, step in steps:
             published, published_at = time.perf_counter(), time.time()
@@ -156,9 +167,10 @@ def main() -> None:
             last = status.get("last_update") or {}
             serving = published + (last.get("at", time.time()) - published_at)
             time.sleep(AFTER_S + 0.5)
-            row = got.setdefault(kind, {"window": [], "stall": [], "serving": []})
+            row = got.setdefault(kind, {"window": [], "stalled": [], "stall": [], "serving": []})
             row["window"].append((published, serving + AFTER_S))
             row["stall"].append(last.get("stall_ms", 0.0) / 1e3)
+            row["stalled"].append((serving - row["stall"][-1], serving))
             row["serving"].append(serving - published)
             pulls = [t for t in coordinator_status(address).transfers
                      if t.version == version and t.ok and t.reader != "trainer"]
@@ -183,32 +195,63 @@ def main() -> None:
         answers = client.stop()
         # every swap's worst gap, once the tokens after it have come
         for kind, row in got.items():
-            row["gap"] = [client.worst_gap(*w) for w in row["window"]]
+            for part, within in PARTS.items():  # (None: no such gap overlapped the swap)
+                row[part] = [max(client.gaps(*w, within), default=None) for w in row["window"]]
+            row["own"] = [max(client.gaps(*w, True), default=None) for w in row.pop("stalled")]
             for (start, end), served in zip(row.pop("window"), row["serving"], strict=True):
                 a, b = client.worst_gap_at(start, end)
                 print(f"{kind}: the worst gap ran from {a - start:+.2f} s to {b - start:+.2f} s "
                       f"after the publish (serving at {served:.2f} s)", flush=True)
-        own = [client.worst_gap(*w) for w in own]
-        print("worst gaps (ms): " + "; ".join(
-            f"{kind} {[round(g * 1e3) for g in row['gap']]}" for kind, row in got.items())
-            + f"; own reload {[round(g * 1e3) for g in own]}", flush=True)
+        own = {part: [max(client.gaps(*w, within), default=None) for w in own]
+               for part, within in PARTS.items()}
+        print("quiet p99, median (ms), of how many gaps: " + str(
+            {p: (round(q * 1e3), round(statistics.median(g or [0.0]) * 1e3), len(g))
+             for p, q in quiet.items()
+             for g in [client.gaps(quiet_from, quiet_to, PARTS[p])]}), flush=True)
+        for part in PARTS:
+            print(f"worst gaps, {part} (ms): " + "; ".join(
+                f"{kind} {[g and round(g * 1e3) for g in row[part]]}" for kind, row in got.items())
+                + f"; own reload {[g and round(g * 1e3) for g in own[part]]}", flush=True)
+        print("the gap of a request in flight across the stall (ms): " + "; ".join(
+            f"{kind} {[g and round(g * 1e3) for g in row['own']]}" for kind, row in got.items()),
+            flush=True)
         failed = len(client.failed())
         for a in client.failed():
             print(f"failed request (started {a.started - quiet_from:.1f} s after the quiet "
                   f"stretch began, {len(a.token_ids)} tokens): {a.error}", flush=True)
         copy = memcpy_seconds(state)
-        med = statistics.median
-        whole_adds = med(got["whole"]["gap"]) - quiet
-        step_adds = med(got["1 %"]["gap"]) - quiet
-        own_adds = med(own) - quiet
+        def med(values: list[float | None]) -> float:
+            """The median of the swaps that had such a gap."""
+            return statistics.median([v for v in values if v is not None] or [0.0])
+
         ms = 1e3
-        report.add(f"{label}: client's quiet p99 gap between tokens", quiet * ms, "ms")
-        report.add(f"{label}: a whole swap adds to the client's worst gap", whole_adds * ms, "ms",
-                   "a memcpy of the model's bytes", copy * ms)
-        report.add(f"{label}: a whole swap adds (against the engine's own reload from disk)",
-                   whole_adds * ms, "ms", "the engine's own reload adds", own_adds * ms)
-        report.add(f"{label}: a 1 % step adds to the client's worst gap", step_adds * ms, "ms",
-                   "a whole swap adds", whole_adds * ms)
+        for part, name in (("gap", "the client's worst gap"),
+                           ("in flight", "a request in flight's worst gap"),
+                           ("first token", "a new request's wait for its first token")):
+            whole_adds = med(got["whole"][part]) - quiet[part]
+            step_adds = med(got["1 %"][part]) - quiet[part]
+            own_adds = med(own[part]) - quiet[part]
+            quiet_name = ("client's quiet p99 gap between tokens" if part == "gap"
+                          else f"quiet p99 of {name.removeprefix('a ')}")
+            report.add(f"{label}: {quiet_name}", quiet[part] * ms, "ms")
+            report.add(f"{label}: a whole swap adds to {name}", whole_adds * ms, "ms",
+                       "a memcpy of the model's bytes", copy * ms)
+            report.add(f"{label}: a whole swap adds to {name} (against the engine's own reload "
+                       "from disk)", whole_adds * ms, "ms", "the engine's own reload adds",
+                       own_adds * ms)
+            report.add(f"{label}: a 1 % step adds to {name}", step_adds * ms, "ms",
+                       "a whole swap adds", whole_adds * ms)
+        # The stall's own gap against a quiet step: what the pause itself cost a request in
+        # flight, apart from the other gaps of the window (the check before the pause and
+        # the pull share the engine's cores here; on a GPU they do not).
+        step = statistics.median(client.gaps(quiet_from, quiet_to, True) or [0.0])
+        report.add(f"{label}: a quiet step (median gap of a request in flight)", step * ms, "ms")
+        whole_own = med(got["whole"]["own"]) - step
+        report.add(f"{label}: a whole swap's stall adds to the gap of a request in flight "
+                   "across it", whole_own * ms, "ms", "a memcpy of the model's bytes", copy * ms)
+        report.add(f"{label}: a 1 % step's stall adds to the gap of a request in flight across "
+                   "it", (med(got["1 %"]["own"]) - step) * ms, "ms", "a whole swap's stall adds",
+                   whole_own * ms)
         report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
                    "ms", "worst gap across it", med(got["whole"]["gap"]) * ms)
         report.add(f"{label}: stall the engine reports, 1 % step",

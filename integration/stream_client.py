@@ -126,29 +126,36 @@ class StreamingClients:
             k += len(self._threads)
 
     # ------------------------------------------------------------------ what they saw
-    def _pairs(self, start: float, end: float) -> list[tuple[float, float]]:
+    def _pairs(self, start: float, end: float, within: bool | None = None
+               ) -> list[tuple[float, float]]:
         """(earlier, later) arrival of consecutive tokens one client received (across its
         answers back to back: a new answer's first token counts its wait from the last
         one), for the pairs whose gap overlaps [start, end] (`time.perf_counter()`): a swap
-        with no token inside it still shows as the gap around it."""
+        with no token inside it still shows as the gap around it. `within=True` keeps the
+        pairs inside one answer (what a request in flight felt), `within=False` only the
+        waits for an answer's first token (what a new request felt, its prefill included)."""
         with self._lock:
             answers = list(self.answers)
         out = []
         for client in range(len(self._threads)):
-            times = [t for a in sorted((a for a in answers if a.client == client),
-                                       key=lambda a: a.started) for t in a.times]
-            out += [(a, b) for a, b in itertools.pairwise(times) if a <= end and b >= start]
+            marked = [(t, i == 0) for a in sorted((a for a in answers if a.client == client),
+                                                 key=lambda a: a.started)
+                      for i, t in enumerate(a.times)]
+            out += [(a, b) for (a, _), (b, first) in itertools.pairwise(marked)
+                    if a <= end and b >= start and (within is None or within != first)]
         return out
 
-    def gaps(self, start: float, end: float) -> list[float]:
-        return [b - a for a, b in self._pairs(start, end)]
+    def gaps(self, start: float, end: float, within: bool | None = None) -> list[float]:
+        return [b - a for a, b in self._pairs(start, end, within)]
 
-    def worst_gap(self, start: float, end: float) -> float:
-        return max(self.gaps(start, end), default=0.0)
+    def worst_gap(self, start: float, end: float, within: bool | None = None) -> float:
+        return max(self.gaps(start, end, within), default=0.0)
 
-    def worst_gap_at(self, start: float, end: float) -> tuple[float, float]:
+    def worst_gap_at(self, start: float, end: float, within: bool | None = None
+                     ) -> tuple[float, float]:
         """(when the worst gap overlapping [start, end] began, when it ended)."""
-        return max(self._pairs(start, end), key=lambda p: p[1] - p[0], default=(start, start))
+        return max(self._pairs(start, end, within), key=lambda p: p[1] - p[0],
+                   default=(start, start))
 
     def failed(self) -> list[Answer]:
         with self._lock:
