@@ -49,6 +49,7 @@ from tensorhub.core.experts import (
     expert_part,
     expert_tile,
 )
+from tensorhub.core.kv_heads import KV, kv_split
 from tensorhub.core.layer_blocks import DECODER, MODEL
 from tensorhub.core.layout import DEFAULT_COMPACT_THRESHOLD, manifest_of
 from tensorhub.publisher import Publisher
@@ -65,7 +66,6 @@ _MLP = r"(mlp\.(shared_experts?\.|experts\.\d+\.)?|block_sparse_moe\.experts\.\d
 TILED = {0: re.compile(DECODER + r"(self_attn\.[qkv]_proj|" + _MLP + r"(gate_proj|up_proj|w1|w3))"
                        r"\.weight$|" + VOCAB.pattern),
          1: re.compile(DECODER + r"(self_attn\.o_proj|" + _MLP + r"(down_proj|w2))\.weight$")}
-KV = re.compile(DECODER + r"self_attn\.[kv]_proj\.weight$")
 EXPERTS = get_args(ExpertLayout)
 # vLLM and SGLang pad the vocabulary to a multiple of this before they split it over TP
 # ranks: only then are a rank's rows of a vocabulary that divides into the tiles its tiles.
@@ -90,15 +90,6 @@ class Tile:
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (first, total)
     cols: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-def kv_split(tiles: int, kv_heads: int | None) -> int | None:
-    """The K/V heads a version in `tiles` tiles splits its K/V projections by, in parts of
-    their own: `kv_heads` when there are fewer of them than tiles, else None (the tiles
-    already end on heads)."""
-    if kv_heads is not None and kv_heads < 1:
-        raise ValueError(f"kv_heads: at least 1, not {kv_heads}")
-    return kv_heads if kv_heads is not None and kv_heads < tiles else None
 
 
 def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
@@ -138,6 +129,12 @@ def tile(named: Iterable[tuple[str, torch.Tensor]], tiles: int,
     if not parts[0].tensors:
         raise ValueError(f"nothing to tile: no decoder projection, embedding, LM head "
                          f"(`TILED`) or expert splits into {tiles} tiles")
+    if heads is not None and not parts[tiles + 1].tensors:
+        raise ValueError(f"kv_heads={heads}: no K/V projection (a decoder layer's "
+                         f"self_attn.k_proj/v_proj weight, `core/kv_heads.py`) splits "
+                         f"into {heads} heads by rows; give the model's "
+                         f"num_key_value_heads, or publish without kv_heads (a fused "
+                         f"qkv_proj is not split by head)")
     if not parts[tiles].tensors:
         raise ValueError("every tensor was tiled, none is left for the part every rank "
                          "loads whole (a model has norms): publish it untiled")

@@ -81,6 +81,42 @@ def test_a_tensor_split_over_tiles_and_heads_at_once_does_not_fit():
         check_parts_fit(parts_of({4: (0, 4)}))
 
 
+def test_a_kv_projection_sliced_over_tiles_in_a_version_by_head_does_not_fit():
+    """A node pulls its heads' K/V from their parts: K/V rows in the tiles would reach
+    some of its ranks as holes."""
+    tiled = manifests(llama_state(0).items(), 4)
+    w = torch.zeros(4, 2)  # (what two parts of heads may hold)
+    heads = [manifest_of([("w", w[2 * h:2 * h + 2])], rows={"w": (2 * h, 4)}, tiles=4,
+                         kv_heads=2) for h in range(2)]
+    claimed = [m.model_copy(update={"kv_heads": 2}) for m in tiled]
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' "
+                                         r"is a K/V projection of a version split by K/V head: "
+                                         r"its rows lie in the K/V parts 5\.\.6"):
+        check_parts_fit(claimed + heads)
+
+
+def test_kv_biases_and_a_fused_qkv_stay_out_of_the_heads_parts():
+    state = llama_state(0)
+    state["model.layers.0.self_attn.k_proj.bias"] = torch.randn(HIDDEN)
+    state["model.layers.1.self_attn.qkv_proj.weight"] = torch.randn(3 * HIDDEN, HIDDEN)
+    parts = tile(state.items(), 4, kv_heads=2)
+    whole = dict(parts[4].tensors)
+    assert "model.layers.0.self_attn.k_proj.bias" in whole
+    assert all("qkv_proj" not in n and not n.endswith(".bias")
+               for p in parts[5:] for n, _ in p.tensors)
+    check_parts_fit(manifests(state.items(), 4, kv_heads=2))
+
+
+def test_kv_heads_with_no_kv_projection_to_split_are_refused_before_any_part():
+    """A fused-qkv checkpoint has nothing to split by head: its head parts would be empty,
+    and an empty part cannot be published."""
+    state = {n.replace("k_proj", "kv_fused"): t for n, t in llama_state(0).items()
+             if "v_proj" not in n}
+    with pytest.raises(ValueError, match=r"kv_heads=2: no K/V projection .* splits into 2 "
+                                         r"heads by rows"):
+        tile(state.items(), 4, kv_heads=2)
+
+
 def test_a_publish_names_the_parts_of_its_heads():
     manifest = manifests(llama_state(0).items(), 4, kv_heads=2)[0]
     with pytest.raises(ValueError, match="4 tiles with its K/V by head is published in 7"):
@@ -109,6 +145,14 @@ def test_a_node_whose_ranks_share_a_head_pulls_its_tiles_and_the_heads_kv():
     assert node_share([2, 3], 8)(11, by_head(8, 2)) == {2, 3, 8, 9}
     assert node_share([2, 3], 8, kv_heads=4)(13, by_head(8, 4)) == {2, 3, 8, 10}
     assert node_share([2, 3], 8, kv_heads=1)(11, by_head(8, 2)) == set(range(11))
+
+
+def test_a_node_spanning_several_heads_pulls_each_heads_kv():
+    """TP=8 with 4 K/V heads over 2 nodes of 4 ranks: 2 ranks per head, 2 heads a node; and
+    TP=2 with 4 heads: each rank loads 2 heads."""
+    assert node_share([0, 1, 2, 3], 8, kv_heads=4)(13, by_head(8, 4)) == {0, 1, 2, 3, 8, 9, 10}
+    assert node_share([4, 5, 6, 7], 8, kv_heads=4)(13, by_head(8, 4)) == {4, 5, 6, 7, 8, 11, 12}
+    assert node_share([1], 2, kv_heads=4)(9, by_head(4, None)) == {2, 3, 4}
 
 
 @pytest.mark.slow

@@ -67,3 +67,15 @@ def test_a_pending_stripe_is_asked_for_again_after_the_retry_time():
     pull.assign(["a", None], {"a"}, now=0.0, retry_after=0.02)
     assert not _of(pull.actions(0.01), Replan)
     assert _of(pull.actions(0.02), Replan) == [Replan((1,))]
+
+
+def test_a_stripe_with_no_chunks_left_never_makes_the_reader_wake():
+    """More stripes than chunks: a stripe without a parent but with nothing to read asks
+    for none, so it sets no wake-up (one due at once would have the reader spin while its
+    reads run)."""
+    pull = StripedPull(1, 2, version=1)
+    pull.assign(["a", None], {"a"}, now=0.0)
+    [read] = pull.actions(0.0)
+    assert read.chunks == (0,)
+    assert pull.wake_at(0.0) is None
+    assert not pull.actions(1.0)

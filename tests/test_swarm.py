@@ -94,6 +94,20 @@ def test_nodes_of_engines_in_tiles_pull_their_share_and_the_trainer_sends_one_co
     assert result.trainer_copies == pytest.approx(1.0)
 
 
+def test_nodes_of_a_version_split_by_kv_head_pull_their_tiles_and_their_heads_kv():
+    """TP=4 over 2 nodes, 4 tiles and 1 K/V head (its K/V in part 5): each node receives
+    its 2 tiles, the whole part and the K/V part, never the other node's tiles."""
+    parts = tuple(manifests(meta_llama(), 4, kv_heads=1))
+    assert len(parts) == 6
+    sizes = [manifest_bytes(m) for m in parts]
+    result = simulate_swarm(SimConfig(workers=4, tiled=parts, engine_nodes=2,
+                                      chunk_bytes=32 << 20))
+    assert sorted(result.finished) == sorted(f"w{i}" for i in range(4))
+    for name, nbytes in result.node_bytes.items():
+        first = 2 * (int(name[1:]) % 2)
+        assert nbytes == sizes[first] + sizes[first + 1] + sizes[4] + sizes[5], name
+
+
 def test_a_node_killed_mid_pull_leaves_every_other_node_its_share():
     parts = tuple(manifests(meta_llama(), 4))
     config = SimConfig(workers=16, tiled=parts, engine_nodes=2, chunk_bytes=32 << 20,

@@ -16,6 +16,7 @@ from tensorhub import settings
 from tensorhub.coordinator.table import LayoutRec
 from tensorhub.core.data_types import Manifest, MemoryDesc
 from tensorhub.core.experts import expert_counts, expert_of, expert_part
+from tensorhub.core.kv_heads import KV
 from tensorhub.core.layer_blocks import layer_of, part_of
 
 
@@ -132,8 +133,9 @@ def check_parts_fit(manifests: list[Manifest]) -> None:
 def _check_tile_slices(name: str, slices: list[tuple], tiles: int,
                        kv_heads: int | None) -> None:
     """A node pulls tile k from part k and K/V head h from part tiles + 1 + h
-    (`tiles.node_share`), so each slice must be what its part's place says, and a tensor's
-    slices all tiles or all heads."""
+    (`tiles.node_share`), so each slice must be what its part's place says, a tensor's
+    slices all tiles or all heads, and a K/V projection's (`core/kv_heads.py`) all heads'
+    rows."""
     kinds = set()
     for start, stop, total, r, *_ in slices:
         if r < tiles:
@@ -149,6 +151,10 @@ def _check_tile_slices(name: str, slices: list[tuple], tiles: int,
                              f"not {kind} {k} of {count}")
     if len(kinds) > 1:
         raise ValueError(f"tensor {name!r}: split over tiles and over K/V heads at once")
+    if kv_heads is not None and KV.search(name) and (kinds != {"K/V head"} or slices[0][4]):
+        # (a node pulls its heads' K/V from their parts, not from its tiles)
+        raise ValueError(f"tensor {name!r} is a K/V projection of a version split by K/V "
+                         f"head: its rows lie in the K/V parts {tiles + 1}..{tiles + kv_heads}")
 
 
 def _check_tile_homes(manifests: list[Manifest]) -> None:

@@ -42,7 +42,7 @@ def expert_counts(names: Iterable[str]) -> dict[str, int]:
 
 def expert_tile(expert: int, experts: int, tiles: int) -> int | None:
     """The tile that holds expert `expert` of a layer of `experts`, placed (None: they do
-    not divide into the tiles, and lie whole in the last part)."""
+    not divide into the tiles, and lie whole in part `tiles`, which every rank loads)."""
     return expert * tiles // experts if experts % tiles == 0 else None
 
 

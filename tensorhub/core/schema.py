@@ -17,7 +17,7 @@ MAX_DIMS = 8  # dimensions of one tensor
 MAX_METADATA = 16 * 1024 * 1024  # bytes of a peer's opaque transport metadata (NIXL's blob)
 # The wire protocol's version: peers of releases that speak another one are refused with
 # a clear error (`wire.foreign`), not a failed validation.
-PROTOCOL = 6
+PROTOCOL = 7
 MAX_PARTS = 64  # trainer ranks that publish one version together (`Publish.parts`)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]

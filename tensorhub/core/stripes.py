@@ -234,7 +234,8 @@ class StripedPull:
         plan request coming due); None: only an input can change anything."""
         times = [st.poll_at for st in self.stripes if st.source is not None and not st.polling
                  and not st.reading and not st.complete and st.left and st.replan is None]
-        if not self.asking and any(self._asks(st) for st in self.stripes):
+        if not self.asking and any(self._asks(st) and not st.reading and st.left
+                                   for st in self.stripes):  # (as `actions` asks)
             times.append(self.ask_at)
         return max(now, min(times)) if times else None
 

@@ -47,8 +47,8 @@ class SimConfig:
     # One more reader, whose transport reaches no other worker (every read and poll by it
     # or of it fails), asks first; it is in no figure.
     failing_first: bool = False
-    # A version in tiles (`tensorhub/tiles.py`): its parts' manifests, the tiles first and
-    # the part every rank loads whole last (`model_bytes` and `tensor_bytes` then unused).
+    # A version in tiles (`tensorhub/tiles.py`): its parts' manifests in part order, as
+    # `tiles.manifests` gives them (`model_bytes` and `tensor_bytes` then unused).
     # Worker i is a node, node i % engine_nodes of its engine, whose TP ranks (one per
     # tile) are spread evenly over the engine's nodes; it pulls the parts
     # `tiles.node_parts` gives its ranks, each part by a reader of its own on its NIC.
@@ -62,15 +62,17 @@ class SimConfig:
 
     def node_parts(self, worker: int) -> list[int]:
         """The parts worker `worker` pulls: every part of an untiled version; of a version
-        in tiles, its node's ranks' tiles and the whole part (`tiles.node_parts`)."""
+        in tiles, what its node's ranks load (`tiles.node_share`: their tiles, the whole
+        part, and their heads' K/V parts where the version splits K/V by head)."""
         if not self.tiled:
             return [0]
-        from tensorhub.tiles import node_parts
+        from tensorhub.tiles import node_share
 
-        tiles = len(self.tiled) - 1
+        tiles = self.tiled[0].tiles or 1
         per_node = tiles // self.engine_nodes
         node = worker % self.engine_nodes
-        return sorted(node_parts(range(node * per_node, (node + 1) * per_node), tiles, tiles))
+        share = node_share(range(node * per_node, (node + 1) * per_node), tiles)
+        return sorted(share(len(self.tiled), self.tiled[0]))
 
     @property
     def share_bytes(self) -> int:
