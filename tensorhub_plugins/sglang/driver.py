@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import torch
 
@@ -332,16 +333,41 @@ class Driver:
         return extra
 
     async def resume(self) -> None:
+        """The stall ends where clients get tokens again: once the front end receives the
+        first output after the resume (the first step following it, in which retracted
+        requests recompute their KV). Where the front end cannot be watched, two round
+        trips to the scheduler: it takes requests at the top of each loop turn, before
+        that turn's step, so the second returns after at least one step has run since the
+        resume (a step later than the client's tokens)."""
+        asked = time.time()
         self._post("/continue_generation", {}, self.settings.swap_timeout)
         if self.in_flight() == 0:
             return  # no client is waiting for a token: the stall ends here
-        # The stall ends where clients get tokens again: after the first step following
-        # the resume, in which retracted requests recompute their KV. The scheduler takes
-        # requests at the top of each loop turn, before that turn's step; a second round
-        # trip, sent once the first is answered, is taken a turn later, so it returns after
-        # at least one step has run since the resume.
+        received = self._front_end_received()
+        if received is not None:
+            deadline = time.monotonic() + self.settings.swap_timeout
+            while (received() or 0.0) <= asked and self.in_flight() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return
         for _ in range(2):
             self._get("/server_info", timeout=self.settings.swap_timeout)
+
+    def _front_end_received(self) -> Callable[[], float | None] | None:
+        """When SGLang's front end last received a message from the scheduler (its
+        `last_receive_tstamp`, wall clock: with requests in flight, their outputs), or None
+        where it cannot be read here (several tokenizer workers, another SGLang)."""
+        if self.tokenizer_workers > 1:
+            return None
+        try:
+            from sglang.srt.entrypoints.http_server import get_global_state
+
+            manager = get_global_state().tokenizer_manager
+            if not isinstance(getattr(manager, "last_receive_tstamp", None), float):
+                return None
+        except Exception:
+            return None
+        return lambda: getattr(manager, "last_receive_tstamp", None)
 
     def status(self) -> dict:
         """What `GET /tensorhub/status` answers: vLLM's field names where they mean the same
