@@ -357,3 +357,26 @@ def test_a_model_sglang_padded_for_its_tp_size_takes_no_tiled_share():
                                        original_total_num_kv_heads=2))
     assert tp_reshaped(SimpleNamespace(num_attention_heads=4, num_key_value_heads=4,
                                        intermediate_size=256, original_intermediate_size=200))
+
+
+def test_the_resume_ends_at_the_front_ends_first_output_after_it(monkeypatch):
+    """The stall ends where clients get tokens again: the front end's first message from
+    the scheduler after `/continue_generation`, not round trips to the scheduler."""
+    import asyncio
+    import threading
+    import time
+
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, "i")
+    received = [time.time() - 60.0]  # (the outputs from before the pause)
+    calls = []
+    monkeypatch.setattr(driver, "_post", lambda path, body, timeout=None: calls.append(path))
+    monkeypatch.setattr(driver, "_get", lambda path, timeout=None: calls.append(path))
+    monkeypatch.setattr(driver, "in_flight", lambda: 2)
+    monkeypatch.setattr(driver, "_front_end_received", lambda: lambda: received[0])
+    timer = threading.Timer(0.2, lambda: received.__setitem__(0, time.time()))
+    timer.start()
+    before = time.time()
+    asyncio.run(driver.resume())
+    assert received[0] > before  # (it returned once the output came, not before)
+    assert calls == ["/continue_generation"]
+    timer.join()
