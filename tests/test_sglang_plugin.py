@@ -380,3 +380,28 @@ def test_the_resume_ends_at_the_front_ends_first_output_after_it(monkeypatch):
     assert received[0] > before  # (it returned once the output came, not before)
     assert calls == ["/continue_generation"]
     timer.join()
+
+
+def test_the_resume_waits_for_an_output_only_of_a_request_streamed_every_step():
+    """SGLang sends a request that is not streamed its tokens every 50 steps or at its end,
+    one streamed at an interval of n every n steps: their next output is no sign of the
+    next step, and the resume then ends after two round trips to the scheduler."""
+    from types import SimpleNamespace as Request
+
+    from tensorhub_plugins.sglang.driver import _streams_every_step
+
+    assert _streams_every_step(Request(stream=True, sampling_params={}), default=1)
+    assert not _streams_every_step(Request(stream=False, sampling_params={}), default=1)
+    assert not _streams_every_step(Request(stream=True, sampling_params={}), default=4)
+    assert not _streams_every_step(
+        Request(stream=True, sampling_params={"stream_interval": 8}), default=1)
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, "i")
+    calls = []
+    driver._post = lambda path, body, timeout=None: calls.append(path)
+    driver._get = lambda path, timeout=None: calls.append(path)
+    driver.in_flight = lambda: 1
+    driver._front_end_received = lambda: None
+    import asyncio
+
+    asyncio.run(driver.resume())
+    assert calls == ["/continue_generation", "/server_info", "/server_info"]

@@ -84,6 +84,14 @@ def descriptor_payload(version: int, path: str = "checkpoint") -> str:
     return base64.b64encode(pickle.dumps(item)).decode()
 
 
+def _streams_every_step(request, default: int) -> bool:
+    """Whether SGLang sends `request` (a `GenerateReqInput`) its tokens after every step:
+    streamed, at an interval of 1."""
+    params = getattr(request, "sampling_params", None)
+    interval = (params.get("stream_interval") if isinstance(params, dict) else None) or default
+    return getattr(request, "stream", False) is True and interval == 1
+
+
 class Driver:
     """Follows `settings.model` for the server at `host:port` whose schedulers are named
     after `instance` (see `naming.start_instance`)."""
@@ -335,10 +343,11 @@ class Driver:
     async def resume(self) -> None:
         """The stall ends where clients get tokens again: once the front end receives the
         first output after the resume (the first step following it, in which retracted
-        requests recompute their KV). Where the front end cannot be watched, two round
-        trips to the scheduler: it takes requests at the top of each loop turn, before
-        that turn's step, so the second returns after at least one step has run since the
-        resume (a step later than the client's tokens)."""
+        requests recompute their KV), where a request in flight streams every step. Else
+        (no such request: SGLang sends the others their tokens every 50 steps or at the
+        end; or the front end cannot be watched) two round trips to the scheduler: it
+        takes requests at the top of each loop turn, before that turn's step, so the
+        second returns after at least one step has run since the resume."""
         asked = time.time()
         self._post("/continue_generation", {}, self.settings.swap_timeout)
         if self.in_flight() == 0:
@@ -355,15 +364,19 @@ class Driver:
 
     def _front_end_received(self) -> Callable[[], float | None] | None:
         """When SGLang's front end last received a message from the scheduler (its
-        `last_receive_tstamp`, wall clock: with requests in flight, their outputs), or None
-        where it cannot be read here (several tokenizer workers, another SGLang)."""
+        `last_receive_tstamp`, wall clock), where a request in flight streams a token
+        every step, so that its next output is the next step's; None where no request
+        does, or it cannot be read here (several tokenizer workers, another SGLang)."""
         if self.tokenizer_workers > 1:
             return None
         try:
             from sglang.srt.entrypoints.http_server import get_global_state
 
             manager = get_global_state().tokenizer_manager
-            if not isinstance(getattr(manager, "last_receive_tstamp", None), float):
+            default = getattr(manager.server_args, "stream_interval", None) or 1
+            if not isinstance(getattr(manager, "last_receive_tstamp", None), float) or \
+                    not any(_streams_every_step(state.obj, default)
+                            for state in list(manager.rid_to_state.values())):
                 return None
         except Exception:
             return None
