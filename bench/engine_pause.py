@@ -155,8 +155,9 @@ def main() -> None:
         quiet_from = time.perf_counter()
         time.sleep(QUIET_S)
         quiet_to = time.perf_counter()
-        quiet = {part: percentile(client.gaps(quiet_from, quiet_to, within), 0.99)
-                 for part, within in PARTS.items()}
+        quiet_gaps = {part: client.gaps(quiet_from, quiet_to, within)
+                      for part, within in PARTS.items()}
+        quiet = {part: percentile(gaps, 0.99) for part, gaps in quiet_gaps.items()}
         got: dict[str, dict[str, list[float]]] = {}
         for kind, step in steps:
             published, published_at = time.perf_counter(), time.time()
@@ -205,9 +206,8 @@ def main() -> None:
         own = {part: [max(client.gaps(*w, within), default=None) for w in own]
                for part, within in PARTS.items()}
         print("quiet p99, median (ms), of how many gaps: " + str(
-            {p: (round(q * 1e3), round(statistics.median(g or [0.0]) * 1e3), len(g))
-             for p, q in quiet.items()
-             for g in [client.gaps(quiet_from, quiet_to, PARTS[p])]}), flush=True)
+            {p: (round(quiet[p] * 1e3), round(statistics.median(g or [0.0]) * 1e3), len(g))
+             for p, g in quiet_gaps.items()}), flush=True)
         for part in PARTS:
             print(f"worst gaps, {part} (ms): " + "; ".join(
                 f"{kind} {[g and round(g * 1e3) for g in row[part]]}" for kind, row in got.items())
@@ -244,7 +244,7 @@ def main() -> None:
         # The stall's own gap against a quiet step: what the pause itself cost a request in
         # flight, apart from the other gaps of the window (the check before the pause and
         # the pull share the engine's cores here; on a GPU they do not).
-        step = statistics.median(client.gaps(quiet_from, quiet_to, True) or [0.0])
+        step = statistics.median(quiet_gaps["in flight"] or [0.0])
         report.add(f"{label}: a quiet step (median gap of a request in flight)", step * ms, "ms")
         whole_own = med(got["whole"]["own"]) - step
         report.add(f"{label}: a whole swap's stall adds to the gap of a request in flight "

@@ -148,14 +148,12 @@ class StreamingClients:
     def gaps(self, start: float, end: float, within: bool | None = None) -> list[float]:
         return [b - a for a, b in self._pairs(start, end, within)]
 
-    def worst_gap(self, start: float, end: float, within: bool | None = None) -> float:
-        return max(self.gaps(start, end, within), default=0.0)
+    def worst_gap(self, start: float, end: float) -> float:
+        return max(self.gaps(start, end), default=0.0)
 
-    def worst_gap_at(self, start: float, end: float, within: bool | None = None
-                     ) -> tuple[float, float]:
+    def worst_gap_at(self, start: float, end: float) -> tuple[float, float]:
         """(when the worst gap overlapping [start, end] began, when it ended)."""
-        return max(self._pairs(start, end, within), key=lambda p: p[1] - p[0],
-                   default=(start, start))
+        return max(self._pairs(start, end), key=lambda p: p[1] - p[0], default=(start, start))
 
     def failed(self) -> list[Answer]:
         with self._lock:

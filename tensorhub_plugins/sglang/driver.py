@@ -225,16 +225,22 @@ class Driver:
 
     # --- the swap, step by step (each a call of its own, for a shared controller) --------
 
-    def in_flight(self) -> int | None:
-        """Requests SGLang's front end holds now (None: not known here)."""
+    def _front_end(self):
+        """SGLang's front end (its tokenizer manager) in this process; None where it is not
+        the only one (several tokenizer workers) or cannot be found."""
         if self.tokenizer_workers > 1:
             return None
         try:
             from sglang.srt.entrypoints.http_server import get_global_state
 
-            return len(get_global_state().tokenizer_manager.rid_to_state)
+            return get_global_state().tokenizer_manager
         except Exception:
             return None
+
+    def in_flight(self) -> int | None:
+        """Requests SGLang's front end holds now (None: not known here)."""
+        manager = self._front_end()
+        return None if manager is None else len(manager.rid_to_state)
 
     def drain(self, bound: float) -> bool:
         """`wait`: until no request is in flight, at most `bound` seconds (new requests are
@@ -367,18 +373,14 @@ class Driver:
         `last_receive_tstamp`, wall clock), where a request in flight streams a token
         every step, so that its next output is the next step's; None where no request
         does, or it cannot be read here (several tokenizer workers, another SGLang)."""
-        if self.tokenizer_workers > 1:
-            return None
+        manager = self._front_end()
         try:
-            from sglang.srt.entrypoints.http_server import get_global_state
-
-            manager = get_global_state().tokenizer_manager
             default = getattr(manager.server_args, "stream_interval", None) or 1
             if not isinstance(getattr(manager, "last_receive_tstamp", None), float) or \
                     not any(_streams_every_step(state.obj, default)
                             for state in list(manager.rid_to_state.values())):
                 return None
-        except Exception:
+        except Exception:  # (no front end, or another SGLang's)
             return None
         return lambda: getattr(manager, "last_receive_tstamp", None)
 
