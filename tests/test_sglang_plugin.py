@@ -405,3 +405,26 @@ def test_the_resume_waits_for_an_output_only_of_a_request_streamed_every_step():
 
     asyncio.run(driver.resume())
     assert calls == ["/continue_generation", "/server_info", "/server_info"]
+
+
+def test_the_pause_opens_the_update_session_as_its_round_trip_to_the_scheduler():
+    """SGLang answers `/pause_generation` before its scheduler takes the pause; the
+    weight-update session, which the scheduler opens only after the pause, is the proof
+    that generation has stopped, so no other round trip is spent in the stall. The install
+    then writes and closes it; an install without a pause (torn weights repaired) opens
+    its own."""
+    import asyncio
+
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, "i")
+    calls = []
+    driver._post = lambda path, body, timeout=None: calls.append(path) or {}
+    driver._get = lambda path, timeout=None: calls.append(path) or {}
+    driver.applied = lambda: [SchedulerStatus(applied=3, path="checkpoint")]
+    asyncio.run(driver.pause())
+    asyncio.run(driver.install(3, "checkpoint", fetch=False))
+    assert calls == ["/pause_generation", "/begin_weight_update",
+                     "/update_weights_from_tensor", "/end_weight_update"]
+    calls.clear()
+    asyncio.run(driver.install(3, "checkpoint", fetch=False))
+    assert calls == ["/begin_weight_update", "/update_weights_from_tensor",
+                     "/end_weight_update"]

@@ -127,6 +127,7 @@ class Driver:
         self.follow = FollowLoop(self, settings.poll_interval, news=self.fleet.news)
         self.swaps = SwapController(settings.model, self, self.follow, settings.swap_timeout)
         self._drained: tuple[bool, float] | None = None  # `wait`: (drained, seconds)
+        self._session_open = False  # SGLang's weight-update session, opened by the pause
         self._stop = threading.Event()
 
     # what the controller keeps (follow mode and the status read them here)
@@ -270,22 +271,26 @@ class Driver:
 
     async def pause(self) -> float | None:
         """SGLang answers the pause before its scheduler takes it (at the top of its next
-        loop turn, once the step in flight is done); a round trip to the scheduler sent
-        after it returns once the scheduler has taken both, so the stall is timed from
-        the moment generation stopped. `abort` waits for the aborts to end, and new
+        loop turn, once the step in flight is done). The weight-update session the install
+        needs is opened next (`/begin_weight_update`): the scheduler answers it after taking
+        the pause, so it returns once generation has stopped, and the stall is timed from
+        there without a round trip of its own. `abort` waits for the aborts to end, and new
         requests wait from the call on."""
         asked = time.perf_counter()
         self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]},
                    self.settings.swap_timeout)
-        if self.settings.pause == "abort":
-            return asked
         # (both calls within one `swap_timeout`: they block this thread's loop, so the
         # controller's bound cannot cut them short)
         left = self.settings.swap_timeout - (time.perf_counter() - asked)
         if left <= 0:
             raise TimeoutError("the pause took the whole swap timeout")
-        self._get("/server_info", timeout=left)
-        return None
+        self._begin(left)
+        return asked if self.settings.pause == "abort" else None
+
+    def _begin(self, timeout: float) -> None:
+        """Open SGLang's weight-update session (the install closes it, whatever happens)."""
+        self._post("/begin_weight_update", {}, timeout)
+        self._session_open = True
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         """begin → update (our loader: the schedulers apply `version`) → end, then what the
@@ -295,8 +300,9 @@ class Driver:
         clock, since = StepClock(), time.time()
         sent = answered = False  # an update sent and not answered: its outcome is unknown
         try:
-            self._post("/begin_weight_update", {}, bound)
-            clock.mark("begin")
+            if not self._session_open:  # (no pause before it: torn weights repaired)
+                self._begin(bound)
+                clock.mark("begin")
             try:
                 sent = True
                 self._post("/update_weights_from_tensor", {
@@ -307,6 +313,7 @@ class Driver:
                 answered = True
                 clock.mark("update")
             finally:
+                self._session_open = False
                 self._post("/end_weight_update", {}, bound)
                 clock.mark("end")
         finally:
