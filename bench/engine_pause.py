@@ -70,6 +70,22 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     return statistics.median(times)
 
 
+def scatter_seconds(nbytes: int, density: float, g: torch.Generator) -> float:
+    """The floor of a sparse install on this machine: writing `density` of the words of a
+    buffer of the model's size at random places (sorted, as a plan's), the engine's
+    `index_copy_` with every core (none generates during the pause)."""
+    flat = torch.zeros(nbytes // 2, dtype=torch.int16)
+    index = torch.randint(0, flat.numel(), (int(density * flat.numel()),),
+                          generator=g).unique()
+    bits = torch.ones(index.numel(), dtype=torch.int16)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        flat.index_copy_(0, index, bits)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def start_engine(kind: str, tp: int, model_dir, address: str, work, pause: str = "keep",
                  checkpoint_layout: bool = False) -> VLLMServer | SGLangServer:
     env = {"TENSORHUB_COORDINATOR": address, "TENSORHUB_MODEL": "policy",
@@ -220,6 +236,7 @@ def main() -> None:
             print(f"failed request (started {a.started - quiet_from:.1f} s after the quiet "
                   f"stretch began, {len(a.token_ids)} tokens): {a.error}", flush=True)
         copy = memcpy_seconds(state)
+        scatter = scatter_seconds(nbytes, 0.01, g)
         def med(values: list[float | None]) -> float:
             """The median of the swaps that had such a gap."""
             return statistics.median([v for v in values if v is not None] or [0.0])
@@ -252,6 +269,11 @@ def main() -> None:
         report.add(f"{label}: a 1 % step's stall adds to the gap of a request in flight across "
                    "it", (med(got["1 %"]["own"]) - step) * ms, "ms", "a whole swap's stall adds",
                    whole_own * ms)
+        # (a ratio of what the two kinds add can be no lower than this on this machine's
+        # memory: a random 1 % of the words touches about a quarter of its cache lines)
+        report.add(f"{label}: the floor of a 1 % step's install, a scatter of 1 % of the "
+                   "model's words", scatter * ms, "ms", "a memcpy of the model's bytes",
+                   copy * ms)
         report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
                    "ms", "worst gap across it", med(got["whole"]["gap"]) * ms)
         report.add(f"{label}: stall the engine reports, 1 % step",
