@@ -428,3 +428,35 @@ def test_the_pause_opens_the_update_session_as_its_round_trip_to_the_scheduler()
     asyncio.run(driver.install(3, "checkpoint", fetch=False))
     assert calls == ["/begin_weight_update", "/update_weights_from_tensor",
                      "/end_weight_update"]
+
+
+def test_what_became_of_a_refused_version_reaches_the_driver_typed(monkeypatch):
+    """A scheduler whose loader refused a version reports the install's outcome as a field
+    of its status, not as words to parse: the driver refuses that version before the next
+    pause when the model cannot load it, and says the weights were restored when a load
+    that failed half-way was undone."""
+    import asyncio
+
+    from tensorhub.engines import InstallFailed, LoadOutcome
+
+    name, _ = launch_on(monkeypatch, "node")
+    scheduler = Scheduler(SETTINGS, 0, False, name)
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, name)
+    try:
+        unloadable = LoadOutcome(kind="unloadable", version=3, reason="v3 has no lm_head")
+        scheduler.refused(unloadable.reason, unloadable)
+        (state,) = driver.applied()
+        assert (state.error, state.outcome) == ("v3 has no lm_head", unloadable)
+        with pytest.raises(InstallFailed) as caught:
+            asyncio.run(driver.check(3))
+        assert caught.value.outcome == unloadable
+        asyncio.run(driver.check(4))  # (another version: not refused before the pause)
+
+        restored = LoadOutcome(kind="restored", version=4, reason="rank 0 failed half-way")
+        scheduler.refused(restored.reason, restored)
+        driver._post = lambda path, body, timeout=None: {}
+        with pytest.raises(InstallFailed) as caught:
+            asyncio.run(driver.install(4, "checkpoint", fetch=False))
+        assert caught.value.outcome == restored
+    finally:
+        driver.fleet.close()

@@ -1,10 +1,11 @@
 """What became of a version an engine was asked to install, typed across processes.
 
-An engine's workers run in other processes than its front end, and the engines carry a
-worker's exception back only as text (vLLM's `collective_rpc` re-raises it in its own
-words; SGLang's loader cannot raise at all and writes a status). So the outcome travels as
-a tag inside that text: a `LoadOutcome` model, JSON in base64url (which survives `repr`,
-quoting and line breaks), read back and validated by `LoadOutcome.found_in`.
+An engine's workers run in other processes than its front end. Where a plugin has a
+typed channel of its own, the `LoadOutcome` model is a field of it (SGLang's scheduler
+status). vLLM carries a worker's exception back only as text (`collective_rpc` re-raises
+it in its own words), so there the outcome travels as a tag inside that text: the model
+as JSON in base64url (which survives `repr`, quoting and line breaks), read back and
+validated by `LoadOutcome.found_in`.
 """
 
 from __future__ import annotations

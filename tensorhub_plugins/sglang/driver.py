@@ -38,13 +38,11 @@ from tensorhub.engines import (
     FleetView,
     FollowLoop,
     InstallFailed,
-    LoadOutcome,
     PendingPulls,
     StepClock,
     SwapController,
     Update,
     copy_holders,
-    outcome_in,
 )
 from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
 from tensorhub_plugins.sglang.reports import (
@@ -217,7 +215,8 @@ class Driver:
     def _served_label(self, states: list[SchedulerStatus]) -> str:
         """SGLang's weight_version for what the ranks hold after an update that did not
         apply: the version they all report applied, else the one served before."""
-        if any(outcome_in(s.error or "") == "restored_checkpoint" for s in states):
+        if any(s.outcome is not None and s.outcome.kind == "restored_checkpoint"
+               for s in states):
             return "default"  # the weights it started with, loaded again
         applied = {s.applied for s in states}
         if len(applied) == 1 and None not in applied:
@@ -259,7 +258,7 @@ class Driver:
         """Before the pause: a version a rank's copy refused while preparing it is refused
         here (its model cannot load it); with `wait`, requests in flight finish first."""
         for state in self.applied():
-            outcome = LoadOutcome.found_in(state.error or "")
+            outcome = state.outcome
             if outcome is not None and outcome.kind == "unloadable" \
                     and outcome.version == version:
                 raise InstallFailed(outcome)
@@ -327,7 +326,7 @@ class Driver:
         if any(s.applied != version for s in states):
             self._post("/update_weight_version", {"new_version": self._served_label(states),
                                                   "abort_all_requests": False}, bound)
-            outcomes = [o for s in states if (o := LoadOutcome.found_in(s.error or ""))]
+            outcomes = [s.outcome for s in states if s.outcome is not None]
             worst = next((o for kind in ("restored_checkpoint", "restored", "unloadable")
                           for o in outcomes if o.kind == kind), None)
             if worst is not None:

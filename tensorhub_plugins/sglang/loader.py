@@ -45,6 +45,8 @@ def apply(model, named_tensors) -> None:
                   " and the weights are torn" if torn else ", weights unchanged", exc)
         try:
             if scheduler is not None:
-                scheduler.refused(str(exc))
+                outcome = getattr(exc, "outcome", None)  # (`InstallFailed`: typed)
+                scheduler.refused(outcome.reason if outcome is not None else str(exc),
+                                  outcome)
         except Exception:
             pass

@@ -13,6 +13,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tensorhub.engines import LoadOutcome
 from tensorhub_plugins.sglang.reports import DirectoryReports, Reports
 
 NO_STATUS = "no status yet"
@@ -31,6 +32,7 @@ class SchedulerStatus(BaseModel):
 
     applied: int | None = None  # the version the live parameters hold (None: from disk)
     error: str | None = None  # why the last update was refused or failed
+    outcome: LoadOutcome | None = None  # what became of it, where the install said (typed)
     torn: bool = False  # the live parameters hold parts of two versions
     at: float = 0.0  # when it was written (time.time())
     name: str = ""  # the checkpoint copy's worker name

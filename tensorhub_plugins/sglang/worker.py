@@ -44,6 +44,7 @@ from tensorhub.engines import (
     CheckpointCopy,
     EngineSettings,
     FleetView,
+    LoadOutcome,
     RankVote,
     ShareCheck,
     SharedCopyReader,
@@ -113,6 +114,7 @@ class Scheduler:
         self._install: dict = {}  # the last checkpoint-path install: how, how many elements
         self._applying = False  # an update is writing the live parameters (no preparing)
         self._error: str | None = None  # the last error reported to the driver
+        self._outcome: LoadOutcome | None = None  # and what became of that update
         self._tried: tuple | None = None  # (version, live key) `prepare` last ran for
         self._votes: RankVote | None = votes
         self._node_votes: RankVote | None = None  # among this node's ranks (several nodes)
@@ -130,17 +132,19 @@ class Scheduler:
             checkpoint_copy_bytes=self.checkpoint.nbytes if self.checkpoint is not None
             else 0)
 
-    def record(self, error: str | None = None, keep_error: bool = False) -> None:
+    def record(self, error: str | None = None, keep_error: bool = False,
+               outcome: LoadOutcome | None = None) -> None:
         """Write what this scheduler serves for the driver (its loader cannot answer the
         HTTP request that called it); `keep_error`: the last update's error stays (a
         report between updates, e.g. a version prepared)."""
         native = self.native
         if keep_error:
-            error = self._error
-        self._error = error
+            error, outcome = self._error, self._outcome
+        self._error, self._outcome = error, outcome
         try:
             SchedulerStatus(
-                applied=self.applied, error=error, torn=self.torn, name=self.name,
+                applied=self.applied, error=error, outcome=outcome, torn=self.torn,
+                name=self.name,
                 native_name=self.native_name,
                 native_layout=native.layout_id if native is not None else None,
                 params_moved=native.params_moved() if native is not None else None,
@@ -495,9 +499,10 @@ class Scheduler:
                     self.native.hold_applied(previous)
             raise
 
-    def refused(self, error: str) -> None:
-        """The loader refused an update: record why (the driver reads it)."""
-        self.record(error)
+    def refused(self, error: str, outcome: LoadOutcome | None = None) -> None:
+        """The loader refused an update: record why, and what became of the weights where
+        the install said (`InstallFailed`); the driver reads both."""
+        self.record(error, outcome=outcome)
 
     def join(self, runner, dummy: bool) -> None:
         """Serve the newest version before SGLang takes requests (natively when a
