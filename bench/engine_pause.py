@@ -70,10 +70,19 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def scatter_seconds(nbytes: int, density: float, g: torch.Generator) -> float:
+def scatter_seconds(nbytes: int, density: float, g: torch.Generator, threads: int) -> float:
     """The floor of a sparse install on this machine: writing `density` of the words of a
-    buffer of the model's size at random places (sorted, as a plan's), the engine's
-    `index_copy_` with every core (none generates during the pause)."""
+    buffer of the model's size at random places (sorted, as a plan's) with the engine's
+    `index_copy_`, on as many threads as the engine's rank computes with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _scatter_seconds(nbytes, density, g)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _scatter_seconds(nbytes: int, density: float, g: torch.Generator) -> float:
     flat = torch.zeros(nbytes // 2, dtype=torch.int16)
     index = torch.randint(0, flat.numel(), (int(density * flat.numel()),),
                           generator=g).unique()
@@ -236,7 +245,11 @@ def main() -> None:
             print(f"failed request (started {a.started - quiet_from:.1f} s after the quiet "
                   f"stretch began, {len(a.token_ids)} tokens): {a.error}", flush=True)
         copy = memcpy_seconds(state)
-        scatter = scatter_seconds(nbytes, 0.01, g)
+        # (vLLM binds its one worker to the cores less one it keeps for its front end;
+        # SGLang's scheduler, and TP ranks left unbound, compute on torch's default)
+        threads = max(1, (os.cpu_count() or 2) - 1) if args.engine == "vllm" and args.tp == 1 \
+            else torch.get_num_threads()
+        scatter = scatter_seconds(nbytes, 0.01, g, threads)
         def med(values: list[float | None]) -> float:
             """The median of the swaps that had such a gap."""
             return statistics.median([v for v in values if v is not None] or [0.0])
@@ -272,8 +285,8 @@ def main() -> None:
         # (a ratio of what the two kinds add can be no lower than this on this machine's
         # memory: a random 1 % of the words touches about a quarter of its cache lines)
         report.add(f"{label}: the floor of a 1 % step's install, a scatter of 1 % of the "
-                   "model's words", scatter * ms, "ms", "a memcpy of the model's bytes",
-                   copy * ms)
+                   f"model's words on {threads} thread(s)", scatter * ms, "ms",
+                   "a memcpy of the model's bytes", copy * ms)
         report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
                    "ms", "worst gap across it", med(got["whole"]["gap"]) * ms)
         report.add(f"{label}: stall the engine reports, 1 % step",
