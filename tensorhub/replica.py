@@ -56,22 +56,14 @@ from tensorhub.core.memory import describe
 from tensorhub.core.named_tensors import NamedTensors, named_list
 from tensorhub.core.patch import PatchError
 from tensorhub.core.patch_budget import PatchCosts, Verdict
-from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, split
+from tensorhub.core.puller import PullStats, Verifier, check_item, read_plan, read_verified, split
 from tensorhub.core.session import WorkerSession, default_name
 from tensorhub.core.transport import Transport
 from tensorhub.reader.patches import PatchPuller, apply_chain
-from tensorhub.reader.session import Parents, PullSession, Reader
+from tensorhub.reader.session import Parents, PullSession, Reader, failure_text
 from tensorhub.reader.striped import StripedReader
 
 log = logging.getLogger("tensorhub.replica")
-
-
-def failure_text(exc: BaseException) -> str:
-    """How a failed pull is recorded (the coordinator's status shows it): Ctrl-C as
-    "interrupted", never an empty text."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    return str(exc) or type(exc).__name__
 
 
 class Replica:
@@ -415,24 +407,20 @@ class Replica:
                 self.version = None  # from here on our buffers are not a complete version
                 self.session.withdraw(self.model, previous, deadline - time.monotonic())
             reading = True
-            verifier = Verifier(plan, dest) if self.verify else None
-            try:
+
+            def read(verifier: Verifier | None) -> None:
                 if self.whole_items:
                     self._read_whole(pull, dest, verifier)
                 else:
                     StripedReader(self.session, pull, dest, verifier, self.session.call,
                                   lambda done: self._end([done]), registrations).run()
-            except BaseException:
-                if verifier is not None:
-                    verifier.close()
-                raise
-            if verifier is not None:
-                try:
-                    pull.stats.verify_seconds = verifier.finish()
-                except IntegrityError as exc:
-                    if not exc.items:
-                        raise
-                    self._read_around(pull, dest, list(exc.items), exc, deadline)
+
+            try:
+                pull.stats.verify_seconds = read_verified(plan, dest, read, self.verify)
+            except IntegrityError as exc:
+                if not exc.items:  # (bad items are named only once everything was read)
+                    raise
+                self._read_around(pull, dest, list(exc.items), exc, deadline)
         except BaseException as exc:
             self.session.pulling = None
             if relay:

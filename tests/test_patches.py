@@ -384,3 +384,21 @@ def test_a_reader_whose_buffers_took_a_late_read_pulls_the_next_version_whole(co
                             property(lambda self: 1))
         assert r.pull(2) == 2
         assert r.last_pull_patches == [] and sums(r.tensors) == sums(w)
+
+
+def test_a_patch_whose_bytes_fail_their_checksums_ends_every_lease_saying_why(coordinator):
+    """The trainer's held patch was damaged after it published it: the reader's patch pull
+    refuses the bytes, ends the leases it was given with the reason (none is left open, as
+    a read in flight, until it expires), and pulls the version whole."""
+    w = weights()
+    with trainer_and_reader(coordinator.address, w) as (pub, r):
+        step(w, 0.01, seed=12)
+        pub.publish(w)
+        assert pub.last_patch is not None and pub.last_patch.version == 2
+        pub._held_patches.layout(2).item_bytes[0][-8:] ^= 0x55
+        ended = []
+        end = r._patches._end
+        r._patches._end = lambda dones: (ended.extend(dones), end(dones))
+        assert r.pull(2) == 2
+        assert r.last_pull_patches == [] and sums(r.tensors) == sums(w)
+        assert ended and all(not d.ok and "checksum" in (d.error or "") for d in ended), ended

@@ -196,6 +196,23 @@ class Verifier:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def read_verified(plan: ReadPlan, dest: list[torch.Tensor],
+                  read: Callable[[Verifier | None], None], verify: bool = True) -> float:
+    """Read a plan's bytes into `dest` (`read`, which tells the verifier it is given, None
+    when `verify` is off, what has landed) while each item is checksummed as soon as it is
+    complete; returns the seconds spent checksumming. Raises what the read raised, or,
+    once everything was read, the first mismatch (`IntegrityError`, its `items` every
+    item that failed) or `ValueError` for an item never read completely."""
+    verifier = Verifier(plan, dest) if verify else None
+    try:
+        read(verifier)
+    except BaseException:
+        if verifier is not None:
+            verifier.close()
+        raise
+    return verifier.finish() if verifier is not None else 0.0
+
+
 def check_item(plan: ReadPlan, k: int, buf: torch.Tensor) -> None:
     got = checksum(buf)
     if got != plan.checksums[k]:

@@ -34,9 +34,9 @@ from tensorhub.core.held_patches import HeldPatches
 from tensorhub.core.layout import BoundLayout
 from tensorhub.core.memory import describe
 from tensorhub.core.patch import PatchError, apply_patch, base_of, patch_model
-from tensorhub.core.puller import Verifier, check_item
+from tensorhub.core.puller import check_item, read_verified
 from tensorhub.core.session import WorkerSession
-from tensorhub.reader.session import PullSession, Reader
+from tensorhub.reader.session import PullSession, Reader, failure_text
 from tensorhub.reader.striped import StripedReader
 
 log = logging.getLogger("tensorhub.patches")
@@ -187,24 +187,17 @@ class PatchPuller:
                            now=time.monotonic(), deadline=deadline,
                            stall=settings.BEHIND_AFTER, poll_max=settings.POLL_MAX)
         self.session.progress.zero_()
-        ok = False
         try:
             self._plan(pull, pull.first_request())
-            verifier = Verifier(pull.plan, dest)
-            try:
-                StripedReader(self.session, pull, dest, verifier, self.session.call,
-                              lambda done: self._end([done]),
-                              self.session.registrations).run()
-            except BaseException:
-                verifier.close()
-                raise
-            verifier.finish()
+            read_verified(pull.plan, dest, lambda verifier: StripedReader(
+                self.session, pull, dest, verifier, self.session.call,
+                lambda done: self._end([done]), self.session.registrations).run())
             self.held.hold(link.version, layout, pull.plan.checksums)
-            ok = True
-        finally:
-            if not ok:
-                self.session.progress.zero_()  # our children stop reading from us
-            self._end(pull.end(ok=ok))
-            if not ok:
-                self.held.drop(link.version, layout)
+        except BaseException as exc:
+            self.session.progress.zero_()  # our children stop reading from us
+            # (every lease it was given ends, saying why: none stays open until it expires)
+            self._end(pull.end(ok=False, error=failure_text(exc)))
+            self.held.drop(link.version, layout)
+            raise
+        self._end(pull.end(ok=True))
         return layout

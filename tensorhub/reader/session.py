@@ -59,6 +59,14 @@ from tensorhub.core.stripes import (
 BUSY_RETRY_JITTER = 0.5
 
 
+def failure_text(exc: BaseException) -> str:
+    """How a failed pull is recorded (the coordinator's status shows it): Ctrl-C as
+    "interrupted", never an empty text."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return str(exc) or type(exc).__name__
+
+
 def busy_wait(retry_after: float, jitter: float = BUSY_RETRY_JITTER,
               rng: random.Random | None = None) -> float:
     """How long a reader refused as busy waits before asking again (the simulator passes its
