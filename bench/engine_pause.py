@@ -35,6 +35,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -70,19 +71,20 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def scatter_seconds(nbytes: int, density: float, g: torch.Generator, threads: int) -> float:
-    """The floor of a sparse install on this machine: writing `density` of the words of a
-    buffer of the model's size at random places (sorted, as a plan's) with the engine's
-    `index_copy_`, on as many threads as the engine's rank computes with."""
+def on_threads(threads: int, measure: Callable[[], float]) -> float:
+    """`measure()` with torch computing on `threads` threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _scatter_seconds(nbytes, density, g)
+        return measure()
     finally:
         torch.set_num_threads(before)
 
 
-def _scatter_seconds(nbytes: int, density: float, g: torch.Generator) -> float:
+def scatter_seconds(nbytes: int, density: float, g: torch.Generator) -> float:
+    """The floor of a sparse install on this machine: writing `density` of the words of a
+    buffer of the model's size at random places (sorted, as a plan's) with the engine's
+    `index_copy_`."""
     flat = torch.zeros(nbytes // 2, dtype=torch.int16)
     index = torch.randint(0, flat.numel(), (int(density * flat.numel()),),
                           generator=g).unique()
@@ -247,9 +249,10 @@ def main() -> None:
         copy = memcpy_seconds(state)
         # (vLLM binds its one worker to the cores less one it keeps for its front end;
         # SGLang's scheduler, and TP ranks left unbound, compute on torch's default)
-        threads = max(1, (os.cpu_count() or 2) - 1) if args.engine == "vllm" and args.tp == 1 \
-            else torch.get_num_threads()
-        scatter = scatter_seconds(nbytes, 0.01, g, threads)
+        threads = max(1, len(os.sched_getaffinity(0)) - 1) \
+            if args.engine == "vllm" and args.tp == 1 else torch.get_num_threads()
+        scatter = on_threads(threads, lambda: scatter_seconds(nbytes, 0.01, g))
+        copy_alike = on_threads(threads, lambda: memcpy_seconds(state))  # (the same threads)
         def med(values: list[float | None]) -> float:
             """The median of the swaps that had such a gap."""
             return statistics.median([v for v in values if v is not None] or [0.0])
@@ -286,7 +289,7 @@ def main() -> None:
         # memory: a random 1 % of the words touches about a quarter of its cache lines)
         report.add(f"{label}: the floor of a 1 % step's install, a scatter of 1 % of the "
                    f"model's words on {threads} thread(s)", scatter * ms, "ms",
-                   "a memcpy of the model's bytes", copy * ms)
+                   "a memcpy of the model's bytes on as many", copy_alike * ms)
         report.add(f"{label}: stall the engine reports, whole", med(got["whole"]["stall"]) * ms,
                    "ms", "worst gap across it", med(got["whole"]["gap"]) * ms)
         report.add(f"{label}: stall the engine reports, 1 % step",

@@ -460,3 +460,38 @@ def test_what_became_of_a_refused_version_reaches_the_driver_typed(monkeypatch):
         assert caught.value.outcome == restored
     finally:
         driver.fleet.close()
+
+
+def test_no_weight_update_session_outlives_a_swap():
+    """A session left open (a begin whose answer never came, though the scheduler took it)
+    would refuse every later begin: it is closed and opened again; a begin that fails is
+    followed by an end; a resume after a pause whose install never ran closes it."""
+    import asyncio
+    import urllib.error
+
+    driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, "i")
+    calls, answers = [], {}
+
+    def post(path, body, timeout=None):
+        calls.append(path)
+        answer = answers.get(path, [])
+        if answer and (error := answer.pop(0)) is not None:
+            raise error
+        return {}
+
+    driver._post = post
+    driver.in_flight = lambda: 0
+    open_already = urllib.error.HTTPError("u", 400, "a session is already open", {}, None)
+    answers["/begin_weight_update"] = [open_already]
+    asyncio.run(driver.pause())
+    assert calls == ["/pause_generation", "/begin_weight_update", "/end_weight_update",
+                     "/begin_weight_update"]
+    asyncio.run(driver.resume())  # (the install never ran)
+    assert calls[4:] == ["/end_weight_update", "/continue_generation"]
+
+    calls.clear()
+    answers["/begin_weight_update"] = [TimeoutError("timed out")]
+    with pytest.raises(TimeoutError):
+        asyncio.run(driver.pause())
+    assert calls == ["/pause_generation", "/begin_weight_update", "/end_weight_update"]
+    assert not driver._session_open

@@ -273,23 +273,51 @@ class Driver:
         loop turn, once the step in flight is done). The weight-update session the install
         needs is opened next (`/begin_weight_update`): the scheduler answers it after taking
         the pause, so it returns once generation has stopped, and the stall is timed from
-        there without a round trip of its own. `abort` waits for the aborts to end, and new
-        requests wait from the call on."""
+        there without a round trip of its own (its own work, restoring weights SGLang
+        packed in place, is timed with the wait for the step in flight: `pause_ms`).
+        `abort` waits for the aborts to end, and new requests wait from the call on."""
         asked = time.perf_counter()
         self._post("/pause_generation", {"mode": PAUSE_MODES[self.settings.pause]},
                    self.settings.swap_timeout)
+        if self.settings.pause == "abort":  # (timed from the call: a bound of its own)
+            self._begin(self.settings.swap_timeout)
+            return asked
         # (both calls within one `swap_timeout`: they block this thread's loop, so the
         # controller's bound cannot cut them short)
         left = self.settings.swap_timeout - (time.perf_counter() - asked)
         if left <= 0:
             raise TimeoutError("the pause took the whole swap timeout")
         self._begin(left)
-        return asked if self.settings.pause == "abort" else None
+        return None
 
     def _begin(self, timeout: float) -> None:
-        """Open SGLang's weight-update session (the install closes it, whatever happens)."""
-        self._post("/begin_weight_update", {}, timeout)
+        """Open SGLang's weight-update session (the install closes it, whatever happens).
+        One left open (a begin whose answer we did not wait for: the scheduler may still
+        have opened it) is closed and opened again; a begin that fails is followed by an
+        end, so that no session outlives this swap."""
+        if self._session_open:
+            return
+        try:
+            try:
+                self._post("/begin_weight_update", {}, timeout)
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400:  # (400: "a weight-update session is already open")
+                    raise
+                self._end_session(timeout)
+                self._post("/begin_weight_update", {}, timeout)
+        except BaseException:
+            self._end_session(timeout)
+            raise
         self._session_open = True
+
+    def _end_session(self, timeout: float) -> None:
+        """Close an update session that may be open; never raises (none open: SGLang
+        answers 400)."""
+        self._session_open = False
+        try:
+            self._post("/end_weight_update", {}, timeout)
+        except (urllib.error.URLError, OSError) as exc:
+            log.debug("closing a weight-update session: %s", exc)
 
     async def install(self, version: int, path: str, fetch: bool) -> dict:
         """begin → update (our loader: the schedulers apply `version`) → end, then what the
@@ -361,6 +389,8 @@ class Driver:
         takes requests at the top of each loop turn, before that turn's step, so the
         second returns after at least one step has run since the resume."""
         asked = time.time()
+        if self._session_open:  # (the install never ran: its session must not outlive it)
+            self._end_session(self.settings.swap_timeout)
         self._post("/continue_generation", {}, self.settings.swap_timeout)
         if self.in_flight() == 0:
             return  # no client is waiting for a token: the stall ends here

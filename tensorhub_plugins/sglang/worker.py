@@ -677,7 +677,9 @@ def after_load_model(result, runner):
         scheduler.start_preparing()
     except Exception as exc:
         if scheduler is not None:
-            scheduler.record(str(exc))
+            outcome = getattr(exc, "outcome", None)  # (`InstallFailed`: typed)
+            scheduler.record(outcome.reason if outcome is not None else str(exc),
+                             outcome=outcome)
         if dummy or (scheduler is not None and scheduler.torn):
             log.error("TensorHub: cannot serve without weights: %s", exc)
             raise
