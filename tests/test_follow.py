@@ -81,6 +81,7 @@ def test_a_failed_version_waits_before_it_is_tried_again(asynchronous, clock):
     clock[0] += settings.RETRY_REFUSED / 2
     asyncio.run(loop.step())
     assert engine.swaps == [2]  # not yet
+    assert engine.last_error == "cannot swap to v2"  # (why it serves v1 stays shown)
     engine.failing = set()
     clock[0] += settings.RETRY_REFUSED
     asyncio.run(loop.step())

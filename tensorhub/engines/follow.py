@@ -96,7 +96,9 @@ class FollowLoop:
                 self._repair_at = time.monotonic() + settings.RETRY_REFUSED
                 await _done(engine.repair())
             update = await _done(engine.next_update())
-            if update is not None and not self.backing_off(update[0]):
+            if update is not None and self.backing_off(update[0]):
+                return  # (still refused: why stays in `last_error` until it is served)
+            if update is not None:
                 try:
                     await _done(engine.swap_to(update))
                 except Exception:
