@@ -444,7 +444,7 @@ def test_what_became_of_a_refused_version_reaches_the_driver_typed(monkeypatch):
     driver = Driver(SETTINGS, "127.0.0.1", 30000, 1, name)
     try:
         unloadable = LoadOutcome(kind="unloadable", version=3, reason="v3 has no lm_head")
-        scheduler.refused(unloadable.reason, unloadable)
+        scheduler.refused(InstallFailed(unloadable))
         (state,) = driver.applied()
         assert (state.error, state.outcome) == ("v3 has no lm_head", unloadable)
         with pytest.raises(InstallFailed) as caught:
@@ -453,7 +453,7 @@ def test_what_became_of_a_refused_version_reaches_the_driver_typed(monkeypatch):
         asyncio.run(driver.check(4))  # (another version: not refused before the pause)
 
         restored = LoadOutcome(kind="restored", version=4, reason="rank 0 failed half-way")
-        scheduler.refused(restored.reason, restored)
+        scheduler.refused(InstallFailed(restored))
         driver._post = lambda path, body, timeout=None: {}
         with pytest.raises(InstallFailed) as caught:
             asyncio.run(driver.install(4, "checkpoint", fetch=False))

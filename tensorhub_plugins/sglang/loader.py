@@ -45,8 +45,6 @@ def apply(model, named_tensors) -> None:
                   " and the weights are torn" if torn else ", weights unchanged", exc)
         try:
             if scheduler is not None:
-                outcome = getattr(exc, "outcome", None)  # (`InstallFailed`: typed)
-                scheduler.refused(outcome.reason if outcome is not None else str(exc),
-                                  outcome)
+                scheduler.refused(exc)
         except Exception:
             pass

@@ -44,6 +44,7 @@ from tensorhub.engines import (
     CheckpointCopy,
     EngineSettings,
     FleetView,
+    InstallFailed,
     LoadOutcome,
     RankVote,
     ShareCheck,
@@ -144,8 +145,7 @@ class Scheduler:
         try:
             SchedulerStatus(
                 applied=self.applied, error=error, outcome=outcome, torn=self.torn,
-                name=self.name,
-                native_name=self.native_name,
+                name=self.name, native_name=self.native_name,
                 native_layout=native.layout_id if native is not None else None,
                 params_moved=native.params_moved() if native is not None else None,
                 memory=self.memory(), prepared=self.prepared, **self._install,
@@ -499,10 +499,11 @@ class Scheduler:
                     self.native.hold_applied(previous)
             raise
 
-    def refused(self, error: str, outcome: LoadOutcome | None = None) -> None:
-        """The loader refused an update: record why, and what became of the weights where
-        the install said (`InstallFailed`); the driver reads both."""
-        self.record(error, outcome=outcome)
+    def refused(self, exc: BaseException) -> None:
+        """An update (or the join) failed: record why, and what became of the weights where
+        the install said (`InstallFailed`: typed); the driver reads both."""
+        outcome = exc.outcome if isinstance(exc, InstallFailed) else None
+        self.record(outcome.reason if outcome is not None else str(exc), outcome=outcome)
 
     def join(self, runner, dummy: bool) -> None:
         """Serve the newest version before SGLang takes requests (natively when a
@@ -677,9 +678,7 @@ def after_load_model(result, runner):
         scheduler.start_preparing()
     except Exception as exc:
         if scheduler is not None:
-            outcome = getattr(exc, "outcome", None)  # (`InstallFailed`: typed)
-            scheduler.record(outcome.reason if outcome is not None else str(exc),
-                             outcome=outcome)
+            scheduler.refused(exc)
         if dummy or (scheduler is not None and scheduler.torn):
             log.error("TensorHub: cannot serve without weights: %s", exc)
             raise
