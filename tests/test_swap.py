@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tensorhub.core.errors import TensorHubError
-from tensorhub.engines import FollowLoop, InstallFailed, LoadOutcome, PendingPulls
+from tensorhub.engines import FollowLoop, InstallFailed, LoadOutcome, PendingPulls, worst_outcome
 from tensorhub.engines.swap import StepClock, SwapController
 
 
@@ -147,11 +147,13 @@ def test_a_refused_install_may_be_tried_again_later():
     assert engine.calls[-1] == "resume"
 
 
-def test_an_outcome_crosses_processes_inside_any_words_around_it():
-    outcome = LoadOutcome(kind="torn", version=7, reason="it said \"no\" and 'never'\nthen")
-    words = f"RuntimeError('Worker 1 failed: {InstallFailed(outcome)!r}')"
-    assert LoadOutcome.found_in(words) == outcome
-    assert LoadOutcome.found_in("Worker failed: [tensorhub-outcome:bm90IGpzb24=]") is None
+def test_the_worst_outcome_a_rank_says_is_the_one_acted_on():
+    said = [LoadOutcome(kind="refused", version=7), None,
+            LoadOutcome(kind="torn", version=7, reason="rank 1 stopped half-way"),
+            LoadOutcome(kind="restored", version=7)]
+    assert worst_outcome(said).reason == "rank 1 stopped half-way"
+    assert worst_outcome(said[:2]).kind == "refused"
+    assert worst_outcome([None, None]) is None
 
 
 def test_a_copy_counts_as_pulling_a_newer_version_for_a_bounded_time(monkeypatch):

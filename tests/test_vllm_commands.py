@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from tensorhub_plugins.vllm.commands import Check, Init, Prefetch, Release, parse
+from tensorhub.engines import LoadOutcome
+from tensorhub_plugins.vllm.commands import (
+    Check,
+    Init,
+    InstalledAnswer,
+    Prefetch,
+    Release,
+    failed_as,
+    parse,
+)
 
 
 @pytest.mark.parametrize("command", [
@@ -25,3 +34,21 @@ def test_each_command_round_trips_through_init_info(command):
 def test_a_malformed_command_is_refused_as_vllm_expects(info):
     with pytest.raises(ValueError):
         parse(info)
+
+
+def test_a_failed_install_reaches_the_front_end_as_the_worst_outcome_a_rank_answered():
+    restored = LoadOutcome(kind="restored", version=5, reason="rank 0 loaded v4 again")
+    torn = LoadOutcome(kind="torn", version=5, reason="rank 1 could not load v4 again")
+    answers = [InstalledAnswer(version=4, install="whole", failed=restored).model_dump(),
+               InstalledAnswer(version=None, failed=torn).model_dump()]
+    assert failed_as(answers, 5) == torn
+    assert failed_as(answers[:1], 5) == restored
+
+
+def test_no_outcome_is_made_up_where_the_ranks_said_none_for_that_version():
+    stale = InstalledAnswer(version=4, install="whole",
+                            failed=LoadOutcome(kind="restored", version=3)).model_dump()
+    assert failed_as([stale], 5) is None
+    assert failed_as([InstalledAnswer(version=4).model_dump()], 5) is None
+    assert failed_as([{"version": 4, "failed": "torn"}], 5) is None  # (malformed)
+    assert failed_as(RuntimeError("the engine core died"), 5) is None

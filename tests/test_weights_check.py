@@ -10,7 +10,6 @@ from safetensors.torch import save_file
 
 from tensorhub import Publisher, TensorHubError
 from tensorhub.engines.checkpoint_copy import CheckpointCopy
-from tensorhub.engines.outcome import InstallFailed, LoadOutcome
 from tensorhub.engines.weights_check import (
     from_checkpoint,
     from_tensors,
@@ -64,16 +63,6 @@ def test_a_tied_lm_head_may_come_or_not():
     loadable = from_tensors(STATE.items(), "the checkpoint", tied_optional(Config()))
     assert loadable.refusal(2, {**STATE, "lm_head.weight": torch.zeros(16, 4)}.items()) is None
     assert loadable.refusal(2, STATE.items()) is None
-
-
-def test_a_refusal_is_found_typed_in_the_words_an_engine_wraps_it_in():
-    refusal = InstallFailed.of("unloadable", 9, "v9 does not fit the engine's model (x): "
-                               "tensor 'a' is missing")
-    wrapped = f"RuntimeError: Worker failed: {refusal!r}\nTraceback ..."
-    assert LoadOutcome.found_in(wrapped) == refusal.outcome
-    assert refusal.outcome.reason == "v9 does not fit the engine's model (x): tensor 'a' is missing"
-    assert LoadOutcome.found_in("some other failure") is None
-    assert LoadOutcome.found_in("v9 does not fit the engine's model, said by someone") is None
 
 
 def test_a_copy_refuses_an_unloadable_version_and_takes_the_next(coordinator):

@@ -11,7 +11,7 @@ from tensorhub.engines.fleet import FleetView, Holdings, LayoutHolders, layout_l
 from tensorhub.engines.follow import FollowLoop, PendingPulls, Update
 from tensorhub.engines.kv_salt import salted
 from tensorhub.engines.logs import show_tensorhub_logs
-from tensorhub.engines.outcome import InstallFailed, LoadOutcome, outcome_in
+from tensorhub.engines.outcome import InstallFailed, LoadOutcome, worst_outcome
 from tensorhub.engines.quantized import LayoutLag, followed_model
 from tensorhub.engines.restore import restore_after
 from tensorhub.engines.settings import EngineSettings, load_settings
@@ -69,7 +69,6 @@ __all__ = [
     "node_of",
     "node_share",
     "one_copy_per_engine",
-    "outcome_in",
     "refusal_in",
     "restore_after",
     "salted",
@@ -78,5 +77,6 @@ __all__ = [
     "stage_share",
     "tied_optional",
     "versions_to_release",
+    "worst_outcome",
     "yield_to_engine",
 ]

@@ -9,8 +9,8 @@ had applied no version yet, the checkpoint it started from. Only if that fails t
 weights torn: the engine then keeps generation paused (torn weights are never served)
 until a whole version is loaded.
 
-The outcome travels to the engine's front end typed (`outcome.LoadOutcome`), tagged in the
-error's words (an engine re-raises a worker's error as text).
+The outcome travels to the engine's front end typed (`outcome.LoadOutcome`, in each
+plugin's channel from its workers).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from tensorhub.engines import (
     SwapController,
     Update,
     copy_holders,
+    worst_outcome,
 )
 from tensorhub_plugins.sglang.naming import LOADER, native_worker_name, worker_name
 from tensorhub_plugins.sglang.reports import (
@@ -354,10 +355,8 @@ class Driver:
         if any(s.applied != version for s in states):
             self._post("/update_weight_version", {"new_version": self._served_label(states),
                                                   "abort_all_requests": False}, bound)
-            outcomes = [s.outcome for s in states if s.outcome is not None]
-            worst = next((o for kind in ("restored_checkpoint", "restored", "unloadable")
-                          for o in outcomes if o.kind == kind), None)
-            if worst is not None:
+            worst = worst_outcome(s.outcome for s in states)
+            if worst is not None and worst.kind != "refused":
                 raise InstallFailed(worst)
             raise InstallFailed.of("refused", version,
                                    f"swap to v{version} refused by the scheduler: {states}")

@@ -9,9 +9,14 @@ acts on it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from tensorhub.engines import LoadOutcome, worst_outcome
+
+log = logging.getLogger("tensorhub.vllm")
 
 Version = Annotated[int, Field(ge=1)]
 
@@ -81,20 +86,54 @@ class CanInstallAnswer(BaseModel):
 
 
 class Installed(Command):
-    """How the rank installed the version its live weights hold: asked, through the
-    answering call, with the close of the update session, so `last_update` says what the
-    ranks did, not what they planned before the pause."""
+    """How the rank installed the version its live weights hold, or what became of the
+    update that failed: asked, through the answering call, with the close of the update
+    session, so `last_update` says what the ranks did, not what they planned before the
+    pause, and a failed install's outcome reaches the front end typed."""
 
     op: Literal["installed"] = "installed"
 
 
 class InstalledAnswer(BaseModel):
     """A rank's answer to `Installed`: the version it applied last and how (`sparse`: only
-    the words that changed written; `whole`: every weight loaded)."""
+    the words that changed written; `whole`: every weight loaded), and, where its last
+    update failed, what became of it (None where it failed in no way the rank could say)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     version: int | None = None
     install: Literal["sparse", "whole"] | None = None
+    failed: LoadOutcome | None = None
+
+
+def installed_as(answers: list | BaseException, version: int) -> str | None:
+    """How the ranks installed `version`, from their answers to `Installed`: `sparse` where
+    every rank wrote only what changed, `whole` where one loaded every weight; None where
+    the question failed or a rank holds another version (never a guess)."""
+    if isinstance(answers, BaseException):
+        log.debug("asking the ranks how they installed v%d: %s", version, answers)
+        return None
+    try:
+        said = [InstalledAnswer.model_validate(a) for a in answers]
+    except ValueError as exc:
+        log.debug("the ranks' answers on how they installed v%d: %s", version, exc)
+        return None
+    if not said or any(a.version != version for a in said):
+        return None
+    return "sparse" if all(a.install == "sparse" for a in said) else "whole"
+
+
+def failed_as(answers: list | BaseException, version: int) -> LoadOutcome | None:
+    """What became of a failed install of `version`, from the ranks' answers to
+    `Installed`: the worst a rank said (None where none said, or the question failed)."""
+    if isinstance(answers, BaseException):
+        log.warning("asking the ranks what became of v%d: %s", version, answers)
+        return None
+    try:
+        said = [InstalledAnswer.model_validate(a).failed for a in answers]
+    except ValueError as exc:
+        log.warning("the ranks' answers on what became of v%d: %s", version, exc)
+        return None
+    return worst_outcome(o for o in said if o is not None and o.version == version)
 
 
 AnyCommand = Annotated[Init | Prefetch | Release | Check | CanInstall | Installed,

@@ -33,6 +33,7 @@ from tensorhub.engines import (
     CheckAnswer,
     CheckpointCopy,
     InstallFailed,
+    LoadOutcome,
     RankVote,
     ShareCheck,
     SharedCopyReader,
@@ -42,7 +43,6 @@ from tensorhub.engines import (
     from_checkpoint,
     node_of,
     node_share,
-    outcome_in,
     restore_after,
     sparse_install,
     stage_share,
@@ -117,6 +117,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         self._live = sparse_install.LiveBlocks()
         self._plan: sparse_install.Plan | None = None
         self._installed_as: str | None = None  # how `applied` was installed (`Installed`)
+        self._failed: LoadOutcome | None = None  # what became of the last update, if it failed
         self._writes = 0  # loads into the live weights: a plan is valid for one count
         if self.device.type == "cpu":
             keep_cpu_experts_packed(self.model)
@@ -271,8 +272,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
                     cannot = f"checking it failed ({exc})"
                 return CanInstallAnswer(cannot=cannot).model_dump()
             if isinstance(ask, Installed):
-                return InstalledAnswer(version=self.applied,
-                                       install=self._installed_as).model_dump()
+                return InstalledAnswer(version=self.applied, install=self._installed_as,
+                                       failed=self._failed).model_dump()
             if not isinstance(ask, Check):
                 return CheckAnswer.refused(f"TensorHub engines answer checks only, not "
                                            f"{ask.op!r}").model_dump()
@@ -487,9 +488,12 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
         started = time.perf_counter()
+        self._failed = None
         try:
             self._apply(update_info)
         except Exception as exc:
+            if isinstance(exc, InstallFailed):
+                self._failed = exc.outcome  # (the front end asks: `Installed`)
             if not self._answers():  # (every rank failed: the votes saw to that)
                 log.log(logging.WARNING if isinstance(exc, TensorHubError) else logging.ERROR,
                         "not applying v%d: %s", update_info.version, exc,
@@ -519,8 +523,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
             try:
                 restore_after(torn, previous, lambda v: self._apply_version(v, fetch=True),
                               self._load_checkpoint)
-            except TensorHubError as exc:
-                if outcome_in(str(exc)) in ("restored_checkpoint", "torn"):
+            except InstallFailed as exc:
+                if exc.outcome.kind in ("restored_checkpoint", "torn"):
                     self.applied = None  # (torn: no version is whole in the model)
                 raise
 

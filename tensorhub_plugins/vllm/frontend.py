@@ -37,7 +37,6 @@ from tensorhub.engines import (
     FollowLoop,
     InstallFailed,
     LayoutLag,
-    LoadOutcome,
     PendingPulls,
     StepClock,
     SwapController,
@@ -58,9 +57,10 @@ from tensorhub_plugins.vllm.commands import (
     Command,
     Init,
     Installed,
-    InstalledAnswer,
     Prefetch,
     Release,
+    failed_as,
+    installed_as,
 )
 from tensorhub_plugins.vllm.copies import copy_holders
 
@@ -81,23 +81,6 @@ async def ask_every_rank(engine_client, question: dict) -> list:
         return await engine_client.collective_rpc(ANSWERING_CALL, args=(question,))
     per_engine = await every("collective_rpc", ANSWERING_CALL, None, (question,), None)
     return [answer for answers in per_engine for answer in answers]
-
-
-def installed_as(answers: list | BaseException, version: int) -> str | None:
-    """How the ranks installed `version`, from their answers to `Installed`: `sparse` where
-    every rank wrote only what changed, `whole` where one loaded every weight; None where
-    the question failed or a rank holds another version (never a guess)."""
-    if isinstance(answers, BaseException):
-        log.debug("asking the ranks how they installed v%d: %s", version, answers)
-        return None
-    try:
-        said = [InstalledAnswer.model_validate(a) for a in answers]
-    except ValueError as exc:
-        log.debug("the ranks' answers on how they installed v%d: %s", version, exc)
-        return None
-    if not said or any(a.version != version for a in said):
-        return None
-    return "sparse" if all(a.install == "sparse" for a in said) else "whole"
 
 
 class UpdateRequest(BaseModel):
@@ -237,13 +220,17 @@ class Frontend:
                 update_info={"version": version, "fetch": fetch}))
         except BaseException as exc:
             # Close vLLM's update session (it refuses to start the next one otherwise),
-            # keeping the weight version label as it was. (A rank that raised has closed
-            # its own: that answer is not the news.)
-            try:
-                await self.engine.finish_weight_update()
-            except Exception as close_exc:
-                log.debug("closing the update session: %s", close_exc)
-            outcome = LoadOutcome.found_in(str(exc))
+            # keeping the weight version label as it was (a rank that raised has closed
+            # its own: that answer is not the news), and ask the ranks what became of it.
+            closing = asyncio.gather(self.engine.finish_weight_update(),
+                                     self._ask_every_rank(Installed().info()),
+                                     return_exceptions=True)
+            if not isinstance(exc, Exception):  # (cancelled: the close goes on alone)
+                raise
+            closed, answers = await closing
+            if isinstance(closed, BaseException):
+                log.debug("closing the update session: %s", closed)
+            outcome = failed_as(answers, version)
             if outcome is not None:
                 if outcome.kind == "restored_checkpoint":
                     # the weights it started with, not the version its cache was made on
