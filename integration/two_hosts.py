@@ -85,9 +85,9 @@ def engine_on_two_hosts(root: Path, launch: Launch, healthy_timeout: float,
             publish(1)
             engines = launch(versions.dir, fleet.address, node0, node1)
             engines[0].wait_healthy(healthy_timeout)
-            assert all(e.alive() for e in engines), engines[1].log_tail()
+            assert all(e.alive() for e in engines), [e.log_tail() for e in engines]
             yield SimpleNamespace(versions=versions, prompts=prompts, expected=expected,
-                                  engine=engines[0], other=engines[1], fleet=fleet,
+                                  engine=engines[0], other=engines[-1], fleet=fleet,
                                   publish=publish, publish_state=publish_state,
                                   publish_tiled=publish_tiled, root=root)
         finally:

@@ -120,11 +120,26 @@ def test_an_engine_on_several_nodes_keeps_one_copy_per_node():
 
     assert one_copy_per_engine(2) and one_copy_per_engine(4, nodes=2)
     assert not one_copy_per_engine(2, nodes=2)  # one rank per node: a copy each anyway
-    assert not one_copy_per_engine(4, stages=2)
     assert copy_holders(4) == [0] and copy_holders(4, 2) == [0, 2]
     assert copy_holders(16, 2) == [0, 8] and copy_holders(2, 2) == [0, 1]
     assert node_of(3, 4, 2) == [2, 3] and node_of(1, 4, 2) == [0, 1]
     assert node_of(1, 4) == [0, 1, 2, 3]
+
+
+def test_the_tp_ranks_of_a_pipeline_stage_share_one_copy_on_each_node():
+    """Ranks are numbered stage by stage: PP=2 x TP=2 on one host keeps a copy per stage
+    (ranks 0 and 2 hold them), on two hosts one per host, which is its stage's; a stage of
+    TP=4 over two hosts keeps one on each host; one rank per node and stage keeps its own."""
+    from tensorhub.engines.shared_copy import copy_holders, node_of, one_copy_per_engine
+
+    assert one_copy_per_engine(4, stages=2) and copy_holders(4, stages=2) == [0, 2]
+    assert node_of(3, 4, stages=2) == [2, 3] and node_of(1, 4, stages=2) == [0, 1]
+    assert copy_holders(4, nodes=2, stages=2) == [0, 2]
+    assert copy_holders(8, nodes=2, stages=4) == [0, 2, 4, 6]  # (two stages a host)
+    assert copy_holders(8, nodes=4, stages=2) == [0, 2, 4, 6]  # (a stage over two hosts)
+    assert node_of(5, 8, nodes=4, stages=2) == [4, 5]
+    assert not one_copy_per_engine(2, stages=2) and copy_holders(2, stages=2) == [0, 1]
+    assert not one_copy_per_engine(4, nodes=2, stages=4)
 
 
 def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinator):

@@ -1,5 +1,7 @@
 """One checkpoint copy per node, not per rank: the ranks of a tensor-parallel engine on one
-host share the copy of that host's lowest rank (rank 0's on an engine of one node).
+host share the copy of that host's lowest rank (rank 0's on an engine of one node); with
+pipeline stages, the ranks of each stage on a host share the copy of their lowest, which
+pulls that stage's share.
 
 That rank keeps the `CheckpointCopy`: it alone pulls and serves the version, in buffers of
 shared memory (`BoundLayout.allocate`). At apply time it tells the other ranks of its node
@@ -17,6 +19,7 @@ tensors.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -60,26 +63,35 @@ class SharedCopy(Strict):
     share_layout: str | None = Field(default=None, max_length=128)
 
 
+def ranks_per_copy(ranks: int, stages: int = 1, nodes: int = 1) -> int:
+    """How many of an engine's `ranks` share each copy: those of one node that run one
+    pipeline stage. vLLM numbers its ranks stage by stage and places them on its nodes in
+    consecutive blocks, so each such group is a block of consecutive ranks: a stage's TP
+    ranks where a node holds whole stages, a node's where a stage spans nodes."""
+    nodes, stages = max(nodes, 1), max(stages, 1)
+    if ranks % nodes or ranks % stages:
+        return 1
+    return math.gcd(ranks // nodes, ranks // stages)
+
+
 def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
-    """Whether an engine's ranks share one copy per node: several tensor-parallel ranks on
-    each of its nodes (no pipeline stages), shared memory available, not turned off. (With
-    one rank per node every rank keeps a copy: its node's.)"""
-    nodes = max(nodes, 1)
-    return (ranks % nodes == 0 and ranks // nodes > 1 and stages == 1
-            and shared_memory.enabled() and not settings.COPY_PER_RANK.get())
+    """Whether an engine's ranks share one copy per node and pipeline stage (each a block
+    of `ranks_per_copy` > 1 ranks), shared memory available, not turned off. (With one rank
+    per node and stage every rank keeps a copy: its node's share of its stage.)"""
+    return ranks_per_copy(ranks, stages, nodes) > 1 and shared_memory.enabled() \
+        and not settings.COPY_PER_RANK.get()
 
 
-def copy_holders(ranks: int, nodes: int = 1) -> list[int]:
-    """The ranks (in the engine's group) that hold their node's copy when the ranks share
-    (`one_copy_per_engine`): the lowest of each node's. vLLM and SGLang place an engine's
-    ranks on its nodes in consecutive blocks of `ranks // nodes`."""
-    return list(range(0, ranks, max(ranks // max(nodes, 1), 1)))
+def copy_holders(ranks: int, nodes: int = 1, stages: int = 1) -> list[int]:
+    """The ranks (in the engine's group) that hold a copy when the ranks share
+    (`one_copy_per_engine`): the lowest of each node's ranks of each stage."""
+    return list(range(0, ranks, ranks_per_copy(ranks, stages, nodes)))
 
 
-def node_of(index: int, ranks: int, nodes: int = 1) -> list[int]:
-    """The positions in the engine's group of the ranks on the node of the rank at `index`
-    (its copy's holder first)."""
-    per = max(ranks // max(nodes, 1), 1)
+def node_of(index: int, ranks: int, nodes: int = 1, stages: int = 1) -> list[int]:
+    """The positions in the engine's group of the ranks that share the copy of the rank at
+    `index` (its node's ranks of its stage; the copy's holder first)."""
+    per = ranks_per_copy(ranks, stages, nodes)
     first = index - index % per
     return list(range(first, first + per))
 

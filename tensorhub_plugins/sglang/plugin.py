@@ -111,7 +111,9 @@ def _start_main(server_args) -> None:
         pp_size = int(_option(server_args, "pp_size", 1))
         nodes = int(_option(server_args, "nnodes", 1))
         driver = Driver(settings, str(_option(server_args, "host", "127.0.0.1")), port,
-                        tp_size, instance, one_copy=one_copy_per_engine(tp_size, pp_size, nodes),
+                        tp_size, instance,
+                        # (SGLang's pipeline stages: a copy per rank)
+                        one_copy=pp_size == 1 and one_copy_per_engine(tp_size, nodes=nodes),
                         api_key=_option(server_args, "api_key", ""), nodes=nodes,
                         tokenizer_workers=int(_option(server_args, "tokenizer_worker_num", 1)))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)

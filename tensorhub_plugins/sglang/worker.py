@@ -659,8 +659,8 @@ def after_load_model(result, runner):
             if rank == 0 and _node_rank(args) == 0:
                 publish_store_address(store)
         scheduler = _scheduler = Scheduler(
-            settings, rank, one_copy_per_engine(args.tp_size, getattr(args, "pp_size", 1),
-                                                nodes),
+            settings, rank,  # (SGLang's pipeline stages: a copy per rank)
+            getattr(args, "pp_size", 1) == 1 and one_copy_per_engine(args.tp_size, nodes=nodes),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
             nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_text_config, args),
             kv_heads=kv_heads_of(runner.model_config.hf_text_config))

@@ -15,8 +15,12 @@ def engine_nodes(parallel_config) -> int:
 
 
 def one_copy_per_engine(parallel_config) -> bool:
-    return _one_copy(parallel_config.world_size, parallel_config.pipeline_parallel_size,
-                     engine_nodes(parallel_config))
+    """(Not with pipeline stages and data parallelism both: vLLM's world group then spans
+    several engines, and each rank keeps its own copy.)"""
+    pc = parallel_config
+    if pc.pipeline_parallel_size > 1 and pc.data_parallel_size > 1:
+        return False
+    return _one_copy(pc.world_size, pc.pipeline_parallel_size, engine_nodes(pc))
 
 
 def copy_holders(parallel_config) -> list[int]:
@@ -24,4 +28,5 @@ def copy_holders(parallel_config) -> list[int]:
     world = parallel_config.world_size
     if not one_copy_per_engine(parallel_config):
         return list(range(world))
-    return _copy_holders(world, engine_nodes(parallel_config))
+    return _copy_holders(world, engine_nodes(parallel_config),
+                         parallel_config.pipeline_parallel_size)

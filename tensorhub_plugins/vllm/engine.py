@@ -192,7 +192,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
             group = self._group()
             mine = node_of(group.rank_in_group, len(group.ranks),
-                           engine_nodes(self.parallel_config))
+                           engine_nodes(self.parallel_config),
+                           self.parallel_config.pipeline_parallel_size)
             if len(mine) == len(group.ranks):
                 self._node_votes = self._rank_votes()
             else:
