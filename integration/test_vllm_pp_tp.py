@@ -3,7 +3,7 @@
 executor): the TP ranks of each stage share one checkpoint copy, their lowest rank's (ranks
 0 and 2), so the engine keeps two copies, not four. A version in layer blocks is pulled by
 each stage's copy as its own layers, one model's bytes in all, and served with greedy
-tokens equal to HF's.
+tokens equal to HF's; a version one stage's layers cannot load is refused by every rank.
 
 (vLLM's CPU build cannot start two workers a node on several nodes,
 `docs/notes/vllm-0.32-cpu.md` §7: the stages share this host.)"""
@@ -15,7 +15,13 @@ import pytest
 from integration.test_vllm import PLUGIN_ARGS, plugin_env
 from integration.test_vllm_pp import PP_SHAPE
 from integration.tp_fleet import TOKENS
-from integration.two_hosts import engine_on_two_hosts, model_bytes, pulled
+from integration.two_hosts import (
+    VERSIONS,
+    engine_on_two_hosts,
+    model_bytes,
+    pulled,
+    wrong_shape_refused,
+)
 from integration.vllm_server import VLLMServer
 from tensorhub_testing.cluster import available
 
@@ -62,3 +68,9 @@ def test_the_tp_ranks_of_each_stage_share_one_copy_which_pulls_the_stage_s_layer
     assert nbytes == model_bytes(state), (nbytes, model_bytes(state))
     # (each stage's copy reads its parts as workers of its own name: `<copy>.part<k>`)
     assert {reader.split(".part")[0] for reader in readers} == set(workers), readers
+
+
+def test_a_version_one_stage_cannot_load_is_refused_by_every_rank(pp_tp_engine):
+    pp_tp_engine.publish(VERSIONS)
+    pp_tp_engine.engine.wait_serving(VERSIONS)
+    wrong_shape_refused(pp_tp_engine)
