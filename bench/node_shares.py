@@ -19,7 +19,9 @@ A pipeline-parallel engine of PP = N stages on N nodes pulls a version in layer 
 given the parameter names of the layers vLLM places on that stage:
 `core.layer_blocks.pp_layers`): its layers' blocks (a block a stage edge cuts goes to
 both), the embeddings on the first stage and the head on the last; by default the blocks
-end where the engines' stages do at PP = 2, 4 and 8, beside 8 equal blocks.
+end where the engines' stages do at PP = 2, 4 and 8, beside 8 equal blocks. With TP = 8
+ranks a stage, the TP ranks of each stage on its node share one copy
+(`engines.shared_copy.copy_holders`), against a copy per rank.
 
 An expert-parallel engine of a mixture of experts (TP = EP = 8N on N nodes) pulls a version
 in tiles with its experts placed (`TiledPublisher(experts="placed")`) as its ranks'
@@ -38,6 +40,7 @@ import torch
 from bench.results import Report
 from tensorhub.core.data_types import Manifest
 from tensorhub.core.layer_blocks import pp_layers
+from tensorhub.engines.shared_copy import copy_holders
 from tensorhub.stages import split, stage_share
 from tensorhub.tiles import NodeExperts, kv_split, node_share, tile
 
@@ -225,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                 report.add(f"{label}: bytes an engine pulls / the model's",
                            sum(per_stage) / total, "x", "a whole copy per stage", stages,
                            higher_is_better=False)
+                if blocks is None:  # the same stages, each of TP=8 ranks on its node
+                    ranks = stages * RANKS_PER_NODE
+                    held = [per_stage[r // RANKS_PER_NODE]
+                            for r in copy_holders(ranks, nodes=stages, stages=stages)]
+                    report.add(f"{model}, PP={stages} x TP={RANKS_PER_NODE} on {stages} "
+                               f"nodes, {how}: bytes an engine pulls and holds / the model's",
+                               sum(held) / total, "x", "a copy per rank (its stage's share)",
+                               RANKS_PER_NODE * sum(per_stage) / total,
+                               higher_is_better=False)
     expert_parallel_rows(report, [int(n) for n in args.nodes.split(",")])
     report.write()
     return 0
