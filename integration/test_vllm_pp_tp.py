@@ -3,7 +3,8 @@
 executor): the TP ranks of each stage share one checkpoint copy, their lowest rank's (ranks
 0 and 2), so the engine keeps two copies, not four. A version in layer blocks is pulled by
 each stage's copy as its own layers, one model's bytes in all, and served with greedy
-tokens equal to HF's; a version one stage's layers cannot load is refused by every rank.
+tokens equal to HF's; a version one stage's layers cannot load is refused before any rank
+touches its weights.
 
 (vLLM's CPU build cannot start two workers a node on several nodes,
 `docs/notes/vllm-0.32-cpu.md` §7: the stages share this host.)"""
@@ -70,7 +71,10 @@ def test_the_tp_ranks_of_each_stage_share_one_copy_which_pulls_the_stage_s_layer
     assert {reader.split(".part")[0] for reader in readers} == set(workers), readers
 
 
-def test_a_version_one_stage_cannot_load_is_refused_by_every_rank(pp_tp_engine):
+def test_a_version_stage_0_cannot_load_is_refused_before_any_rank_touches_its_weights(
+        pp_tp_engine):
+    """The wrong shape is in layer 1, which stage 0 runs: its copy refuses the version in
+    the check before the pause, and all four ranks keep serving v3 (HF's tokens)."""
     pp_tp_engine.publish(VERSIONS)
     pp_tp_engine.engine.wait_serving(VERSIONS)
     wrong_shape_refused(pp_tp_engine)

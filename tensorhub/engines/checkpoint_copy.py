@@ -12,10 +12,11 @@ still apply it. Nothing times out: a version the ranks of one engine cannot all 
 rank holds a newer one) is let go by vLLM's front end (`release`, `versions_to_release`;
 SGLang's pulls the version it applies, so its ranks never wait on each other).
 
-An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or its ranks
-share rank 0's (`shared_copy.py`), and applies a version on all of them or on none:
-`tensors_of` takes a vote (`agree`, `votes.RankVote`) among the ranks before any of them
-touches its weights, and another after they loaded it (`TornLoad`, `restore`).
+An engine of several ranks (tensor or pipeline parallel) has a copy per rank, or the ranks
+of each node and stage share their lowest rank's (`shared_copy.py`), and applies a version
+on all of them or on none: `tensors_of` takes a vote (`agree`, `votes.RankVote`) among the
+ranks before any of them touches its weights, and another after they loaded it
+(`TornLoad`, `restore`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ where those buffers are (`SharedCopy`, over a broadcast among the node's ranks);
 them read-only (`map_region`) and load their shard from them, as it does. So an engine pulls
 and keeps one model's bytes per node whatever its TP size. The holder's lock is held until
 every rank of the engine has loaded, so the copy is never replaced under a rank still
-reading it. Shared memory does not cross hosts: an engine on N nodes keeps N copies.
+reading it. Shared memory does not cross hosts: an engine on N nodes keeps N copies (with
+pipeline stages, one per stage on each node: each its stage's share).
 
 `apply_shared` is that exchange, the same for every engine: the engine gives it its node's
 broadcast, the vote of all its ranks (`votes.RankVote`) and its own way to load named
@@ -67,7 +68,9 @@ def ranks_per_copy(ranks: int, stages: int = 1, nodes: int = 1) -> int:
     """How many of an engine's `ranks` share each copy: those of one node that run one
     pipeline stage. vLLM numbers its ranks stage by stage and places them on its nodes in
     consecutive blocks, so each such group is a block of consecutive ranks: a stage's TP
-    ranks where a node holds whole stages, a node's where a stage spans nodes."""
+    ranks where a node holds whole stages, a node's where a stage spans nodes. (Where
+    neither count divides the other, the blocks are smaller than a node's share of a stage:
+    more copies than needed, never a copy shared across a node or a stage.)"""
     nodes, stages = max(nodes, 1), max(stages, 1)
     if ranks % nodes or ranks % stages:
         return 1
@@ -82,13 +85,13 @@ def one_copy_per_engine(ranks: int, stages: int = 1, nodes: int = 1) -> bool:
         and not settings.COPY_PER_RANK.get()
 
 
-def copy_holders(ranks: int, nodes: int = 1, stages: int = 1) -> list[int]:
+def copy_holders(ranks: int, nodes: int = 1, *, stages: int = 1) -> list[int]:
     """The ranks (in the engine's group) that hold a copy when the ranks share
     (`one_copy_per_engine`): the lowest of each node's ranks of each stage."""
     return list(range(0, ranks, ranks_per_copy(ranks, stages, nodes)))
 
 
-def node_of(index: int, ranks: int, nodes: int = 1, stages: int = 1) -> list[int]:
+def node_of(index: int, ranks: int, nodes: int = 1, *, stages: int = 1) -> list[int]:
     """The positions in the engine's group of the ranks that share the copy of the rank at
     `index` (its node's ranks of its stage; the copy's holder first)."""
     per = ranks_per_copy(ranks, stages, nodes)

@@ -29,4 +29,4 @@ def copy_holders(parallel_config) -> list[int]:
     if not one_copy_per_engine(parallel_config):
         return list(range(world))
     return _copy_holders(world, engine_nodes(parallel_config),
-                         parallel_config.pipeline_parallel_size)
+                         stages=parallel_config.pipeline_parallel_size)

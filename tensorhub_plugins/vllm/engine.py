@@ -92,8 +92,8 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.checkpoint: CheckpointCopy | None = None
-        # The ranks of a node share its lowest rank's copy (`engines/shared_copy.py`): only
-        # that rank holds one.
+        # The ranks of a node (of one pipeline stage) share their lowest rank's copy
+        # (`engines/shared_copy.py`): only that rank holds one.
         self.one_copy = one_copy_per_engine(self.parallel_config)
         self._shared: SharedCopyReader | None = None
         self._share_check = ShareCheck()  # its first load from a node's share, scanned
@@ -185,15 +185,16 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         return self._votes
 
     def _node_broadcast(self) -> RankVote:
-        """The broadcast among this node's ranks, from the rank that holds its copy: the
-        engine's own votes on one node (one round counter per group of ranks)."""
+        """The broadcast among the ranks that share this rank's copy (its node's, of its
+        pipeline stage), from the rank that holds it: the engine's own votes where they
+        are all its ranks (one round counter per group of ranks)."""
         if self._node_votes is None:
             import torch.distributed as dist
 
             group = self._group()
             mine = node_of(group.rank_in_group, len(group.ranks),
                            engine_nodes(self.parallel_config),
-                           self.parallel_config.pipeline_parallel_size)
+                           stages=self.parallel_config.pipeline_parallel_size)
             if len(mine) == len(group.ranks):
                 self._node_votes = self._rank_votes()
             else:
@@ -482,6 +483,7 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
         """Nothing to prepare: the whole swap happens in `receive_weights`, after checks."""
 
     def update_weights(self, update_info: dict) -> None:
+        self._failed = None  # (an update refused before `receive_weights` says nothing)
         # The base class synchronises an accelerator, which raises on CPU.
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":
@@ -489,7 +491,6 @@ class TensorHubEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInf
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
         started = time.perf_counter()
-        self._failed = None
         try:
             self._apply(update_info)
         except Exception as exc:
