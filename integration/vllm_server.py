@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from integration.engine_server import EngineServer, base_env, free_port
 REPO = Path(__file__).resolve().parent.parent
 LIVE_WEIGHTS = "integration.vllm_live_weights.LiveWeights"
 _started = itertools.count()
+# Each launch's distributed id: vLLM's CPU ranks name their shared-memory segments after it.
+_DIST_ID = re.compile(r"distributed_init_method=file://\S*/(vllm_dist_[0-9a-f]+)")
 
 
 def _next_core() -> str:
@@ -63,6 +67,26 @@ class VLLMServer(EngineServer):
                         # call of a swap would hold one of them from the other engines.
                         "TENSORHUB_WORKER_SPIN": "0.01", **(env or {})})
         super().__init__(args, env, port, log_path)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop it, and remove the shared-memory segments its CPU ranks made for their
+        collectives (`/dev/shm/<dist id>-...-cpushm_<rank>`): vLLM unlinks them only on a
+        clean exit of every rank, so a stopped TP engine would leave 8 MiB a rank."""
+        ids = self._dist_ids()
+        super().stop(timeout)
+        for name in os.listdir("/dev/shm") if ids else ():
+            if name.startswith(ids):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
+
+    def _dist_ids(self) -> tuple[str, ...]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_start", 0))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ()
+        return tuple({f"{found}-" for found in _DIST_ID.findall(text)})
 
     def reload_from_disk(self, model_dir) -> None:
         """vLLM's own update, the baseline of the update benchmarks: pause, `reload_weights`
