@@ -324,6 +324,10 @@ def _busy_threads(dump: str) -> str:
 
 def base_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
+    # torch sets this in the test process the first time its compiler's cache is asked
+    # for (`/tmp/torchinductor_<user>`): an engine that inherited it would compile into
+    # that shared folder, never removed, instead of its own temp folder.
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
