@@ -119,15 +119,18 @@ class EngineServer:
         raise TimeoutError(f"{self.kind} not healthy after {timeout}s; log tail:\n"
                            f"{self.log_tail()}")
 
-    def _lost_port(self) -> bool:
-        """Whether the last launch exited because its port was taken."""
+    def launch_output(self) -> str:
+        """What the last launch has written to its log ("" before any, or unreadable)."""
         try:
             with open(self.log_path, "rb") as f:
-                f.seek(self._log_start)
-                out = f.read().decode(errors="replace")
+                f.seek(getattr(self, "_log_start", 0))
+                return f.read().decode(errors="replace")
         except OSError:
-            return False
-        return "address already in use" in out.lower()
+            return ""
+
+    def _lost_port(self) -> bool:
+        """Whether the last launch exited because its port was taken."""
+        return "address already in use" in self.launch_output().lower()
 
     def _move_to(self, port: int) -> None:
         """Launch again on `port` (the `--port` argument and `url` follow)."""

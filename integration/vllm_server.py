@@ -72,21 +72,12 @@ class VLLMServer(EngineServer):
         """Stop it, and remove the shared-memory segments its CPU ranks made for their
         collectives (`/dev/shm/<dist id>-...-cpushm_<rank>`): vLLM unlinks them only on a
         clean exit of every rank, so a stopped TP engine would leave 8 MiB a rank."""
-        ids = self._dist_ids()
+        ids = tuple({f"{found}-" for found in _DIST_ID.findall(self.launch_output())})
         super().stop(timeout)
         for name in os.listdir("/dev/shm") if ids else ():
             if name.startswith(ids):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join("/dev/shm", name))
-
-    def _dist_ids(self) -> tuple[str, ...]:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(getattr(self, "_log_start", 0))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ()
-        return tuple({f"{found}-" for found in _DIST_ID.findall(text)})
 
     def reload_from_disk(self, model_dir) -> None:
         """vLLM's own update, the baseline of the update benchmarks: pause, `reload_weights`

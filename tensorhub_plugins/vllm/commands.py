@@ -105,18 +105,25 @@ class InstalledAnswer(BaseModel):
     failed: LoadOutcome | None = None
 
 
+def _answers(answers: list | BaseException, version: int,
+             level: int) -> list[InstalledAnswer] | None:
+    """The ranks' answers to `Installed` about `version`, validated; None (logged at
+    `level`) where the question failed or an answer is malformed."""
+    if isinstance(answers, BaseException):
+        log.log(level, "asking the ranks `Installed` about v%d: %r", version, answers)
+        return None
+    try:
+        return [InstalledAnswer.model_validate(a) for a in answers]
+    except ValueError as exc:
+        log.log(level, "the ranks' answers to `Installed` about v%d: %s", version, exc)
+        return None
+
+
 def installed_as(answers: list | BaseException, version: int) -> str | None:
     """How the ranks installed `version`, from their answers to `Installed`: `sparse` where
     every rank wrote only what changed, `whole` where one loaded every weight; None where
     the question failed or a rank holds another version (never a guess)."""
-    if isinstance(answers, BaseException):
-        log.debug("asking the ranks how they installed v%d: %s", version, answers)
-        return None
-    try:
-        said = [InstalledAnswer.model_validate(a) for a in answers]
-    except ValueError as exc:
-        log.debug("the ranks' answers on how they installed v%d: %s", version, exc)
-        return None
+    said = _answers(answers, version, logging.DEBUG)
     if not said or any(a.version != version for a in said):
         return None
     return "sparse" if all(a.install == "sparse" for a in said) else "whole"
@@ -125,15 +132,9 @@ def installed_as(answers: list | BaseException, version: int) -> str | None:
 def failed_as(answers: list | BaseException, version: int) -> LoadOutcome | None:
     """What became of a failed install of `version`, from the ranks' answers to
     `Installed`: the worst a rank said (None where none said, or the question failed)."""
-    if isinstance(answers, BaseException):
-        log.warning("asking the ranks what became of v%d: %s", version, answers)
-        return None
-    try:
-        said = [InstalledAnswer.model_validate(a).failed for a in answers]
-    except ValueError as exc:
-        log.warning("the ranks' answers on what became of v%d: %s", version, exc)
-        return None
-    return worst_outcome(o for o in said if o is not None and o.version == version)
+    said = _answers(answers, version, logging.WARNING) or []
+    return worst_outcome(a.failed for a in said
+                         if a.failed is not None and a.failed.version == version)
 
 
 AnyCommand = Annotated[Init | Prefetch | Release | Check | CanInstall | Installed,
