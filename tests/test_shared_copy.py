@@ -178,3 +178,16 @@ def test_every_rank_on_two_nodes_loads_the_version_from_its_nodes_copy(coordinat
         assert loaded.keys() == state.keys()
         assert all(torch.equal(loaded[n], state[n]) for n in state)
     assert all(holder.applied == 1 for holder in holders.values())
+
+
+def test_an_sglang_engine_shares_copies_from_its_own_server_arguments():
+    """SGLang's TP ranks share a copy per node; under its pipeline stages every rank keeps
+    its own (the plugin knows a rank by its TP rank alone)."""
+    from types import SimpleNamespace
+
+    from tensorhub_plugins.sglang.copies import one_copy_per_engine
+
+    assert one_copy_per_engine(SimpleNamespace(tp_size=2, pp_size=1, nnodes=1))
+    assert one_copy_per_engine(SimpleNamespace(tp_size=4, pp_size=None, nnodes=2))
+    assert not one_copy_per_engine(SimpleNamespace(tp_size=2, pp_size=1, nnodes=2))
+    assert not one_copy_per_engine(SimpleNamespace(tp_size=4, pp_size=2, nnodes=1))

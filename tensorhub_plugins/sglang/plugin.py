@@ -93,7 +93,7 @@ def _start_main(server_args) -> None:
         log.info("TensorHub: node %d of this engine: node 0 drives its updates", node_rank)
         return
     if settings is not None:
-        from tensorhub.engines import one_copy_per_engine
+        from tensorhub_plugins.sglang.copies import one_copy_per_engine
         from tensorhub_plugins.sglang.driver import Driver
         from tensorhub_plugins.sglang.naming import start_instance
 
@@ -108,12 +108,9 @@ def _start_main(server_args) -> None:
         port = int(_option(server_args, "port", 30000))
         instance, status_dir = start_instance(settings, port)
         tp_size = int(_option(server_args, "tp_size", 1))
-        pp_size = int(_option(server_args, "pp_size", 1))
         nodes = int(_option(server_args, "nnodes", 1))
         driver = Driver(settings, str(_option(server_args, "host", "127.0.0.1")), port,
-                        tp_size, instance,
-                        # (SGLang's pipeline stages: a copy per rank)
-                        one_copy=pp_size == 1 and one_copy_per_engine(tp_size, nodes=nodes),
+                        tp_size, instance, one_copy=one_copy_per_engine(server_args),
                         api_key=_option(server_args, "api_key", ""), nodes=nodes,
                         tokenizer_workers=int(_option(server_args, "tokenizer_worker_num", 1)))
         log.info("TensorHub SGLang instance %s (status directory %s)", instance, status_dir)

@@ -58,12 +58,12 @@ from tensorhub.engines import (
     load_settings,
     node_of,
     node_share,
-    one_copy_per_engine,
     restore_after,
     sparse_install,
     tied_optional,
     yield_to_engine,
 )
+from tensorhub_plugins.sglang.copies import one_copy_per_engine
 from tensorhub_plugins.sglang.naming import instance_name, native_worker_name, worker_name
 from tensorhub_plugins.sglang.native import NativeHolder, NotStarted
 from tensorhub_plugins.sglang.reports import (
@@ -659,8 +659,7 @@ def after_load_model(result, runner):
             if rank == 0 and _node_rank(args) == 0:
                 publish_store_address(store)
         scheduler = _scheduler = Scheduler(
-            settings, rank,  # (SGLang's pipeline stages: a copy per rank)
-            getattr(args, "pp_size", 1) == 1 and one_copy_per_engine(args.tp_size, nodes=nodes),
+            settings, rank, one_copy_per_engine(args),
             instance or instance_name(settings, args.port), votes=votes, reports=reports,
             nodes=nodes, tiled_shares=splits_by_tp(runner.model_config.hf_text_config, args),
             kv_heads=kv_heads_of(runner.model_config.hf_text_config))
